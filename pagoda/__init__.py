@@ -1,0 +1,8 @@
+"""pagoda: fast LLM serving with a paged KV cache and continuous batching."""
+
+from pagoda.llm import LLM
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,166 @@
+"""Engine configuration: frozen dataclasses that validate themselves.
+
+Each component receives only the sub-config it uses. `EngineConfig.from_kwargs` is the one
+place that turns user-facing keyword arguments (the offline API's and the CLI's) into them;
+an unknown keyword is an error naming the known ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+DEFAULT_MODEL = "smollm2"
+DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
+
+
+def _check(ok: bool, name: str, value: object, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} {why}, got {value!r}.")
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parses a size like '4GiB', '512MB', '1e9' or an int into bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"kv_cache_memory must look like '4GiB' or a byte count, got {text!r}.")
+    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    base = 1024 if binary or unit == "" else 1000
+    return int(number * base ** " KMGT".index(unit or " "))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how.
+
+    Attributes:
+        model: a Hugging Face directory, a .gguf file, or the alias 'smollm2'.
+        dtype: 'auto', 'float32', 'bfloat16' or 'float16'.
+        max_model_len: context length; None takes the model's own.
+        seed: base seed for requests that give none.
+        chat_template: a Jinja template (text or a file path) overriding the tokenizer's.
+        device: 'auto', 'cpu' or 'cuda'.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    chat_template: str | None = None
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
+        _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len",
+               self.max_model_len, "must be positive")
+        _check(self.device in ("auto", "cpu", "cuda"), "device", self.device,
+               "must be 'auto', 'cpu' or 'cuda'")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool.
+
+    Attributes:
+        block_size: tokens per KV block.
+        kv_cache_memory_bytes: pool size on CPU (and on CUDA when set).
+        gpu_memory_utilization: share of the GPU's memory this engine may use (CUDA).
+        num_kv_blocks: a fixed number of blocks, overriding both of the above.
+        enable_prefix_caching: share full blocks between requests by content hash.
+    """
+
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in BLOCK_SIZES, "block_size", self.block_size,
+               f"must be one of {BLOCK_SIZES}")
+        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+               "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be positive")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+               self.gpu_memory_utilization, "must be in (0, 1]")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks > 0, "num_kv_blocks",
+               self.num_kv_blocks, "must be positive")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits.
+
+    Attributes:
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_model_len: filled in from the model when the engine starts.
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be positive")
+        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens",
+               self.max_num_batched_tokens, "must be positive")
+        _check(self.max_model_len > 0, "max_model_len", self.max_model_len, "must be positive")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (not built yet: only a size of 1 is accepted)."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
+               "must be 1: tensor parallelism is not implemented yet in pagoda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    log_stats: bool = True
+
+    @classmethod
+    def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: object) -> EngineConfig:
+        """Builds the config from flat vLLM-style keyword arguments.
+
+        Raises:
+            ValueError: on an unknown keyword or an invalid value.
+        """
+        if "kv_cache_memory" in kwargs:
+            kwargs["kv_cache_memory_bytes"] = parse_bytes(kwargs.pop("kv_cache_memory"))  # type: ignore[arg-type]
+        parts: dict[str, dict[str, object]] = {}
+        owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                  "parallel": ParallelConfig}
+        known = {f.name: part for part, c in owners.items() for f in dataclasses.fields(c)}
+        top: dict[str, object] = {}
+        for key, value in kwargs.items():
+            if key == "log_stats":
+                top[key] = value
+            elif key in known and key != "max_model_len":
+                parts.setdefault(known[key], {})[key] = value
+            elif key == "max_model_len":
+                parts.setdefault("model", {})[key] = value
+            else:
+                names = sorted([*known, "log_stats", "kv_cache_memory"])
+                raise ValueError(f"Unknown engine argument {key!r}; known arguments: {names}.")
+        parts.setdefault("model", {})["model"] = model
+        built = {part: owners[part](**values) for part, values in parts.items()}  # type: ignore[arg-type]
+        return cls(**built, **top)  # type: ignore[arg-type]
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """Returns a copy whose scheduler knows the resolved context length."""
+        scheduler = dataclasses.replace(self.scheduler, max_model_len=max_model_len)
+        model = dataclasses.replace(self.model, max_model_len=max_model_len)
+        return dataclasses.replace(self, scheduler=scheduler, model=model)

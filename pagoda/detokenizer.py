@@ -1,0 +1,62 @@
+"""Incremental detokenization and stop strings, per sequence.
+
+Text grows through `tokenizers`' DecodeStream, which holds back a token until it completes a
+UTF-8 character, so a multi-byte character split across tokens never appears half-decoded.
+Stop strings are searched in the newly grown tail; the matched string is cut from the text
+unless `include_stop_str_in_output`. While running, the last `len(longest stop) - 1`
+characters are held back from deltas so a stop string never leaks into a stream.
+"""
+
+from __future__ import annotations
+
+from pagoda.sampling_params import SamplingParams
+
+_PRIME_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: object | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.params = params
+        self.text = ""
+        self.num_emitted_chars = 0
+        self.stop_reason: str | None = None
+        self.hold_back = max((len(s) for s in params.stop), default=1) - 1
+        self._backend = getattr(tokenizer, "_tokenizer", None)
+        self._stream = None
+        if self._backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+            for token_id in prompt_token_ids[-_PRIME_TOKENS:]:
+                self._stream.step(self._backend, token_id)
+
+    def add_token(self, token_id: int) -> bool:
+        """Appends one token's text; returns True if a stop string matched."""
+        if self._stream is None or self.stop_reason is not None:
+            return False
+        piece = self._stream.step(self._backend, token_id)
+        if not piece:
+            return False
+        start = max(len(self.text) - self.hold_back, 0)
+        self.text += piece
+        return self._check_stop(start)
+
+    def _check_stop(self, start: int) -> bool:
+        best: tuple[int, str] | None = None
+        for stop in self.params.stop:
+            idx = self.text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        idx, stop = best
+        self.text = self.text[: idx + len(stop)] if self.params.include_stop_str_in_output else self.text[:idx]
+        self.stop_reason = stop
+        return True
+
+    def take_delta(self, finished: bool) -> str:
+        """The text not yet emitted (holding back a possible stop-string prefix unless finished)."""
+        end = len(self.text) if finished else max(len(self.text) - self.hold_back, self.num_emitted_chars)
+        delta = self.text[self.num_emitted_chars:end]
+        self.num_emitted_chars = end
+        return delta

@@ -1,0 +1,105 @@
+"""Building an engine's parts from its config: tokenizer, model, KV pool, runner.
+
+Resolves what 'auto' means (device, dtype, max_model_len) and fails early, with the settings
+to change, when one sequence of max_model_len cannot fit in the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.kv_cache import KVCacheSpec, allocate_kv_cache, check_capacity, log_capacity, num_blocks_for
+from pagoda.model_runner import ModelRunner
+from pagoda.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
+
+logger = logging.getLogger("pagoda")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    tokenizer: object | None
+    runner: ModelRunner
+    num_blocks: int
+    block_bytes: int
+    eos_token_ids: set[int]
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def resolve_dtype(requested: str, device: torch.device, hf_config: object) -> torch.dtype:
+    """'auto' is bfloat16 where the hardware computes it natively, else float32 (see docs)."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
+
+def resolve_max_model_len(requested: int | None, hf_config: object) -> int:
+    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 2048)
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise ValueError(f"max_model_len={requested} is larger than the model's "
+                         f"max_position_embeddings={limit}.")
+    return requested
+
+
+def _eos_ids(hf_config: object, tokenizer: object | None) -> set[int]:
+    ids: set[int] = set()
+    for source in (hf_config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    start = time.time()
+    path = resolve_model_path(config.model.model)
+    hf_config = load_hf_config(path)
+    tokenizer = load_tokenizer(path, config.model.chat_template)
+    max_model_len = resolve_max_model_len(config.model.max_model_len, hf_config)
+    config = config.with_max_model_len(max_model_len)
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device, hf_config)
+    torch.manual_seed(config.model.seed)
+    model = load_model(path, hf_config, dtype, device, max_model_len)
+    d = model.dims  # type: ignore[union-attr]
+    spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
+    runner = ModelRunner(model, config.cache.block_size, device, d.sliding_window)
+    num_blocks = num_blocks_for(spec, config.cache, device, _available_cuda_bytes(config, device))
+    check_capacity(num_blocks, config.cache.block_size, max_model_len)
+    runner.bind_kv_cache(allocate_kv_cache(spec, num_blocks, config.cache.block_size, device))
+    log_capacity(spec, num_blocks, config.cache.block_size, max_model_len)
+    logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
+    return EngineParts(config, tokenizer, runner, num_blocks, spec.block_bytes(config.cache.block_size),
+                       _eos_ids(hf_config, tokenizer))
+
+
+def _available_cuda_bytes(config: EngineConfig, device: torch.device) -> int | None:
+    """GPU memory left for KV under gpu_memory_utilization, after weights and activations.
+
+    NOTE: the activation peak is approximated by the logits of a full token budget; a
+    profiling forward pass needs a cache to run against, which does not exist yet.
+    """
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    activation = config.scheduler.max_num_batched_tokens * 4 * 256 * 1024
+    return max(int(total * config.cache.gpu_memory_utilization) - used - activation, 0)

@@ -1,0 +1,1 @@
+"""Building blocks of the model family: linear, norm, rotary, activation, paged attention."""

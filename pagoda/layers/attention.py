@@ -1,0 +1,91 @@
+"""Attention over the paged KV cache.
+
+`AttentionMetadata` is built once per step by the model runner and passed explicitly to every
+layer. The flattened batch holds decode tokens first (one query each, attended in one batched
+call over their gathered block tables), then prefill chunks (one call each, causal over the
+cached context plus the new tokens). K/V of every scheduled token are written to their slots
+before attention reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    """One sequence's new tokens in this step.
+
+    `slots` gathers the whole context (cached + new) from the cache; it is None when the
+    sequence has no cached context, in which case the fresh K/V are used directly.
+    `mask` (bool, [query_len, context_len]) is None when plain causal attention applies.
+    """
+
+    query_start: int
+    query_len: int
+    slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int = 0
+    decode_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class PagedAttention(nn.Module):
+    """Scaled dot-product attention reading K/V from a block pool bound by the runner."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KV, D]. Returns [T, H * D]."""
+        k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        if meta.num_decode_tokens:
+            n = meta.num_decode_tokens
+            out[:n] = self._decode(q[:n], k_flat, v_flat, meta)
+        for chunk in meta.prefills:
+            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, chunk)
+        return out.view(q.shape[0], -1)
+
+    def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # NOTE: the query heads sharing a KV head become that head's "query positions", so
+        # grouped-query attention needs no K/V expansion: [B, KV, group, D] against [B, KV, L, D].
+        assert meta.decode_slots is not None
+        batch = q.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        keys = k_flat[meta.decode_slots].transpose(1, 2)
+        values = v_flat[meta.decode_slots].transpose(1, 2)
+        queries = q.view(batch, self.num_kv_heads, group, self.head_dim)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask)
+        return o.reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
+                 v_flat: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
+        if chunk.slots is not None:
+            k, v = k_flat[chunk.slots], v_flat[chunk.slots]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=True,
+        )
+        return o.transpose(0, 1)

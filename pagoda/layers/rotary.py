@@ -1,0 +1,57 @@
+"""Rotary position embedding with a precomputed cos/sin table.
+
+Frequencies come from transformers' own rope-initialisation functions (default, linear,
+llama3, yarn, ...), so scaled variants match the reference exactly. The table is gathered by
+position once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: object) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return dict(params)
+
+
+def inv_freq_for(config: object, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq, attention_scaling) for the config's rope type."""
+    params = rope_parameters(config)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (theta**exponent), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; known: {sorted(ROPE_INIT_FUNCTIONS)}")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    finally:
+        torch.set_default_dtype(previous)
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int) -> None:
+        super().__init__()
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each position, shaped [tokens, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,99 @@
+"""The offline API: `LLM(model, **engine_args).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pagoda.engine import LLMEngine
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def merge_delta(into: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Accumulates a delta RequestOutput into a cumulative one."""
+    if into is None:
+        into = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False)
+    by_index = {o.index: o for o in into.outputs}
+    for d in delta.outputs:
+        o = by_index.get(d.index)
+        if o is None:
+            o = by_index[d.index] = CompletionOutput(d.index, "", [], [] if d.logprobs is not None else None)
+        o.text += d.text
+        o.token_ids.extend(d.token_ids)
+        if d.logprobs is not None and o.logprobs is not None:
+            o.logprobs.extend(d.logprobs)
+        o.cumulative_logprob = d.cumulative_logprob
+        o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+    into.outputs = sorted(by_index.values(), key=lambda o: o.index)
+    into.finished, into.metrics, into.error = delta.finished, delta.metrics, delta.error
+    into.num_cached_tokens = delta.num_cached_tokens
+    return into
+
+
+class LLM:
+    """An engine for batch generation in-process.
+
+    Args:
+        model: a Hugging Face directory, a .gguf file, or 'smollm2' (the default).
+        **engine_args: vLLM-style engine arguments (dtype, block_size, max_model_len, ...).
+    """
+
+    def __init__(self, model: str = "smollm2", **engine_args: object) -> None:
+        engine_args.setdefault("log_stats", False)
+        engine_args.setdefault("max_num_batched_tokens", 4096)
+        self.engine = LLMEngine.from_engine_args(model, **engine_args)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        """Generates for every prompt; returns outputs in the prompts' order."""
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompt_list, params, strict=True)]
+        return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
+
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [
+            list(self.tokenizer.apply_chat_template(  # type: ignore[union-attr]
+                conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                results[delta.request_id] = merge_delta(results.get(delta.request_id), delta)
+                if delta.finished:
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"Got {len(params)} sampling params for {n} prompts.")
+    return list(params)

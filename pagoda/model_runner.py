@@ -1,0 +1,107 @@
+"""ModelRunner: a SchedulerOutput in, sampled tokens out.
+
+It flattens the batch (decodes first, then prefill chunks; no padding to the longest
+sequence), builds `input_ids`, `positions`, `slot_mapping` and the `AttentionMetadata`, runs
+the model, takes logits only at the rows that sample, and calls the sampler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.layers.attention import AttentionMetadata, PrefillChunk
+from pagoda.request import Request
+from pagoda.sampler import Sampler, SamplerOutput
+from pagoda.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
+                 sliding_window: int | None = None) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sliding_window = sliding_window
+        self.sampler = Sampler()
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):  # type: ignore[operator]
+            attn.k_cache, attn.v_cache = k, v
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+        """Runs one step; returns the requests that sampled and their tokens."""
+        order = sorted(range(len(out.requests)), key=lambda i: out.num_scheduled_tokens[i] != 1)
+        reqs = [out.requests[i] for i in order]
+        counts = [out.num_scheduled_tokens[i] for i in order]
+        input_ids, positions, meta, sample_rows = self._prepare(reqs, counts)
+        hidden = self.model(input_ids, positions, meta)
+        sampling = [reqs[i] for i, _ in sample_rows]
+        if not sampling:
+            return [], None
+        rows = torch.tensor([row for _, row in sample_rows], device=self.device)
+        logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+        return sampling, self.sampler(logits.cpu() if self.device.type != "cpu" else logits, sampling)
+
+    def _slot(self, request: Request, pos: int) -> int:
+        return request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prepare(self, reqs: list[Request], counts: list[int]):
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[tuple[int, int]] = []
+        for i, (r, n) in enumerate(zip(reqs, counts, strict=True)):
+            c = r.num_computed_tokens
+            input_ids.extend(r.all_token_ids[c:c + n])
+            positions.extend(range(c, c + n))
+            slots.extend(self._slot(r, p) for p in range(c, c + n))
+            if c + n == r.num_tokens:
+                sample_rows.append((i, len(input_ids) - 1))
+        num_decodes = sum(1 for n in counts if n == 1)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes)
+        if num_decodes:
+            meta.decode_slots, meta.decode_mask = self._decode_tables(reqs[:num_decodes])
+        start = num_decodes
+        for r, n in zip(reqs[num_decodes:], counts[num_decodes:], strict=True):
+            meta.prefills.append(self._prefill_chunk(r, start, n))
+            start += n
+        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
+    def _block_table(self, reqs: list[Request], num_blocks: int) -> torch.Tensor:
+        rows = [r.block_ids[:num_blocks] + [0] * (num_blocks - len(r.block_ids[:num_blocks])) for r in reqs]
+        return torch.tensor(rows, dtype=torch.long)
+
+    def _gather_index(self, table: torch.Tensor, length: int) -> torch.Tensor:
+        pos = torch.arange(length)
+        return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _decode_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs])
+        length = int(ctx.max())
+        table = self._block_table(reqs, -(-length // self.block_size))
+        index = self._gather_index(table, length)
+        pos = torch.arange(length)[None, :]
+        mask = pos < ctx[:, None]
+        if self.sliding_window is not None:
+            mask &= pos > (ctx[:, None] - 1 - self.sliding_window)
+        return index.to(self.device), mask[:, None, None, :].to(self.device)
+
+    def _prefill_chunk(self, r: Request, start: int, n: int) -> PrefillChunk:
+        c = r.num_computed_tokens
+        if c == 0 and self.sliding_window is None:
+            return PrefillChunk(query_start=start, query_len=n)
+        length = c + n
+        q_pos = torch.arange(c, length)[:, None]
+        k_pos = torch.arange(length)[None, :]
+        mask = k_pos <= q_pos
+        if self.sliding_window is not None:
+            mask &= k_pos > q_pos - self.sliding_window
+        chunk = PrefillChunk(query_start=start, query_len=n, mask=mask.to(self.device))
+        if c > 0:
+            table = self._block_table([r], -(-length // self.block_size))
+            chunk.slots = self._gather_index(table, length)[0].to(self.device)
+        return chunk

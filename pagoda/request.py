@@ -1,0 +1,111 @@
+"""Request: the engine's state of one sequence being generated.
+
+Invariants: `num_computed_tokens <= num_tokens`; the KV of the first `num_computed_tokens`
+tokens lives in the blocks `block_ids` (owned by the block manager); a token is sampled only
+in a step after which every token is computed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pagoda.outputs import RequestMetrics
+from pagoda.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort", "error")
+
+
+class Request:
+    """One sequence: prompt, output so far, progress of its KV computation."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: set[int] | None = None,
+        arrival_time: float | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids or set()
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        self.max_tokens = self._max_tokens(max_model_len)
+        self.generator = self._make_generator()
+        self.logprobs: list[dict[int, tuple[float, int]]] = []
+        self.cumulative_logprob = 0.0
+
+    def _max_tokens(self, max_model_len: int | None) -> int:
+        limit = self.sampling_params.max_tokens
+        if max_model_len is not None:
+            room = max_model_len - len(self.prompt_token_ids)
+            limit = room if limit is None else min(limit, room)
+        if limit is None:
+            raise ValueError("max_tokens must be set when the context length is unknown.")
+        return limit
+
+    def _make_generator(self) -> torch.Generator | None:
+        if self.sampling_params.seed is None:
+            return None
+        gen = torch.Generator()
+        gen.manual_seed(self.sampling_params.seed)
+        return gen
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status that EOS, stop-token and length rules give after a token."""
+        params = self.sampling_params
+        token = self.output_token_ids[-1]
+        if self.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                self.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

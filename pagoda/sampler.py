@@ -1,0 +1,131 @@
+"""Sampling: logits of the rows that sample -> token ids (and log-probabilities).
+
+Greedy requests without penalties take an argmax fast path. Otherwise, in vLLM's order:
+penalties, min-tokens suppression, temperature, top-k / top-p / min-p, then an exponential
+race (Gumbel-max) per row. A request with a seed draws only from its own generator, so its
+tokens do not depend on what else is in the batch. Log-probabilities are of the raw logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.request import Request
+
+# token id -> (logprob, rank), for the sampled token and the top-N
+TokenLogprobs = dict[int, tuple[float, int]]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def _needs_full_path(requests: list[Request]) -> bool:
+    for r in requests:
+        p = r.sampling_params
+        if not p.greedy or p.needs_penalties or r.num_output_tokens < p.min_tokens:
+            return True
+    return False
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        raw = logits.float()
+        if not _needs_full_path(requests):
+            tokens = raw.argmax(dim=-1).tolist()
+        else:
+            logits = raw.clone()
+            self._apply_penalties(logits, requests)
+            self._suppress_stops(logits, requests)
+            tokens = self._sample(logits, requests)
+        return SamplerOutput(tokens, compute_logprobs(raw, requests, tokens))
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        for row, r in enumerate(requests):
+            p = r.sampling_params
+            if not p.needs_penalties:
+                continue
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(r.all_token_ids)), dtype=torch.long)
+                vals = logits[row, seen]
+                logits[row, seen] = torch.where(vals > 0, vals / p.repetition_penalty,
+                                                vals * p.repetition_penalty)
+            if r.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+                out = torch.tensor(r.output_token_ids, dtype=torch.long)
+                counts = torch.zeros_like(logits[row]).index_add_(0, out, torch.ones(len(out)))
+                logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+
+    def _suppress_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        for row, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else r.eos_token_ids)
+                if ids:
+                    logits[row, sorted(ids)] = float("-inf")
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        greedy = logits.argmax(dim=-1)
+        temps = torch.tensor([r.sampling_params.temperature or 1.0 for r in requests])
+        probs = self._filter(logits / temps[:, None], requests).softmax(dim=-1)
+        tokens = greedy.tolist()
+        unseeded = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and r.generator is None]
+        if unseeded:
+            rows = torch.tensor(unseeded)
+            q = torch.empty_like(probs[rows]).exponential_()
+            for i, t in zip(unseeded, (probs[rows] / q).argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = t
+        for i, r in enumerate(requests):
+            if not r.sampling_params.greedy and r.generator is not None:
+                q = torch.empty_like(probs[i]).exponential_(generator=r.generator)
+                tokens[i] = int((probs[i] / q).argmax())
+        return tokens
+
+    def _filter(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        vocab = logits.shape[-1]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            logits = self._top_k_top_p(logits, params, vocab)
+        if any(p.min_p > 0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params])[:, None]
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        return logits
+
+    def _top_k_top_p(self, logits: torch.Tensor, params: list, vocab: int) -> torch.Tensor:
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
+        top_p = torch.tensor([p.top_p for p in params])[:, None]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(vocab)[None, :]
+        drop = ranks >= top_k
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        drop |= (probs.cumsum(dim=-1) - probs) > top_p
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def compute_logprobs(logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[TokenLogprobs | None]:
+    """The sampled token's log-probability and rank plus the top-N, per row (raw logits)."""
+    wanted = [r.sampling_params.logprobs for r in requests]
+    if all(n is None for n in wanted):
+        return [None] * len(requests)
+    logprobs = logits.float().log_softmax(dim=-1)
+    top_n = max(n or 0 for n in wanted)
+    top_vals, top_ids = logprobs.topk(max(top_n, 1), dim=-1)
+    sampled = torch.tensor(token_ids)
+    sampled_lp = logprobs.gather(1, sampled[:, None]).squeeze(1)
+    ranks = (logprobs > sampled_lp[:, None]).sum(dim=-1) + 1
+    result: list[TokenLogprobs | None] = []
+    for row, n in enumerate(wanted):
+        if n is None:
+            result.append(None)
+            continue
+        entry = {int(t): (float(v), rank + 1) for rank, (t, v) in
+                 enumerate(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True))}
+        entry[token_ids[row]] = (float(sampled_lp[row]), int(ranks[row]))
+        result.append(entry)
+    return result

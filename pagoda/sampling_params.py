@@ -1,0 +1,108 @@
+"""SamplingParams: how one request samples and when it stops.
+
+Validation happens at construction; an invalid value raises `ValueError` whose message names
+the parameter and the value (the server turns it into a 400 with `param` set).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+
+class SamplingParamError(ValueError):
+    """An invalid sampling value; `param` names the offending field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise SamplingParamError(param, message)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters, with vLLM's names and defaults.
+
+    temperature 0 means greedy. top_k -1 (or 0) disables top-k. `seed` makes the request's
+    samples reproducible whatever else shares its batch. `logprobs` N returns the sampled
+    token's log-probability plus the top N alternatives at each step.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        _require(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
+        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
+                 f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _require(self.min_tokens >= 0, "min_tokens",
+                 f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                 f"got {self.min_tokens}.")
+        _require(math.isfinite(self.temperature) and self.temperature >= 0, "temperature",
+                 f"temperature must be non-negative, got {self.temperature}.")
+        _require(self.temperature <= 2.0, "temperature",
+                 f"temperature must be in [0, 2], got {self.temperature}.")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}.")
+        _require(self.top_k >= -1, "top_k",
+                 f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
+        _require(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
+        _require(self.repetition_penalty > 0, "repetition_penalty",
+                 f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop",
+                 f"stop strings must be non-empty, got {self.stop!r}.")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids", f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}.")
+        _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+                 f"logprobs must be in [0, 20], got {self.logprobs}.")
+        _require(self.seed is None or isinstance(self.seed, int), "seed",
+                 f"seed must be an integer, got {self.seed!r}.")
+        _require(not (self.n > 1 and self.temperature == 0), "n",
+                 f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The params of the index-th of n parallel samples (n=1, seed offset by index)."""
+        seed = None if self.seed is None else self.seed + index
+        return dataclasses.replace(self, n=1, seed=seed)

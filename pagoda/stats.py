@@ -1,0 +1,57 @@
+"""Stats as plain data: what the engine reports after each step.
+
+The engine fills these; loggers (`metrics.py`: Prometheus and the periodic log line) read
+them. Nothing here imports a metrics library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    """A snapshot of the scheduler and the KV pool after a step."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    num_blocks_total: int = 0
+    num_blocks_free: int = 0
+    num_blocks_cached: int = 0
+    num_tokens_held: int = 0
+    num_slots_reserved: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    """Per-request figures, reported once when a request finishes (or is aborted/failed)."""
+
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    max_tokens_param: int | None
+    e2e_latency: float
+    queue_time: float
+    prefill_time: float
+    decode_time: float
+    inference_time: float
+    mean_time_per_output_token: float
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class IterationStats:
+    """What one engine step did."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+    step_duration: float = 0.0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    failed_requests: dict[str, int] = field(default_factory=dict)

