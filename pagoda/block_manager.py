@@ -1,37 +1,65 @@
 """The KV block pool: free list, reference counts and automatic prefix caching.
 
 Blocks are plain integer ids handed to the scheduler as lists. A full block's content is
-named by a chained hash `H(parent hash, token ids)` (sha256, the same in every process), so a
-request whose prompt starts like an earlier one reuses that KV. Invariants (see `check`):
-every block is either referenced (ref_cnt > 0) or in the free queue, never both; a cached
-hash maps to a block holding exactly those tokens. A block freed by its last user keeps its
-hash and stays in the free queue in LRU order until it is reused: reviving it is O(1).
+looked up by a chained hash `H(parent hash, token ids, extra keys)` (sha256, the same in every
+process), so a request whose prompt starts like an earlier one reuses that KV. A hit is
+verified exactly, never trusted to the hash: the block must hold the same token ids and hang
+off the same parent content. Each full block gets a `prefix_id` naming its whole token prefix
+(equal ids only for verified-equal prefixes) and keeps its parent's, so a collision can at
+worst cost a hit, never serve another prefix's KV.
+
+Invariants (see `check`): every block is either referenced (ref_cnt > 0) or in the free queue,
+never both; a block has a hash exactly when `cached` maps that hash to it. A block freed by
+its last user keeps its hash and stays in the free queue in LRU order until it is reused:
+reviving it is O(1). Blocks with nothing cached are reused first.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from pagoda.request import Request
 
+ExtraKeys = bytes | tuple[int | str | bytes, ...]
 
-def hash_block(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    """The content hash of one full block, chained on its parent's hash."""
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: ExtraKeys = ()) -> bytes:
+    """The content hash of one full block, chained on its parent's hash.
+
+    Args:
+        parent: the previous block's hash; None for a request's first block.
+        token_ids: the block's token ids.
+        extra: whatever else the KV depends on (a LoRA id, image hashes); a tuple is hashed
+            through its repr, so it must hold only ints, strings and bytes.
+    """
     h = hashlib.sha256(parent or b"\x00")
     h.update(array("q", token_ids).tobytes())
+    if extra:
+        data = extra if isinstance(extra, bytes) else repr(extra).encode()
+        h.update(len(data).to_bytes(8, "little") + data)
     return h.digest()
 
 
 class Block:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids")
+    """One KV block; `prefix_id` is 0 until its content is named (full and scheduled)."""
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prefix_id", "parent_prefix_id")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
         self.block_hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.prefix_id = 0
+        self.parent_prefix_id = 0
+
+    def forget(self) -> None:
+        self.block_hash, self.token_ids = None, ()
+        self.prefix_id = self.parent_prefix_id = 0
 
 
 class BlockManager:
@@ -47,6 +75,9 @@ class BlockManager:
         self.cached: dict[bytes, Block] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self._prefix_ids = itertools.count(1)
+        # request id -> how many of its leading blocks are named (so each step names only new ones)
+        self._num_named_blocks: dict[str, int] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -81,11 +112,14 @@ class BlockManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         bs = self.block_size
         hits: list[Block] = []
+        parent_id = 0
         for i, h in enumerate(self.block_hashes(request)[:max_blocks]):
             block = self.cached.get(h)
-            if block is None or block.token_ids != tuple(request.all_token_ids[i * bs:(i + 1) * bs]):
+            if (block is None or block.parent_prefix_id != parent_id
+                    or block.token_ids != tuple(request.all_token_ids[i * bs:(i + 1) * bs])):
                 break
             hits.append(block)
+            parent_id = block.prefix_id
         return hits
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -97,9 +131,11 @@ class BlockManager:
                        computed: list[Block] | None = None) -> bool:
         """Gives `request` blocks for `num_new_tokens` more tokens (after `computed` hits).
 
-        Returns False, changing nothing, when the pool cannot supply them.
+        `computed` (from `get_computed_blocks`) may only be given to a request holding no
+        blocks. Returns False, changing nothing, when the pool cannot supply them.
         """
         computed = computed or []
+        assert not (computed and request.block_ids), "prefix hits for a request that holds blocks"
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         needed = self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids) - len(computed)
         revived = sum(1 for b in computed if b.ref_cnt == 0)
@@ -116,7 +152,11 @@ class BlockManager:
         return True
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks; cached ones stay revivable until evicted."""
+        """Releases the request's blocks; cached ones stay revivable until evicted.
+
+        NOTE: tail blocks go first into the queue, so a prefix's later blocks are evicted
+        before its earlier ones (a child is never cached without its parent being reachable).
+        """
         for block_id in reversed(request.block_ids):
             block = self.blocks[block_id]
             block.ref_cnt -= 1
@@ -126,6 +166,7 @@ class BlockManager:
                     # NOTE: blocks with nothing worth keeping are reused first.
                     self.free_queue.move_to_end(block_id, last=False)
         request.block_ids = []
+        self._num_named_blocks.pop(request.request_id, None)
 
     def uncache(self, request: Request) -> None:
         """Forgets the hashes of the request's blocks (their content is not trustworthy)."""
@@ -133,14 +174,14 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.block_hash is not None and self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-            block.block_hash = None
-            block.token_ids = ()
+            block.forget()
 
     def reset_prefix_cache(self) -> None:
+        """Forgets every free cached block (blocks in use keep theirs)."""
         for block in self.free_queue.values():
             if block.block_hash is not None:
-                self.cached.pop(block.block_hash, None)
-                block.block_hash, block.token_ids = None, ()
+                del self.cached[block.block_hash]
+            block.forget()
 
     def _touch(self, block: Block) -> None:
         if block.ref_cnt == 0:
@@ -150,27 +191,51 @@ class BlockManager:
     def _pop_free(self) -> Block:
         _, block = self.free_queue.popitem(last=False)
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) is block:
-                del self.cached[block.block_hash]
-            block.block_hash, block.token_ids = None, ()
+            del self.cached[block.block_hash]
+        block.forget()
         block.ref_cnt = 1
         return block
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Names (and caches) the request's blocks that `num_tokens` tokens fill.
+
+        NOTE: blocks are named when scheduled, before the step computes them; a request that
+        hits them in the same step reads K/V the layer writes before it attends.
+        """
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
         hashes = self.block_hashes(request)
-        for i in range(min(num_tokens // bs, len(hashes))):
+        start = self._num_named_blocks.get(request.request_id, 0)
+        end = min(num_tokens // self.block_size, len(hashes))
+        parent_id = self.blocks[request.block_ids[start - 1]].prefix_id if start else 0
+        for i in range(start, end):
+            if i > 0 and parent_id == 0:
+                break  # NOTE: the parent was uncached under us; its successors stay unnamed.
             block = self.blocks[request.block_ids[i]]
-            if block.block_hash is not None:
-                continue
-            h = hashes[i]
-            if h in self.cached:
-                continue
-            block.block_hash = h
-            block.token_ids = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
-            self.cached[h] = block
+            if block.prefix_id == 0:
+                self._name_block(block, hashes[i], self._block_tokens(request, i), parent_id)
+            parent_id = block.prefix_id
+        self._num_named_blocks[request.request_id] = max(start, end)
+
+    def _name_block(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...],
+                    parent_id: int) -> None:
+        """Gives a full block its prefix id and caches it unless its hash is taken."""
+        other = self.cached.get(block_hash)
+        if other is not None and other.token_ids == token_ids and other.parent_prefix_id == parent_id:
+            # NOTE: the same prefix computed twice (e.g. by n > 1 siblings): share its name so
+            # that blocks after it still chain, but keep the block that was cached first.
+            block.prefix_id = other.prefix_id
+        else:
+            block.prefix_id = next(self._prefix_ids)
+            if other is None:
+                block.block_hash = block_hash
+                self.cached[block_hash] = block
+        block.token_ids = token_ids
+        block.parent_prefix_id = parent_id
+
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        bs = self.block_size
+        return tuple(request.all_token_ids[index * bs:(index + 1) * bs])
 
     # ---- integrity -----------------------------------------------------------------------
     def check(self) -> None:
@@ -180,5 +245,14 @@ class BlockManager:
         assert len(used) + len(self.free_queue) == self.num_blocks, (
             f"free ({len(self.free_queue)}) + used ({len(used)}) != total ({self.num_blocks})")
         assert all(b.ref_cnt == 0 for b in self.free_queue.values()), "referenced block in free queue"
+        assert all(k == b.block_id for k, b in self.free_queue.items()), "free queue key mismatch"
         for h, block in self.cached.items():
             assert block.block_hash == h, f"cached block {block.block_id} has a stale hash"
+            assert len(block.token_ids) == self.block_size and block.prefix_id > 0, (
+                f"cached block {block.block_id} is not a named full block")
+        for block in self.blocks:
+            if block.block_hash is not None:
+                assert self.cached.get(block.block_hash) is block, (
+                    f"block {block.block_id} has a hash the cache does not map to it")
+        prefix_ids = [b.prefix_id for b in self.cached.values()]
+        assert len(set(prefix_ids)) == len(prefix_ids), "two cached blocks share a prefix id"

@@ -9,24 +9,26 @@ characters are held back from deltas so a stop string never leaks into a stream.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pagoda.sampling_params import SamplingParams
 
 _PRIME_TOKENS = 6
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: object | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.params = params
         self.text = ""
         self.num_emitted_chars = 0
         self.stop_reason: str | None = None
         self.hold_back = max((len(s) for s in params.stop), default=1) - 1
-        self._backend = getattr(tokenizer, "_tokenizer", None)
-        self._stream = None
+        self._backend: Any = getattr(tokenizer, "_tokenizer", None)
+        self._stream: Any = None
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
-            self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+            self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)  # type: ignore[assignment]
             for token_id in prompt_token_ids[-_PRIME_TOKENS:]:
                 self._stream.step(self._backend, token_id)
 

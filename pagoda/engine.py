@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
 from pagoda.engine_setup import EngineParts, build_engine_parts
+from pagoda.metrics.base import StatLoggerBase
 from pagoda.output_processor import RequestState, finished_stats, record_token_timing
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus
@@ -37,7 +38,7 @@ class PromptTooLongError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, stat_loggers: Sequence[object] = ()) -> None:
+    def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLoggerBase] = ()) -> None:
         parts: EngineParts = build_engine_parts(config)
         self.config = parts.config
         self.tokenizer = parts.tokenizer
@@ -54,7 +55,7 @@ class LLMEngine:
         self._pending_stats = IterationStats()
 
     @classmethod
-    def from_engine_args(cls, model: str = "smollm2", stat_loggers: Sequence[object] = (),
+    def from_engine_args(cls, model: str = "smollm2", stat_loggers: Sequence[StatLoggerBase] = (),
                          **kwargs: object) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(model, **kwargs), stat_loggers)
 
@@ -63,7 +64,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("This model has no tokenizer: pass prompt token ids.")
-            return list(self.tokenizer.encode(prompt))  # type: ignore[attr-defined]
+            return list(self.tokenizer.encode(prompt))
         return list(prompt)
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
@@ -78,7 +79,7 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         token_ids = self.tokenize(prompt)
-        self._validate_prompt(token_ids)
+        self.validate_prompt(token_ids)
         children = [
             Request(request_id if params.n == 1 else f"{request_id}#{i}", token_ids,
                     params.for_child(i) if params.n > 1 else params, self.eos_token_ids,
@@ -91,10 +92,10 @@ class LLMEngine:
             self.scheduler.add_request(child)
         return request_id
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("The prompt is empty.")
-        vocab = self.runner.model.dims.vocab_size  # type: ignore[union-attr]
+        vocab = self.runner.model.dims.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"Token ids out of the vocabulary (size {vocab}): {bad[:5]}.")
@@ -110,6 +111,10 @@ class LLMEngine:
             self._finish(sample.request, RequestStatus.FINISHED_ABORTED, self._pending_stats)
         out = state.make_output()
         del self.states[request_id]
+        if not self.states:
+            # NOTE: no step may follow to carry the abort's stats; record them now.
+            self._record(self._pending_stats)
+            self._pending_stats = IterationStats()
         return out
 
     def has_unfinished_requests(self) -> bool:
@@ -213,7 +218,7 @@ class LLMEngine:
             return
         sched_stats = self.scheduler_stats()
         for stat_logger in self.stat_loggers:
-            stat_logger.record(sched_stats, stats)  # type: ignore[attr-defined]
+            stat_logger.record(sched_stats, stats)
 
     def kv_report(self) -> dict[str, float]:
         """The pool's memory: held, reserved and what contiguous reservation would need."""

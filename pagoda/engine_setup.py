@@ -9,11 +9,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.kv_cache import KVCacheSpec, allocate_kv_cache, check_capacity, log_capacity, num_blocks_for
+from pagoda.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_cache,
+    check_capacity,
+    log_capacity,
+    num_blocks_for,
+)
 from pagoda.model_runner import ModelRunner
 from pagoda.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 
@@ -25,7 +32,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class EngineParts:
     config: EngineConfig
-    tokenizer: object | None
+    tokenizer: Any
     runner: ModelRunner
     num_blocks: int
     block_bytes: int
@@ -79,7 +86,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.model.dtype, device, hf_config)
     torch.manual_seed(config.model.seed)
     model = load_model(path, hf_config, dtype, device, max_model_len)
-    d = model.dims  # type: ignore[union-attr]
+    d = model.dims
     spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
     runner = ModelRunner(model, config.cache.block_size, device, d.sliding_window)
     num_blocks = num_blocks_for(spec, config.cache, device, _available_cuda_bytes(config, device))

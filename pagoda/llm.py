@@ -45,7 +45,7 @@ class LLM:
     def __init__(self, model: str = "smollm2", **engine_args: object) -> None:
         engine_args.setdefault("log_stats", False)
         engine_args.setdefault("max_num_batched_tokens", 4096)
-        self.engine = LLMEngine.from_engine_args(model, **engine_args)
+        self.engine = LLMEngine.from_engine_args(model, (), **engine_args)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -63,7 +63,7 @@ class LLM:
         """Applies the tokenizer's chat template to each conversation, then generates."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [
-            list(self.tokenizer.apply_chat_template(  # type: ignore[union-attr]
+            list(self.tokenizer.apply_chat_template(
                 conv, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
             for conv in conversations
         ]

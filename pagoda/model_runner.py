@@ -10,13 +10,14 @@ from __future__ import annotations
 import torch
 
 from pagoda.layers.attention import AttentionMetadata, PrefillChunk
+from pagoda.models.llama import LlamaForCausalLM
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
 from pagoda.scheduler import SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, block_size: int, device: torch.device,
+    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device,
                  sliding_window: int | None = None) -> None:
         self.model = model
         self.block_size = block_size
@@ -25,7 +26,7 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):  # type: ignore[operator]
+        for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):
             attn.k_cache, attn.v_cache = k, v
 
     @torch.inference_mode()
@@ -40,7 +41,7 @@ class ModelRunner:
         if not sampling:
             return [], None
         rows = torch.tensor([row for _, row in sample_rows], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])  # type: ignore[operator]
+        logits = self.model.compute_logits(hidden[rows])
         return sampling, self.sampler(logits.cpu() if self.device.type != "cpu" else logits, sampling)
 
     def _slot(self, request: Request, pos: int) -> int:

@@ -48,7 +48,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each position, shaped [tokens, 1, head_dim] to broadcast over heads."""
-        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+        cos: torch.Tensor = self.cos  # type: ignore[assignment]
+        sin: torch.Tensor = self.sin  # type: ignore[assignment]
+        return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

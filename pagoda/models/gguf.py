@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +45,7 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def _field(reader: object, key: str) -> object:
+def _field(reader: Any, key: str) -> Any:
     f = reader.fields.get(key)  # type: ignore[attr-defined]
     if f is None:
         return None
@@ -58,8 +59,8 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
     reader = GGUFReader(path)
     arch = str(_field(reader, "general.architecture"))
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))  # type: ignore[arg-type]
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv") or n_head)  # type: ignore[arg-type]
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv") or n_head)
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:

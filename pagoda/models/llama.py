@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.lm_head = Linear(d.hidden_size, d.vocab_size)
         if d.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
         inv_freq, scaling = inv_freq_for(config, d.head_dim)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
 
@@ -143,4 +143,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers]
+        return [layer.self_attn.attn for layer in self.layers]  # type: ignore[union-attr,misc]

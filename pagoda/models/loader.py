@@ -11,10 +11,12 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.registry import resolve_architecture
 
 SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "smollm2-135m"}
@@ -57,7 +59,7 @@ def load_hf_config(path: str) -> object:
     return AutoConfig.from_pretrained(path)
 
 
-def load_tokenizer(path: str, chat_template: str | None = None) -> object:
+def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
     """Loads the tokenizer (and chat template) of a directory or GGUF file."""
     from transformers import AutoTokenizer
 
@@ -130,7 +132,7 @@ def _check_all_loaded(model: nn.Module, params: dict[str, nn.Parameter], loaded:
 
 
 def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> nn.Module:
+               max_positions: int) -> LlamaForCausalLM:
     """Builds the registered model for `hf_config` and loads its weights."""
     cls, flags = resolve_architecture(hf_config)
     previous = torch.get_default_dtype()

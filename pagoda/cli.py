@@ -1,0 +1,66 @@
+"""The `pagoda` command: serve | generate | bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="generate once from the shell")
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompt", action="append", required=True, help="may be given several times")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from pagoda import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    start = time.time()
+    if args.no_chat or not getattr(llm.tokenizer, "chat_template", None):
+        outs = llm.generate(args.prompt, params)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    elapsed = time.time() - start
+    for out in outs:
+        o = out.outputs[0]
+        print(o.text)
+        print(f"[{len(o.token_ids)} tokens, finish_reason={o.finish_reason}]", file=sys.stderr)
+    print(f"[{elapsed:.2f} s]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda", description="Fast LLM serving on the hardware you own.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    from pagoda.server.serve import add_serve_parser
+
+    add_serve_parser(subparsers)
+    _add_generate_parser(subparsers)
+    from pagoda.bench.cli import add_bench_parser
+
+    add_bench_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Engine behaviour on a tiny model: sampling, stops, limits, n > 1, logprobs, aborts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+
+PROMPT = [1, 504, 3575, 282, 4649, 314, 7042, 30, 2042, 905, 88, 3001]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=256)
+
+
+def _greedy(llm: LLM, prompt=PROMPT, **kw):
+    params = SamplingParams(temperature=0, max_tokens=kw.pop("max_tokens", 24), ignore_eos=True, **kw)
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def _busy_prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(100, 49000, (int(torch.randint(3, 60, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def test_seeded_sampling_same_alone_and_in_busy_batch(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    noisy = SamplingParams(temperature=1.2, max_tokens=30, ignore_eos=True)
+    prompts = _busy_prompts(6) + [PROMPT] + _busy_prompts(3)
+    params_list = [noisy] * 6 + [params] + [noisy] * 3
+    busy = llm.generate(prompts, params_list, use_tqdm=False)[6].outputs[0].token_ids
+    assert alone == busy
+    other_seed = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=99, max_tokens=20,
+                                                       ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    assert other_seed.token_ids != alone
+
+
+def test_max_tokens_and_finish_reason(llm):
+    out = _greedy(llm, max_tokens=7)
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_stop_token_ids(llm):
+    ref = _greedy(llm).token_ids
+    stop = ref[5]
+    out = _greedy(llm, stop_token_ids=[stop])
+    assert out.token_ids == ref[: ref.index(stop) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_min_tokens_suppresses_stop_tokens(llm):
+    ref = _greedy(llm).token_ids
+    out = _greedy(llm, stop_token_ids=[ref[0]], min_tokens=4)
+    assert len(out.token_ids) >= 4
+    assert ref[0] not in out.token_ids[:4]
+
+
+def test_stop_string_cut_and_included(llm):
+    ref = _greedy(llm, max_tokens=32)
+    text = ref.text
+    assert len(text) > 20
+    stop = text[10:14]
+    first = text.index(stop)
+    out = _greedy(llm, max_tokens=32, stop=[stop])
+    assert out.text == text[:first] and out.finish_reason == "stop" and out.stop_reason == stop
+    kept = _greedy(llm, max_tokens=32, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == text[: first + len(stop)]
+
+
+def test_stop_string_never_leaks_into_stream(llm):
+    ref = _greedy(llm, max_tokens=32).text
+    stop = ref[12:17]
+    engine = llm.engine
+    rid = engine.add_request(None, PROMPT, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, stop=[stop]))
+    streamed = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                streamed += out.outputs[0].text
+                assert stop not in streamed
+    assert streamed == ref[: ref.index(stop)]
+
+
+def test_n_samples_match_seeded_children(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    for i, o in enumerate(out.outputs):
+        alone = llm.generate([PROMPT], SamplingParams(temperature=1.0, seed=7 + i, max_tokens=10,
+                                                      ignore_eos=True), use_tqdm=False)[0]
+        assert o.token_ids == alone.outputs[0].token_ids
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+
+
+def test_logprobs_match_reference(llm, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    out = _greedy(llm, max_tokens=6, logprobs=3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT + out.token_ids])
+    with torch.inference_mode():
+        ref = model(ids).logits[0].log_softmax(-1)
+    assert out.logprobs is not None and len(out.logprobs) == 6
+    for step, entry in enumerate(out.logprobs):
+        row = ref[len(PROMPT) - 1 + step]
+        top = row.topk(3)
+        token = out.token_ids[step]
+        assert entry[token].rank == 1
+        assert entry[token].logprob == pytest.approx(float(row[token]), abs=1e-4)
+        for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert entry[t].logprob == pytest.approx(v, abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids, strict=True)), abs=1e-3)
+
+
+def test_abort_frees_blocks(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ids = [engine.add_request(None, p, params) for p in _busy_prompts(4)]
+    for _ in range(3):
+        engine.step()
+    out = engine.abort_request(ids[1])
+    assert out is not None and out.finished and out.outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+
+
+def test_prompt_validation(llm):
+    from pagoda.engine import PromptTooLongError
+
+    with pytest.raises(PromptTooLongError, match="maximum context length is 256 tokens"):
+        llm.engine.add_request(None, [5] * 256, SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        llm.engine.add_request(None, [], SamplingParams())
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.engine.add_request(None, [10**7], SamplingParams())
+    assert not llm.engine.has_unfinished_requests()

@@ -1,0 +1,72 @@
+"""Sampler math against hand-computed expectations."""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.request import Request
+from pagoda.sampler import Sampler
+
+VOCAB = 16
+
+
+def _request(output: list[int], **params) -> Request:
+    from pagoda.sampling_params import SamplingParams
+
+    r = Request("r", [7], SamplingParams(max_tokens=50, **params), eos_token_ids={2})
+    for t in output:
+        r.append_token(t)
+    return r
+
+
+def _logits() -> torch.Tensor:
+    row = torch.zeros(VOCAB)
+    row[3], row[4], row[7] = 5.0, 4.9, 4.95
+    return row[None, :]
+
+
+def test_greedy_fast_path():
+    out = Sampler()(_logits(), [_request([], temperature=0.0)])
+    assert out.token_ids == [3] and out.logprobs == [None]
+
+
+def test_frequency_and_presence_penalties():
+    # token 3 seen twice: 5.0 - 2 * 0.1 = 4.8 < 4.95 (token 7, prompt only: not penalised)
+    assert Sampler()(_logits(), [_request([3, 3], temperature=0.0, frequency_penalty=0.1)]).token_ids == [7]
+    assert Sampler()(_logits(), [_request([3], temperature=0.0, presence_penalty=0.2)]).token_ids == [7]
+
+
+def test_repetition_penalty_covers_prompt_and_output():
+    # 3 -> 5/1.1 = 4.55, 7 (prompt) -> 4.5, 4 untouched at 4.9
+    assert Sampler()(_logits(), [_request([3], temperature=0.0, repetition_penalty=1.1)]).token_ids == [4]
+
+
+def test_min_tokens_masks_eos():
+    logits = _logits()
+    logits[0, 2] = 10.0
+    assert Sampler()(logits, [_request([], temperature=0.0, min_tokens=2)]).token_ids == [3]
+    assert Sampler()(logits, [_request([5, 6], temperature=0.0, min_tokens=2)]).token_ids == [2]
+
+
+def test_top_k_top_p_min_p_restrict_support():
+    torch.manual_seed(0)
+    for params in (dict(top_k=1), dict(top_p=0.01), dict(min_p=0.99)):
+        tokens = {Sampler()(_logits(), [_request([], temperature=1.0, **params)]).token_ids[0] for _ in range(20)}
+        assert tokens == {3}, params
+    tokens = {Sampler()(_logits(), [_request([], temperature=1.0, top_k=3)]).token_ids[0] for _ in range(60)}
+    assert tokens <= {3, 4, 7} and len(tokens) > 1
+
+
+def test_seeded_rows_ignore_batch_neighbours():
+    a = Sampler()(_logits(), [_request([], temperature=1.0, seed=3)]).token_ids
+    batch = torch.cat([_logits(), torch.randn(2, VOCAB)])
+    reqs = [_request([], temperature=1.0, seed=3), _request([], temperature=1.0), _request([], temperature=0.5)]
+    assert Sampler()(batch, reqs).token_ids[0] == a[0]
+
+
+def test_logprobs_rank_and_topn():
+    out = Sampler()(_logits(), [_request([], temperature=0.0, logprobs=2)])
+    entry = out.logprobs[0]
+    ref = _logits()[0].log_softmax(-1)
+    assert set(entry) == {3, 7}
+    assert entry[3] == (float(ref[3]), 1) and entry[7][1] == 2
