@@ -1,0 +1,1 @@
+"""Entry points kept at vLLM's module paths, for the habits of vLLM users."""

@@ -1,0 +1,35 @@
+"""Stat loggers: the sinks that turn engine stats into Prometheus metrics and a log line.
+
+The engine calls `record(scheduler_stats, iteration_stats)` on every logger after each step
+(in its engine thread) and `log()` about every 5 s from its loop. The server answers
+`GET /metrics` with `render_metrics()`.
+
+Modules: `base` (the contract), `prometheus` (vLLM's metrics plus `pagoda:*`; the only module
+that imports prometheus_client), `log_line` (vLLM's periodic stats line), `kv_report` (the KV
+memory report text).
+"""
+
+from __future__ import annotations
+
+from pagoda.config import EngineConfig
+from pagoda.metrics.base import StatLoggerBase
+from pagoda.metrics.kv_report import format_kv_memory_report
+from pagoda.metrics.log_line import LoggingStatLogger
+from pagoda.metrics.prometheus import DEFAULT_REGISTRY, PrometheusStatLogger, render_metrics
+
+__all__ = [
+    "DEFAULT_REGISTRY", "LoggingStatLogger", "PrometheusStatLogger", "StatLoggerBase",
+    "default_stat_loggers", "format_kv_memory_report", "render_metrics",
+]
+
+
+def default_stat_loggers(model_name: str, config: EngineConfig) -> list[StatLoggerBase]:
+    """The engine's loggers: Prometheus always (so /metrics works), the log line if log_stats.
+
+    NOTE: vLLM's --disable-log-stats also silences /metrics; an operator who turns the log
+    line off still wants the dashboard.
+    """
+    loggers: list[StatLoggerBase] = [PrometheusStatLogger(model_name, config)]
+    if config.log_stats:
+        loggers.append(LoggingStatLogger())
+    return loggers

@@ -1,0 +1,138 @@
+"""The FastAPI app: OpenAI routes (/v1/...) and vLLM's side routes.
+
+Routes are thin: they validate, then hand off to `completions.py` / `chat.py`. Every error
+leaves in the OpenAI shape (`errors.py`); the gate middleware handles keys and draining.
+The engine runs in its own thread, so these handlers only wait on it and /health or
+/v1/models answer at once even when it is saturated.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from starlette.responses import PlainTextResponse, Response
+
+from pagoda.server.chat import create_chat_completion, render_chat
+from pagoda.server.completions import create_completion
+from pagoda.server.errors import APIError, bad_request, error_response, install_error_handlers
+from pagoda.server.middleware import GateMiddleware
+from pagoda.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagoda.server.serving import ServerContext, check_token_ids
+
+
+def get_ctx(request: Request) -> ServerContext:
+    ctx: ServerContext = request.app.state.ctx
+    return ctx
+
+
+async def require_json(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise bad_request("Unsupported Media Type: Only 'application/json' is allowed")
+
+
+Ctx = Annotated[ServerContext, Depends(get_ctx)]
+JSON_BODY = [Depends(require_json)]
+router = APIRouter()
+
+
+def pagoda_version() -> str:
+    try:
+        return importlib.metadata.version("pagoda")
+    except importlib.metadata.PackageNotFoundError:
+        import pagoda
+
+        return str(getattr(pagoda, "__version__", "0.1.0"))
+
+
+@router.get("/health")
+async def health(ctx: Ctx) -> Response:
+    healthy, message = ctx.engine.check_health()
+    if not healthy:
+        return error_response(APIError(503, f"The engine is not healthy: {message}"))
+    return Response(status_code=200)
+
+
+@router.get("/ping")
+async def ping(ctx: Ctx) -> Response:
+    return await health(ctx)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": pagoda_version()}
+
+
+@router.get("/v1/models")
+async def list_models(ctx: Ctx) -> ModelList:
+    return ModelList(data=[ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
+                           for name in ctx.served_model_names])
+
+
+@router.post("/v1/completions", dependencies=JSON_BODY)
+async def completions(req: CompletionRequest, raw: Request, ctx: Ctx) -> Response:
+    return await create_completion(ctx, req, raw)
+
+
+@router.post("/v1/chat/completions", dependencies=JSON_BODY)
+async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx) -> Response:
+    return await create_chat_completion(ctx, req, raw)
+
+
+@router.post("/tokenize", dependencies=JSON_BODY)
+async def tokenize(req: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
+    ctx.check_model(req.model)
+    if req.messages is not None:
+        text = render_chat(ctx, req.messages, req.add_generation_prompt)
+        add_special = bool(req.add_special_tokens)
+    elif req.prompt is not None:
+        text = req.prompt
+        add_special = req.add_special_tokens is not False
+    else:
+        raise bad_request("Either `prompt` or `messages` is required.", "prompt")
+    token_ids = list(ctx.tokenizer.encode(text, add_special_tokens=add_special))
+    token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if req.return_token_strs else None
+    return TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len,
+                            tokens=token_ids, token_strs=token_strs)
+
+
+@router.post("/detokenize", dependencies=JSON_BODY)
+async def detokenize(req: DetokenizeRequest, ctx: Ctx) -> DetokenizeResponse:
+    ctx.check_model(req.model)
+    if req.tokens:
+        check_token_ids(ctx, req.tokens, "tokens")
+    return DetokenizeResponse(prompt=str(ctx.tokenizer.decode(req.tokens)))
+
+
+@router.get("/metrics")
+async def metrics() -> Response:
+    try:
+        from pagoda import metrics as pagoda_metrics
+    except ModuleNotFoundError as e:
+        if e.name != "pagoda.metrics":
+            raise
+        return PlainTextResponse("# pagoda.metrics is not available yet\n")
+    body, content_type = pagoda_metrics.render_metrics()
+    return Response(content=body, media_type=content_type)
+
+
+def build_app(ctx: ServerContext) -> FastAPI:
+    """The app serving `ctx.engine`; `ctx` is shared with the launcher (draining, counts)."""
+    app = FastAPI(title="pagoda", version=pagoda_version(),
+                  description="OpenAI-compatible LLM server (vLLM-style).")
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(GateMiddleware, ctx=ctx)
+    app.include_router(router)
+    return app

@@ -1,0 +1,140 @@
+"""POST /v1/chat/completions: messages rendered by the chat template, an assistant reply out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pagoda.outputs import Logprob
+from pagoda.server.errors import bad_request
+from pagoda.server.protocol import (
+    AssistantMessage,
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbsContent,
+    ChatMessage,
+    DeltaMessage,
+    random_id,
+)
+from pagoda.server.serving import (
+    Generation,
+    Prompt,
+    ServerContext,
+    build_sampling_params,
+    token_str,
+    top_entries,
+)
+from pagoda.server.streaming import sse, until_disconnect
+
+
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    data = message.model_dump(exclude_none=True)
+    content = message.content
+    if isinstance(content, list):
+        if any(part.get("type") != "text" for part in content):
+            raise bad_request("Only text content parts are supported.", "messages")
+        content = "\n".join(str(part.get("text", "")) for part in content)
+    data["content"] = content or ""
+    return data
+
+
+def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """Applies the chat template (--chat-template, else the tokenizer's) to the messages."""
+    conversation = [_message_dict(m) for m in messages]
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            conversation, chat_template=ctx.chat_template, tokenize=False,
+            add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
+    except Exception as e:  # NOTE: jinja raises its own errors for conversations it rejects.
+        raise bad_request(f"The chat template could not be applied: {e}", "messages") from e
+    return str(text)
+
+
+def chat_logprobs(ctx: ServerContext, token_ids: list[int], entries: list[dict[int, Logprob]],
+                  num: int) -> ChatCompletionLogProbs:
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=False):
+        sampled = entry.get(token_id)
+        token = token_str(ctx, sampled) if sampled else str(ctx.tokenizer.decode([token_id]))
+        tops = [ChatLogProb(token=(t := token_str(ctx, lp)), logprob=lp.logprob,
+                            bytes=list(t.encode()))
+                for lp in top_entries(entry, num)]
+        content.append(ChatLogProbsContent(
+            token=token, logprob=sampled.logprob if sampled else float("-inf"),
+            bytes=list(token.encode()), top_logprobs=tops))
+    return ChatCompletionLogProbs(content=content)
+
+
+def _num_logprobs(req: ChatCompletionRequest) -> int | None:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.",
+                          "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request
+                                 ) -> Response:
+    ctx.check_model(req.model)
+    text = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+    prompt = Prompt(ctx.tokenizer.encode(text, add_special_tokens=False), text)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
+        else req.max_tokens
+    num_logprobs = _num_logprobs(req)
+    params = build_sampling_params(ctx, req.sampling_kwargs(), len(prompt.token_ids), max_tokens,
+                                   num_logprobs)
+    gen = Generation(ctx, random_id("chatcmpl"), [prompt], [params])
+    model = req.model or ctx.model_name
+    if req.stream:
+        return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs)),
+                                 media_type="text/event-stream")
+    if await until_disconnect(raw, gen.run()) is None:
+        return Response(status_code=499)
+    return JSONResponse(full_chat(gen, model, num_logprobs).model_dump())
+
+
+def full_chat(gen: Generation, model: str, num_logprobs: int | None) -> ChatCompletionResponse:
+    choices = []
+    for index, state in enumerate(gen.choices):
+        logprobs = None
+        if num_logprobs is not None:
+            logprobs = chat_logprobs(gen.ctx, state.token_ids, state.logprobs, num_logprobs)
+        choices.append(ChatCompletionResponseChoice(
+            index=index, message=AssistantMessage(content=state.text), logprobs=logprobs,
+            finish_reason=state.finish_reason, stop_reason=state.stop_reason))
+    return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=model,
+                                  choices=choices, usage=gen.usage())
+
+
+async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
+                      num_logprobs: int | None) -> AsyncIterator[ChatCompletionStreamResponse]:
+    def chunk(choices: list[ChatCompletionStreamChoice]) -> ChatCompletionStreamResponse:
+        return ChatCompletionStreamResponse(id=gen.request_id, created=gen.created, model=model,
+                                            choices=choices,
+                                            usage=gen.usage() if req.continuous_usage else None)
+
+    for index in range(len(gen.choices)):
+        yield chunk([ChatCompletionStreamChoice(
+            index=index, delta=DeltaMessage(role="assistant", content=""))])
+    async for index, delta in gen.deltas():
+        wants_logprobs = num_logprobs is not None and bool(delta.token_ids)
+        if not (delta.text or delta.finish_reason or wants_logprobs):
+            continue
+        logprobs = None
+        if num_logprobs is not None:
+            logprobs = chat_logprobs(gen.ctx, delta.token_ids, delta.logprobs or [], num_logprobs)
+        yield chunk([ChatCompletionStreamChoice(
+            index=index, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
+            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+    if req.include_usage:
+        usage_chunk = chunk([])
+        usage_chunk.usage = gen.usage()
+        yield usage_chunk

@@ -1,0 +1,228 @@
+"""`pagoda serve`: vLLM-style flags, engine start-up, uvicorn, and a draining SIGTERM.
+
+`add_serve_parser` adds the subcommand to the top-level CLI; `add_serve_arguments` gives the
+same flags to `python -m pagoda.entrypoints.openai.api_server`. Flag values are checked
+(through `EngineConfig`) before the model loads, so a typo fails in milliseconds with exit 2.
+
+Shutdown: the first SIGTERM or SIGINT starts draining: new requests get 503, running ones
+finish or hit `--drain-timeout`, then uvicorn stops and the process exits 0. A second signal
+stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from pagoda.config import BLOCK_SIZES, DEFAULT_MODEL, DTYPES, EngineConfig, parse_bytes
+from pagoda.server.api import build_app
+from pagoda.server.serving import ServerContext, load_chat_template
+
+logger = logging.getLogger("pagoda.serve")
+
+# flag dest -> EngineConfig.from_kwargs keyword
+ENGINE_FLAGS = {
+    "dtype": "dtype", "max_model_len": "max_model_len", "seed": "seed",
+    "chat_template": "chat_template", "device": "device", "block_size": "block_size",
+    "kv_cache_memory": "kv_cache_memory", "gpu_memory_utilization": "gpu_memory_utilization",
+    "num_kv_blocks": "num_kv_blocks", "enable_prefix_caching": "enable_prefix_caching",
+    "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+    "tensor_parallel_size": "tensor_parallel_size",
+}
+
+
+def human_int(text: str) -> int:
+    """'2048', '8k' (8000) or '8K' (8192), as vLLM's --max-model-len accepts."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer like 2048 or 8k, got {text!r}") from None
+
+
+def byte_size(text: str) -> str:
+    try:
+        parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def port_number(text: str) -> int:
+    port = int(text) if text.isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {text!r}")
+    return port
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds every `serve` flag to `parser`."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help=f"model to serve: HF directory, .gguf file or alias "
+                             f"(default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", default=None, help="same as the positional MODEL")
+    net = parser.add_argument_group("network and API")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    net.add_argument("--port", type=port_number, default=8000)
+    net.add_argument("--api-key", action="extend", nargs="+", default=None,
+                     help="require one of these keys on /v1 routes (also PAGODA_API_KEY)")
+    net.add_argument("--served-model-name", nargs="+", default=None,
+                     help="names the API answers to; the first appears in responses")
+    net.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="seconds running requests may take to finish after SIGTERM")
+    net.add_argument("--uvicorn-log-level", default="info",
+                     choices=["critical", "error", "warning", "info", "debug", "trace"])
+    net.add_argument("--disable-log-stats", action="store_true",
+                     help="turn off the periodic engine stats log")
+    model = parser.add_argument_group("model")
+    model.add_argument("--dtype", choices=DTYPES, default=None)
+    model.add_argument("--max-model-len", type=human_int, default=None)
+    model.add_argument("--seed", type=int, default=None)
+    model.add_argument("--chat-template", default=None, help="a Jinja template or a file path")
+    model.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    cache = parser.add_argument_group("memory and scheduling")
+    cache.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None)
+    cache.add_argument("--kv-cache-memory", type=byte_size, default=None,
+                       help="KV pool size, e.g. 4GiB")
+    cache.add_argument("--gpu-memory-utilization", type=float, default=None)
+    cache.add_argument("--num-kv-blocks", type=int, default=None)
+    cache.add_argument("--max-num-seqs", type=int, default=None)
+    cache.add_argument("--max-num-batched-tokens", type=int, default=None)
+    cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=None)
+    cache.add_argument("-tp", "--tensor-parallel-size", type=int, default=None)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Adds `serve` to the top-level CLI's subparsers; dispatch with `run_serve(args)`."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="start the OpenAI-compatible server",
+        description="Serve a model over an OpenAI-compatible HTTP API (vLLM-style flags).")
+    add_serve_arguments(parser)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model and args.model_tag and args.model != args.model_tag:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    return str(args.model or args.model_tag or DEFAULT_MODEL)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    kwargs = {key: getattr(args, dest) for dest, key in ENGINE_FLAGS.items()
+              if getattr(args, dest, None) is not None}
+    if args.disable_log_stats:
+        kwargs["log_stats"] = False
+    return kwargs
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    keys = list(args.api_key or [])
+    env = os.environ.get("PAGODA_API_KEY")
+    if env:
+        keys.append(env)
+    return [k for k in keys if k]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Validates the flags, loads the model, serves until SIGTERM; returns the exit code."""
+    try:
+        model = resolve_model(args)
+        config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
+    except ValueError as e:
+        print(f"pagoda serve: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(args, model, config))
+
+
+def _load_engine(model: str, config: EngineConfig, name: str, kwargs: dict[str, Any]) -> Any:
+    from pagoda.async_engine import AsyncLLM
+    from pagoda.metrics import default_stat_loggers
+
+    loggers = default_stat_loggers(name, config)
+    return AsyncLLM.from_engine_args(model=model, stat_loggers=loggers, **kwargs)
+
+
+async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> int:
+    names = args.served_model_name or [model]
+    started = time.perf_counter()
+    try:
+        engine = _load_engine(model, config, names[0], engine_kwargs(args))
+    except (ValueError, OSError) as e:
+        print(f"pagoda serve: error: cannot load {model!r}: {e}", file=sys.stderr)
+        return 1
+    try:
+        ctx = ServerContext(engine=engine, served_model_names=names, model_path=model,
+                            max_model_len=engine.config.model.max_model_len,
+                            chat_template=load_chat_template(config.model.chat_template),
+                            api_keys=api_keys(args))
+        logger.info("engine ready in %.1f s (max_model_len %d)", time.perf_counter() - started,
+                    ctx.max_model_len)
+        uv_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port,
+                                   log_level=args.uvicorn_log_level, lifespan="off",
+                                   timeout_graceful_shutdown=2)
+        await DrainingServer(uv_config, ctx, args.drain_timeout).serve()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM drains instead of stopping at once."""
+
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.ctx = ctx
+        self.drain_timeout = drain_timeout
+        self.drain_started: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # NOTE: uvicorn re-raises captured signals after serving, which would turn a clean
+        # drain into death by SIGTERM; so nothing is captured here.
+        if self.ctx.draining or not self.started:
+            self.should_exit = True
+            self.force_exit = self.ctx.draining
+            return
+        logger.info("received %s: draining %d request(s), up to %.0f s",
+                    signal.Signals(sig).name, self.ctx.num_active_requests, self.drain_timeout)
+        self.ctx.draining = True
+        self.drain_started = time.monotonic()
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_started is not None and not self.should_exit:
+            waited = time.monotonic() - self.drain_started
+            if self.ctx.num_active_requests == 0 or waited > self.drain_timeout:
+                logger.info("drained after %.1f s; %d request(s) left", waited,
+                            self.ctx.num_active_requests)
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(banner(self.config.host, self.config.port, self.ctx), flush=True)
+
+
+def banner(host: str, port: int, ctx: ServerContext) -> str:
+    shown = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+    url = f"http://{shown}:{port}"
+    auth = " -H 'Authorization: Bearer $PAGODA_API_KEY'" if ctx.api_keys else ""
+    body = json.dumps({"model": ctx.model_name, "max_tokens": 32,
+                       "messages": [{"role": "user", "content": "Hello!"}]})
+    return (f"pagoda is serving {ctx.model_name!r} at {url}/v1 (docs: {url}/docs)\n"
+            f"Try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d '{body}'")

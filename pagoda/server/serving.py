@@ -1,0 +1,217 @@
+"""What completions and chat share: the server context, prompts, and running a generation.
+
+A `Generation` sends an API request's prompts to the engine, one engine request per prompt
+(each with its n samples), merges their delta streams and keeps the running state of every
+choice (choice index = prompt index * n + sample index). If it stops before the engine
+finished (a client disconnect, an error), it aborts the unfinished engine requests, so their
+KV blocks go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.sampling_params import SamplingParamError, SamplingParams
+from pagoda.server.errors import APIError, bad_request, context_length_error
+from pagoda.server.protocol import PromptTokensDetails, UsageInfo, now
+from pagoda.server.streaming import merge
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClient(Protocol):
+    """The part of `pagoda.async_engine.AsyncLLM` the server uses."""
+
+    tokenizer: Any
+    config: Any
+
+    def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def check_health(self) -> tuple[bool, str]: ...
+
+    def num_unfinished_requests(self) -> int: ...
+
+
+@dataclass
+class ServerContext:
+    """Everything a route needs: the engine, the names it answers to, the limits."""
+
+    engine: EngineClient
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+    chat_template: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    draining: bool = False
+    num_active_requests: int = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.served_model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """A `--chat-template` value is either a file path or the template text itself."""
+    if template and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    return template
+
+
+@dataclass
+class Prompt:
+    """One engine prompt: its tokens and, when the client sent text, that text."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+def check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> None:
+    if not token_ids:
+        raise bad_request("The prompt cannot be empty.", param)
+    vocab_size = len(ctx.tokenizer)
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise bad_request(f"Token id {bad[0]} is out of vocabulary (size {vocab_size}).", param)
+
+
+def build_sampling_params(ctx: ServerContext, fields: dict[str, Any], num_prompt_tokens: int,
+                          max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """Checks the context length, then builds SamplingParams; both fail with a 400.
+
+    An omitted max_tokens takes whatever the context leaves after the prompt.
+    """
+    error = context_length_error(ctx.max_model_len, num_prompt_tokens, max_tokens)
+    if error is not None:
+        raise error
+    if max_tokens is None:
+        max_tokens = ctx.max_model_len - num_prompt_tokens
+    try:
+        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+    except SamplingParamError as e:
+        raise bad_request(str(e), e.param) from e
+    except (TypeError, ValueError) as e:
+        raise bad_request(str(e)) from e
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice (one sample of one prompt) produced so far."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        self.logprobs.extend(delta.logprobs or [])
+        self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
+
+
+_background_tasks: set[asyncio.Task[None]] = set()
+
+
+async def _abort_quietly(engine: EngineClient, request_id: str) -> None:
+    try:
+        await engine.abort(request_id)
+    except Exception:  # NOTE: the request may have finished meanwhile; nothing to undo.
+        logger.debug("abort of %s failed", request_id, exc_info=True)
+
+
+class Generation:
+    """One API request's prompts running in the engine, with the state of each choice."""
+
+    def __init__(self, ctx: ServerContext, request_id: str, prompts: list[Prompt],
+                 params: list[SamplingParams]) -> None:
+        self.ctx = ctx
+        self.request_id = request_id
+        self.created = now()
+        self.prompts = prompts
+        self.params = params
+        self.n = params[0].n
+        self.request_ids = ([request_id] if len(prompts) == 1
+                            else [f"{request_id}-{i}" for i in range(len(prompts))])
+        self.choices = [ChoiceState() for _ in range(len(prompts) * self.n)]
+        self.num_cached_tokens = [0] * len(prompts)
+        self.finished = [False] * len(prompts)
+
+    async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """Yields (choice index, delta) as the engine produces them."""
+        streams = [self.ctx.engine.generate(p.token_ids, sp, rid)
+                   for p, sp, rid in zip(self.prompts, self.params, self.request_ids, strict=True)]
+        try:
+            async for i, out in merge(streams):
+                if out.error:
+                    raise APIError(500, f"Generation failed: {out.error}")
+                self.num_cached_tokens[i] = out.num_cached_tokens
+                self.finished[i] = out.finished
+                for delta in out.outputs:
+                    index = i * self.n + delta.index
+                    self.choices[index].add(delta)
+                    yield index, delta
+        except APIError:
+            raise
+        except SamplingParamError as e:
+            raise bad_request(str(e), e.param) from e
+        except ValueError as e:  # NOTE: e.g. PromptTooLongError, raised before any output.
+            raise bad_request(str(e), getattr(e, "param", None)) from e
+        except Exception as e:  # NOTE: e.g. EngineDeadError; the client gets a 500.
+            logger.exception("generation %s failed", self.request_id)
+            raise APIError(500, f"{type(e).__name__}: {e}") from e
+        finally:
+            self._abort_unfinished()
+
+    async def run(self) -> Generation:
+        """Runs to completion, keeping only the final state of each choice."""
+        async for _ in self.deltas():
+            pass
+        return self
+
+    def usage(self) -> UsageInfo:
+        num_prompt = sum(len(p.token_ids) for p in self.prompts)
+        num_completion = sum(len(c.token_ids) for c in self.choices)
+        details = PromptTokensDetails(cached_tokens=sum(self.num_cached_tokens))
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                         total_tokens=num_prompt + num_completion, prompt_tokens_details=details)
+
+    def _abort_unfinished(self) -> None:
+        # NOTE: a fresh task, because this may run inside a cancelled scope where any await
+        # would be cancelled again before the abort reached the engine.
+        for rid, done in zip(self.request_ids, self.finished, strict=True):
+            if not done:
+                task = asyncio.get_running_loop().create_task(_abort_quietly(self.ctx.engine, rid))
+                _background_tasks.add(task)
+                task.add_done_callback(_background_tasks.discard)
+
+
+def token_str(ctx: ServerContext, logprob: Logprob) -> str:
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return str(ctx.tokenizer.decode([logprob.token_id]))
+
+
+def top_entries(entry: dict[int, Logprob], num: int) -> list[Logprob]:
+    """The top-`num` candidates of one position, best first."""
+    return sorted((lp for lp in entry.values() if lp.rank <= num), key=lambda lp: lp.rank)[:num]
+

@@ -1,0 +1,202 @@
+"""Server paths a real engine seldom takes, in-process against a scripted fake engine.
+
+An engine failure mid-stream (an SSE error event, then the server keeps serving), a failure
+before any output, an unhealthy engine, plus the CLI's flag checks and the error wording.
+The real-process tests live in test_server.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.sampling_params import SamplingParams
+from pagoda.server.api import build_app
+from pagoda.server.errors import context_length_error
+from pagoda.server.middleware import key_matches
+from pagoda.server.serve import add_serve_parser, engine_kwargs, run_serve
+from pagoda.server.serving import ServerContext
+
+REPO = Path(__file__).resolve().parents[1]
+FAIL_MID_STREAM, FAIL_WITH_ERROR, FAIL_BEFORE_OUTPUT = 666, 667, 668
+
+
+class FakeEngine:
+    """Yields three one-token deltas; chosen seeds make it fail in different ways."""
+
+    def __init__(self, tokenizer: object) -> None:
+        self.tokenizer = tokenizer
+        self.config = SimpleNamespace(model=SimpleNamespace(max_model_len=64))
+        self.healthy = True
+        self.aborted: list[str] = []
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        if sampling_params.seed == FAIL_BEFORE_OUTPUT:
+            raise ValueError("The prompt is not acceptable.")
+        for step in range(3):
+            if step == 2 and sampling_params.seed == FAIL_MID_STREAM:
+                raise RuntimeError("the engine exploded")
+            last = step == 2
+            delta = CompletionOutput(0, f"t{step} ", [100 + step],
+                                     finish_reason="length" if last else None)
+            error = "step failed" if last and sampling_params.seed == FAIL_WITH_ERROR else None
+            yield RequestOutput(request_id, None, list(prompt), [delta], last, error=error)
+            await asyncio.sleep(0)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def check_health(self) -> tuple[bool, str]:
+        return self.healthy, "" if self.healthy else "engine thread died"
+
+    def num_unfinished_requests(self) -> int:
+        return 0
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_tokenizer_dir: Path) -> FakeEngine:
+    from transformers import AutoTokenizer
+
+    return FakeEngine(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir))
+
+
+def call(engine: FakeEngine, method: str, path: str, **kwargs: object) -> httpx.Response:
+    ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake",
+                        max_model_len=64)
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=build_app(ctx))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.request(method, path, **kwargs)  # type: ignore[arg-type]
+
+    return asyncio.run(go())
+
+
+def events(r: httpx.Response) -> list[object]:
+    return [json.loads(line[6:]) if line != "data: [DONE]" else "[DONE]"
+            for line in r.text.splitlines() if line.startswith("data: ")]
+
+
+def test_failure_mid_stream_is_an_sse_error_event(engine: FakeEngine):
+    body = {"prompt": "hi", "stream": True, "seed": FAIL_MID_STREAM, "max_tokens": 5}
+    r = call(engine, "POST", "/v1/completions", json=body)
+    assert r.status_code == 200
+    got = events(r)
+    assert [e["choices"][0]["text"] for e in got[:2]] == ["t0 ", "t1 "]
+    assert got[2]["error"]["code"] == 500 and "the engine exploded" in got[2]["error"]["message"]
+    assert got[3] == "[DONE]"
+    ok = call(engine, "POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 5})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "t0 t1 t2 "
+
+
+def test_failures_without_a_stream(engine: FakeEngine):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    r = call(engine, "POST", "/v1/chat/completions", json={**chat, "seed": FAIL_WITH_ERROR})
+    assert r.status_code == 500 and r.json()["error"]["type"] == "InternalServerError"
+    assert "step failed" in r.json()["error"]["message"]
+    r = call(engine, "POST", "/v1/chat/completions", json={**chat, "seed": FAIL_BEFORE_OUTPUT})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "The prompt is not acceptable."
+    r = call(engine, "POST", "/v1/chat/completions",
+             json={**chat, "stream": True, "seed": FAIL_WITH_ERROR})
+    assert [e for e in events(r) if isinstance(e, dict) and "error" in e]
+
+
+def test_unhealthy_engine(engine: FakeEngine):
+    engine.healthy = False
+    try:
+        r = call(engine, "GET", "/health")
+    finally:
+        engine.healthy = True
+    assert r.status_code == 503 and "engine thread died" in r.json()["error"]["message"]
+
+
+def test_openapi_lists_the_routes(engine: FakeEngine):
+    paths = call(engine, "GET", "/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version",
+            "/tokenize", "/detokenize", "/metrics"} <= set(paths)
+
+
+def test_context_length_wording():
+    err = context_length_error(4096, 3500, 1000)
+    assert err is not None and err.param == "max_tokens" and err.message == (
+        "This model's maximum context length is 4096 tokens. However, you requested 4500 tokens "
+        "(3500 in the messages, 1000 in the completion). Please reduce the length of the "
+        "messages or completion.")
+    err = context_length_error(4096, 4096, None)
+    assert err is not None and "you requested 4096 tokens in the messages" in err.message
+    assert context_length_error(4096, 4095, None) is None
+    assert context_length_error(4096, 4000, 96) is None
+
+
+def test_key_matches():
+    assert key_matches("b", ["a", "b"]) and not key_matches("c", ["a", "b"])
+    assert not key_matches("", ["a"])
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagoda")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_serve_flags_map_to_engine_kwargs():
+    args = serve_parser().parse_args([
+        "serve", "some/model", "--max-model-len", "8K", "--kv-cache-memory", "4GiB",
+        "--no-enable-prefix-caching", "--block-size", "32", "--api-key", "a", "b",
+        "--api-key", "c", "--dtype", "float32", "--disable-log-stats"])
+    assert args.model_tag == "some/model" and args.api_key == ["a", "b", "c"]
+    assert engine_kwargs(args) == {"max_model_len": 8192, "kv_cache_memory": "4GiB",
+                                   "enable_prefix_caching": False, "block_size": 32,
+                                   "dtype": "float32", "log_stats": False}
+    args = serve_parser().parse_args(["serve"])
+    assert args.model_tag is None and args.host == "127.0.0.1" and args.port == 8000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--block-size", "7"], "invalid choice"),
+    (["--kv-cache-memory", "lots"], "kv_cache_memory must look like"),
+    (["--port", "99999"], "must be an integer in [0, 65535]"),
+    (["--max-model-len", "big"], "expected an integer like 2048 or 8k"),
+])
+def test_bad_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exit_info:
+        serve_parser().parse_args(["serve", *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
+    (["m1", "--model", "m2"], "two models given"),
+])
+def test_bad_values_fail_before_loading(argv: list[str], message: str,
+                                        capsys: pytest.CaptureFixture[str]):
+    assert run_serve(serve_parser().parse_args(["serve", *argv])) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_entrypoint_rejects_unknown_flag():
+    r = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.openai.api_server", "--bogus"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
+
+
+def test_unloadable_model_exits_1(capsys: pytest.CaptureFixture[str]):
+    assert run_serve(serve_parser().parse_args(["serve", "/nonexistent/model"])) == 1
+    assert "cannot load '/nonexistent/model'" in capsys.readouterr().err
