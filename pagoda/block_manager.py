@@ -168,9 +168,9 @@ class BlockManager:
         request.block_ids = []
         self._num_named_blocks.pop(request.request_id, None)
 
-    def uncache(self, request: Request) -> None:
-        """Forgets the hashes of the request's blocks (their content is not trustworthy)."""
-        for block_id in request.block_ids:
+    def uncache(self, request: Request, from_block: int = 0) -> None:
+        """Forgets the hashes of the request's blocks from `from_block` on (content untrusted)."""
+        for block_id in request.block_ids[from_block:]:
             block = self.blocks[block_id]
             if block.block_hash is not None and self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from pagoda.layers import cpu_kernels
 from pagoda.layers.attention import AttentionMetadata, PrefillChunk
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.request import Request
@@ -24,6 +25,7 @@ class ModelRunner:
         self.device = device
         self.sliding_window = sliding_window
         self.sampler = Sampler()
+        self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):
@@ -60,8 +62,11 @@ class ModelRunner:
             if c + n == r.num_tokens:
                 sample_rows.append((i, len(input_ids) - 1))
         num_decodes = sum(1 for n in counts if n == 1)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes)
-        if num_decodes:
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes,
+                                 sliding_window=self.sliding_window or 0)
+        if num_decodes and self.use_cpu_kernel:
+            meta.decode_block_tables, meta.decode_context_lens = self._kernel_tables(reqs[:num_decodes])
+        elif num_decodes:
             meta.decode_slots, meta.decode_mask = self._decode_tables(reqs[:num_decodes])
         start = num_decodes
         for r, n in zip(reqs[num_decodes:], counts[num_decodes:], strict=True):
@@ -79,6 +84,11 @@ class ModelRunner:
     def _gather_index(self, table: torch.Tensor, length: int) -> torch.Tensor:
         pos = torch.arange(length)
         return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _kernel_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        lens = [r.num_computed_tokens + 1 for r in reqs]
+        table = self._block_table(reqs, -(-max(lens) // self.block_size))
+        return table, torch.tensor(lens, dtype=torch.long)
 
     def _decode_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs])

@@ -84,7 +84,7 @@ class RequestState:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=deltas, finished=self.finished, metrics=first.metrics,
-            num_cached_tokens=first.num_cached_tokens, error=self.error,
+            num_cached_tokens=max(s.request.num_cached_tokens for s in self.samples), error=self.error,
         )
 
 

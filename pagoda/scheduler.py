@@ -130,7 +130,8 @@ class Scheduler:
         elif not request.is_finished and request in self.waiting:
             self.waiting.remove(request)
         if status is RequestStatus.FINISHED_ERROR:
-            self.block_manager.uncache(request)
+            # NOTE: blocks computed before the failed step hold good KV (a shared system prompt).
+            self.block_manager.uncache(request, request.num_computed_tokens // self.block_manager.block_size)
         self.block_manager.free(request)
         request.status = status
         self.requests.pop(request.request_id, None)

@@ -8,13 +8,15 @@ transformers' default 0.02 a tiny model repeats one token and hides bugs.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
-import torch
-
+# NOTE: must precede torch's import: OpenMP reads it once, when its thread pool starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 TINY_COMMON = dict(
     hidden_size=64,
@@ -40,6 +42,7 @@ TINY_ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+    "mistral_swa": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=16)),
 }
 
 

@@ -51,7 +51,7 @@ def references(tiny_model_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa"])
 def test_mixed_batch_matches_hf(arch, tiny_model_factory, references):
     got = pagoda_greedy(tiny_model_factory(arch), _prompts(), MAX_TOKENS, num_kv_blocks=64)
     assert got == references(arch)
@@ -72,3 +72,13 @@ def test_preemption_keeps_outputs(tiny_model_factory, references):
     assert [o.outputs[0].token_ids for o in outs] == references("llama")
     assert llm.engine.scheduler.num_preemptions > 0
     llm.engine.check_integrity()
+
+
+def test_torch_attention_fallback_matches_hf(tiny_model_factory, references, monkeypatch):
+    from pagoda.layers import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    for arch in ("llama", "mistral_swa"):
+        got = pagoda_greedy(tiny_model_factory(arch), _prompts(), MAX_TOKENS, num_kv_blocks=64,
+                            max_num_batched_tokens=32)
+        assert got == references(arch), arch

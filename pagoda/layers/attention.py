@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.layers import cpu_kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -33,10 +35,19 @@ class PrefillChunk:
 
 @dataclass
 class AttentionMetadata:
+    """Per-step inputs of every attention layer.
+
+    Decode rows use either the native kernel (`decode_block_tables` + `decode_context_lens`,
+    read in place) or the torch path (`decode_slots` gather index + `decode_mask`).
+    """
+
     slot_mapping: torch.Tensor
     num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
+    sliding_window: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -69,9 +80,13 @@ class PagedAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if meta.decode_slots is None:
+            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
+            return cpu_kernels.paged_decode(q, self.k_cache, self.v_cache, meta.decode_block_tables,
+                                            meta.decode_context_lens, self.head_dim**-0.5,
+                                            meta.sliding_window)
         # NOTE: the query heads sharing a KV head become that head's "query positions", so
         # grouped-query attention needs no K/V expansion: [B, KV, group, D] against [B, KV, L, D].
-        assert meta.decode_slots is not None
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys = k_flat[meta.decode_slots].transpose(1, 2)

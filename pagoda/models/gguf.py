@@ -71,4 +71,4 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
             array = _unpermute(array, n_head)
         elif arch in _PERMUTED_ARCHS and ".k_proj." in name:
             array = _unpermute(array, n_kv)
-        yield name, torch.from_numpy(np.ascontiguousarray(array))
+        yield name, torch.from_numpy(np.array(array, copy=True))
