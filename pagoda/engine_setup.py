@@ -89,7 +89,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     d = model.dims
     spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
     runner = ModelRunner(model, config.cache.block_size, device, d.sliding_window)
-    num_blocks = num_blocks_for(spec, config.cache, device, _available_cuda_bytes(config, device))
+    num_blocks = num_blocks_for(spec, config.cache, device, _available_cuda_bytes(config, runner, spec, device))
     check_capacity(num_blocks, config.cache.block_size, max_model_len)
     runner.bind_kv_cache(allocate_kv_cache(spec, num_blocks, config.cache.block_size, device))
     log_capacity(spec, num_blocks, config.cache.block_size, max_model_len)
@@ -98,15 +98,38 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
                        _eos_ids(hf_config, tokenizer))
 
 
-def _available_cuda_bytes(config: EngineConfig, device: torch.device) -> int | None:
-    """GPU memory left for KV under gpu_memory_utilization, after weights and activations.
-
-    NOTE: the activation peak is approximated by the logits of a full token budget; a
-    profiling forward pass needs a cache to run against, which does not exist yet.
-    """
+def _available_cuda_bytes(config: EngineConfig, runner: ModelRunner, spec: KVCacheSpec,
+                          device: torch.device) -> int | None:
+    """GPU memory left for KV under gpu_memory_utilization, after weights and a profiling pass."""
     if device.type != "cuda":
         return None
+    peak = profile_forward(runner, spec, config)
     free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    activation = config.scheduler.max_num_batched_tokens * 4 * 256 * 1024
-    return max(int(total * config.cache.gpu_memory_utilization) - used - activation, 0)
+    return max(int(total * config.cache.gpu_memory_utilization) - (total - free) - peak, 0)
+
+
+def profile_forward(runner: ModelRunner, spec: KVCacheSpec, config: EngineConfig) -> int:
+    """Runs one full-budget prefill on a scratch pool; returns its peak activation bytes (CUDA)."""
+    from pagoda.request import Request
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.scheduler import SchedulerOutput
+
+    device = runner.device
+    bs = config.cache.block_size
+    num_tokens = min(config.scheduler.max_num_batched_tokens, config.scheduler.max_model_len - 1)
+    num_blocks = -(-num_tokens // bs)
+    runner.bind_kv_cache(allocate_kv_cache(spec, num_blocks, bs, device))
+    request = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
+    request.block_ids = list(range(num_blocks))
+    sched = SchedulerOutput()
+    sched.add(request, num_tokens)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device) if cuda else 0
+    runner.execute(sched)
+    peak = torch.cuda.max_memory_allocated(device) - before if cuda else 0
+    runner.bind_kv_cache([(torch.empty(0), torch.empty(0))] * spec.num_layers)
+    if cuda:
+        torch.cuda.empty_cache()
+    return max(peak, 0)

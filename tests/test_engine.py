@@ -139,3 +139,23 @@ def test_prompt_validation(llm):
     with pytest.raises(ValueError, match="vocabulary"):
         llm.engine.add_request(None, [10**7], SamplingParams())
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_profile_forward_runs_a_full_budget_prefill(llm):
+    from pagoda.engine_setup import profile_forward
+    from pagoda.kv_cache import KVCacheSpec
+
+    runner = llm.engine.runner
+    d = runner.model.dims
+    saved = [(a.k_cache, a.v_cache) for a in runner.model.attention_layers()]
+    spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, torch.float32)
+    try:
+        assert profile_forward(runner, spec, llm.engine.config) == 0  # CPU: nothing to measure
+    finally:
+        runner.bind_kv_cache(saved)
+    assert _greedy(llm, max_tokens=3).token_ids
+
+
+def test_pool_too_small_for_max_model_len_fails_at_start(tiny_llama):
+    with pytest.raises(ValueError, match="max_model_len=256.*--kv-cache-memory.*--max-model-len"):
+        LLM(str(tiny_llama), dtype="float32", num_kv_blocks=4, max_model_len=256)
