@@ -5,6 +5,8 @@ awaits its `RequestOutput` deltas, which the engine thread hands over with
 `call_soon_threadsafe`. Closing or cancelling the stream (a client disconnect) aborts the
 request, which frees its KV blocks before the next step. `check_health()` reports the truth:
 unhealthy when the loop died or has had work pending without stepping for `stall_timeout`.
+`kv_report()` answers from a snapshot the engine thread takes after each loop iteration, so
+the HTTP thread never reads the scheduler while a step mutates it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class AsyncLLM:
         self._stop = threading.Event()
         self._dead_reason: str | None = None
         self.last_step_time = time.monotonic()
+        self._kv_report = engine.kv_report()
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 
@@ -71,6 +74,10 @@ class AsyncLLM:
         self.engine.validate_prompt(token_ids)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        if self._dead_reason is not None:
+            # NOTE: the loop died after the first check, maybe before it failed every stream.
+            self._streams.pop(request_id, None)
+            raise EngineDeadError(self._dead_reason)
         self._send("add", (request_id, prompt if isinstance(prompt, list) else token_ids,
                            sampling_params, time.time(), prompt if isinstance(prompt, str) else None))
         finished = False
@@ -96,11 +103,18 @@ class AsyncLLM:
         self._wakeup.set()
 
     def check_health(self) -> tuple[bool, str]:
+        """(True, "ok") while the loop runs and steps; else False and the reason.
+
+        Unhealthy when the loop is dead, or when requests (or queued commands) have waited
+        more than `stall_timeout` seconds since its last step.
+        """
         if self._dead_reason is not None or not self._thread.is_alive():
             return False, f"engine loop is dead: {self._dead_reason or 'thread exited'}"
         stalled = time.monotonic() - self.last_step_time
-        if self.engine.has_unfinished_requests() and stalled > self.stall_timeout:
-            return False, f"engine has pending requests but has not stepped for {stalled:.0f} s"
+        pending = self.engine.has_unfinished_requests() or bool(self._commands)
+        if pending and stalled > self.stall_timeout:
+            return False, (f"engine has pending requests but has not stepped for {stalled:.1f} s "
+                           f"(stall timeout {self.stall_timeout:g} s)")
         return True, "ok"
 
     def num_unfinished_requests(self) -> int:
@@ -113,7 +127,8 @@ class AsyncLLM:
         return self.engine.block_manager.num_blocks
 
     def kv_report(self) -> dict[str, float]:
-        return self.engine.kv_report()
+        """`LLMEngine.kv_report()` as of the engine loop's last iteration."""
+        return dict(self._kv_report)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -128,8 +143,10 @@ class AsyncLLM:
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
+                    self._kv_report = self.engine.kv_report()
                     self.last_step_time = time.monotonic()
                 else:
+                    self._kv_report = self.engine.kv_report()
                     self.last_step_time = time.monotonic()
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()

@@ -120,7 +120,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _check(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
-               "must be 1: tensor parallelism is not implemented yet in pagoda")
+               "must be 1: tensor parallelism is not implemented yet in pagoda (roadmap item 'Scale: tensor parallelism on torch.distributed'; no issue filed yet)")
 
 
 @dataclass(frozen=True)

@@ -227,6 +227,7 @@ class LLMEngine:
         contiguous_tokens = s.num_running_reqs * self.max_model_len
         return {
             "pool_bytes": s.num_blocks_total * block_bytes, "num_blocks": s.num_blocks_total,
+            "num_running_requests": s.num_running_reqs,
             "block_size": self.block_manager.block_size, "num_blocks_free": s.num_blocks_free,
             "num_blocks_cached": s.num_blocks_cached, "tokens_held": s.num_tokens_held,
             "slots_reserved": s.num_slots_reserved, "slots_unused": s.num_slots_reserved - s.num_tokens_held,

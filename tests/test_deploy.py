@@ -1,4 +1,5 @@
-"""The deploy kit: alert rules under promtool, the Grafana dashboard, a real Prometheus scrape.
+"""The deploy kit: alert rules under promtool, the Grafana dashboard, a real Prometheus server
+scraping a real pagoda server process (the tiny model, started as test_server.py starts it).
 
 promtool and prometheus come from Debian's `prometheus` package (scripts/install_prometheus.sh,
 which .ci/run calls); tests that need them skip, saying so, where they are absent.
@@ -12,20 +13,20 @@ import re
 import shutil
 import socket
 import subprocess
-import threading
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
+from test_server import start_server
 
 from pagoda.config import EngineConfig
-from pagoda.metrics import PrometheusStatLogger, render_metrics
+from pagoda.metrics import PrometheusStatLogger
 from pagoda.stats import FinishedRequestStats, IterationStats, SchedulerStats
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
@@ -173,32 +174,6 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_metrics(registry: CollectorRegistry) -> Iterator[str]:
-    """Serves `render_metrics(registry)` at http://127.0.0.1:PORT/metrics; yields host:port."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            body, content_type = render_metrics(registry)
-            self.send_response(200 if self.path == "/metrics" else 404)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-@contextlib.contextmanager
 def prometheus_scraping(target: str, workdir: Path) -> Iterator[str]:
     """Runs Prometheus (1 s scrapes of `target`/metrics, deploy/alerts.yml loaded); yields its URL."""
     binary = require("prometheus")
@@ -255,17 +230,33 @@ def query_value(base_url: str, promql: str) -> str | None:
     return answer["data"]["result"][0]["value"][1]
 
 
-def test_real_prometheus_scrapes_pagoda_metrics(tmp_path: Path) -> None:
-    log = tmp_path / "prometheus.log"
-    with serve_metrics(populated_registry()) as target, \
-            prometheus_scraping(target, tmp_path) as prom:
-        value = wait_for(lambda: query_value(prom, 'pagoda:kv_blocks{job="pagoda"}'),
-                         "pagoda:kv_blocks to be scraped", 30, log)
-        assert value == "128"
-        assert query_value(prom, 'vllm:request_success_total{finished_reason="abort"}') == "1"
-        assert query_value(prom, 'vllm:num_requests_running{model_name="tiny-model"}') == "2"
-        assert query_value(prom, f'up{{job="pagoda", instance="{target}"}}') == "1"
-        rules = get_json(f"{prom}/api/v1/rules")
+def test_real_prometheus_scrapes_a_running_pagoda(tiny_llama: Path, tmp_path: Path) -> None:
+    require("prometheus")
+    server = start_server(tiny_llama, "--dtype", "float32", "--num-kv-blocks", "64",
+                          "--served-model-name", "tiny")
+    try:
+        prompts = [[5, 6, 7], [8, 9, 10, 11]]
+        for prompt in prompts:
+            r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
+                           json={"prompt": prompt, "max_tokens": 4, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        target = server.base_url.removeprefix("http://")
+        log = tmp_path / "prometheus.log"
+        with prometheus_scraping(target, tmp_path) as prom:
+            value = wait_for(lambda: query_value(prom, 'pagoda:kv_blocks{job="pagoda"}'),
+                             "pagoda:kv_blocks to be scraped", 20, log)
+            assert value == "64"
+            success = 'vllm:request_success_total{model_name="tiny", finished_reason="length"}'
+            assert query_value(prom, success) == "2"
+            assert query_value(prom, 'vllm:request_success_total{finished_reason="abort"}') == "0"
+            assert query_value(prom, "vllm:prompt_tokens_total") == str(sum(map(len, prompts)))
+            assert query_value(prom, "vllm:generation_tokens_total") == "8"
+            assert query_value(prom, "vllm:e2e_request_latency_seconds_count") == "2"
+            assert query_value(prom, "pagoda:kv_blocks_free") == "64"
+            assert query_value(prom, f'up{{job="pagoda", instance="{target}"}}') == "1"
+            rules = get_json(f"{prom}/api/v1/rules")
         assert rules is not None
         loaded = {r["name"] for g in rules["data"]["groups"] for r in g["rules"]}
         assert loaded == {rule["alert"] for rule in alert_rules()}
+    finally:
+        server.stop()

@@ -96,7 +96,7 @@ def sse_events(lines: list[str]) -> list[dict | str]:
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path):
     srv = start_server(tiny_llama, "--dtype", "float32", "--num-kv-blocks", "128",
-                       "--max-num-seqs", "16", "--seed", "0")
+                       "--max-num-seqs", "16", "--seed", "0", "--engine-stall-timeout", "30")
     yield srv
     srv.stop()
 
@@ -338,6 +338,37 @@ def wait_until_idle(http: httpx.Client, timeout: float = 10.0) -> str:
         if idle or time.monotonic() > deadline:
             return text
         time.sleep(0.1)
+
+
+# NOTE: the tiny Llama of conftest.py: K and V, 2 layers, 2 KV heads of 64 / 4 dims, float32.
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * (64 // 4) * 4
+NUM_KV_BLOCKS, BLOCK_SIZE = 128, 16
+
+
+def test_kv_cache_report_while_a_request_runs(server: ServerProcess, http: httpx.Client):
+    assert "KV cache pool: 1.0 MiB, 128 blocks x 16 tokens" in server.log()
+    wait_until_idle(http)
+    body = {"prompt": PROMPTS[0], "max_tokens": 480, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert [next(lines) for _ in range(4)]
+            report = http.get("/kv_cache").json()
+    assert report["pool_bytes"] == NUM_KV_BLOCKS * BLOCK_SIZE * KV_BYTES_PER_TOKEN
+    assert report["num_blocks"] == NUM_KV_BLOCKS and report["block_size"] == BLOCK_SIZE
+    held, reserved = report["tokens_held"], report["slots_reserved"]
+    assert held > 0 and reserved >= held and reserved % BLOCK_SIZE == 0
+    assert report["slots_unused"] == reserved - held < BLOCK_SIZE
+    assert report["num_blocks_free"] == NUM_KV_BLOCKS - reserved // BLOCK_SIZE
+    # NOTE: one running request; reserving its full context up front would take 512 slots.
+    assert report["contiguous_reservation_tokens"] == 1 * MAX_MODEL_LEN
+    assert report["contiguous_reservation_bytes"] == MAX_MODEL_LEN * KV_BYTES_PER_TOKEN
+    assert f"{held} tokens held in {reserved} reserved slots" in report["text"]
+    assert "contiguous max-length reservation for the same requests: 512 slots" in report["text"]
+    wait_until_idle(http)
+    idle = http.get("/kv_cache").json()
+    assert (idle["tokens_held"], idle["slots_reserved"], idle["contiguous_reservation_tokens"]
+            ) == (0, 0, 0)
 
 
 def test_stream_disconnect_aborts_and_frees_blocks(server: ServerProcess, http: httpx.Client):

@@ -3,17 +3,20 @@
 Routes are thin: they validate, then hand off to `completions.py` / `chat.py`. Every error
 leaves in the OpenAI shape (`errors.py`); the gate middleware handles keys and draining.
 The engine runs in its own thread, so these handlers only wait on it and /health or
-/v1/models answer at once even when it is saturated.
+/v1/models answer at once even when it is saturated. /health answers 503 with the reason when
+the engine loop died or stalls; /kv_cache reports the KV pool (bytes, blocks, tokens held,
+slots reserved, and what contiguous reservation would need).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import Response
 
+from pagoda.metrics import format_kv_memory_report, render_metrics
 from pagoda.server.chat import create_chat_completion, render_chat
 from pagoda.server.completions import create_completion
 from pagoda.server.errors import APIError, bad_request, error_response, install_error_handlers
@@ -117,14 +120,15 @@ async def detokenize(req: DetokenizeRequest, ctx: Ctx) -> DetokenizeResponse:
 
 @router.get("/metrics")
 async def metrics() -> Response:
-    try:
-        from pagoda import metrics as pagoda_metrics
-    except ModuleNotFoundError as e:
-        if e.name != "pagoda.metrics":
-            raise
-        return PlainTextResponse("# pagoda.metrics is not available yet\n")
-    body, content_type = pagoda_metrics.render_metrics()
+    body, content_type = render_metrics()
     return Response(content=body, media_type=content_type)
+
+
+@router.get("/kv_cache")
+async def kv_cache(ctx: Ctx) -> dict[str, Any]:
+    """The KV pool report: `LLMEngine.kv_report()`'s numbers plus their wording in `text`."""
+    report = ctx.engine.kv_report()
+    return {**report, "text": format_kv_memory_report(report)}
 
 
 def build_app(ctx: ServerContext) -> FastAPI:

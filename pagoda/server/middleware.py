@@ -14,8 +14,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pagoda.server.errors import error_body
 from pagoda.server.serving import ServerContext
 
-# NOTE: while draining, a load balancer still needs /metrics; /health answers 503 on purpose.
-OPEN_WHILE_DRAINING = ("/metrics",)
+# NOTE: while draining, a load balancer still needs /metrics (and an operator /kv_cache);
+# /health answers 503 on purpose.
+OPEN_WHILE_DRAINING = ("/metrics", "/kv_cache")
 
 
 def key_matches(given: str, keys: list[str]) -> bool:

@@ -3,6 +3,8 @@
 `add_serve_parser` adds the subcommand to the top-level CLI; `add_serve_arguments` gives the
 same flags to `python -m pagoda.entrypoints.openai.api_server`. Flag values are checked
 (through `EngineConfig`) before the model loads, so a typo fails in milliseconds with exit 2.
+Once loaded, the KV pool report (`format_kv_memory_report`) is logged; `/kv_cache` serves it
+later. `--engine-stall-timeout` is how long /health tolerates pending work without a step.
 
 Shutdown: the first SIGTERM or SIGINT starts draining: new requests get 503, running ones
 finish or hit `--drain-timeout`, then uvicorn stops and the process exits 0. A second signal
@@ -25,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from pagoda.config import BLOCK_SIZES, DEFAULT_MODEL, DTYPES, EngineConfig, parse_bytes
+from pagoda.metrics import default_stat_loggers, format_kv_memory_report
 from pagoda.server.api import build_app
 from pagoda.server.serving import ServerContext, load_chat_template
 
@@ -60,6 +63,16 @@ def byte_size(text: str) -> str:
     return text
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return seconds
+
+
 def port_number(text: str) -> int:
     port = int(text) if text.isdigit() else -1
     if not 0 <= port <= 65535:
@@ -86,6 +99,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-log-stats", action="store_true",
                      help="turn off the periodic engine stats log")
+    net.add_argument("--engine-stall-timeout", type=positive_seconds, default=60.0,
+                     metavar="SECONDS",
+                     help="/health answers 503 when the engine has pending requests but has "
+                          "not stepped for this long (default 60)")
     model = parser.add_argument_group("model")
     model.add_argument("--dtype", choices=DTYPES, default=None)
     model.add_argument("--max-model-len", type=human_int, default=None)
@@ -149,19 +166,20 @@ def run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args, model, config))
 
 
-def _load_engine(model: str, config: EngineConfig, name: str, kwargs: dict[str, Any]) -> Any:
+def _load_engine(model: str, config: EngineConfig, name: str, args: argparse.Namespace) -> Any:
     from pagoda.async_engine import AsyncLLM
-    from pagoda.metrics import default_stat_loggers
 
     loggers = default_stat_loggers(name, config)
-    return AsyncLLM.from_engine_args(model=model, stat_loggers=loggers, **kwargs)
+    return AsyncLLM.from_engine_args(model=model, stat_loggers=loggers,
+                                     stall_timeout=args.engine_stall_timeout,
+                                     **engine_kwargs(args))
 
 
 async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> int:
     names = args.served_model_name or [model]
     started = time.perf_counter()
     try:
-        engine = _load_engine(model, config, names[0], engine_kwargs(args))
+        engine = _load_engine(model, config, names[0], args)
     except (ValueError, OSError) as e:
         print(f"pagoda serve: error: cannot load {model!r}: {e}", file=sys.stderr)
         return 1
@@ -172,6 +190,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                             api_keys=api_keys(args))
         logger.info("engine ready in %.1f s (max_model_len %d)", time.perf_counter() - started,
                     ctx.max_model_len)
+        logger.info("%s", format_kv_memory_report(engine.kv_report()))
         uv_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
                                    timeout_graceful_shutdown=2)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from pagoda.async_engine import EngineDeadError
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParamError, SamplingParams
 from pagoda.server.errors import APIError, bad_request, context_length_error
@@ -39,6 +40,8 @@ class EngineClient(Protocol):
     def check_health(self) -> tuple[bool, str]: ...
 
     def num_unfinished_requests(self) -> int: ...
+
+    def kv_report(self) -> dict[str, float]: ...
 
 
 @dataclass
@@ -176,7 +179,10 @@ class Generation:
             raise bad_request(str(e), e.param) from e
         except ValueError as e:  # NOTE: e.g. PromptTooLongError, raised before any output.
             raise bad_request(str(e), getattr(e, "param", None)) from e
-        except Exception as e:  # NOTE: e.g. EngineDeadError; the client gets a 500.
+        except EngineDeadError as e:
+            # NOTE: 503, as /health answers: this replica cannot serve; retry on another one.
+            raise APIError(503, f"The engine is not running: {e}") from e
+        except Exception as e:  # NOTE: a bug on this side; the client gets a 500.
             logger.exception("generation %s failed", self.request_id)
             raise APIError(500, f"{type(e).__name__}: {e}") from e
         finally:
