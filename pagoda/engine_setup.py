@@ -7,6 +7,7 @@ to change, when one sequence of max_model_len cannot fit in the pool.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from pagoda.kv_cache import (
     log_capacity,
     num_blocks_for,
 )
+from pagoda.layers.linear import prepack_for_cpu
 from pagoda.model_runner import ModelRunner
 from pagoda.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 
@@ -86,6 +88,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     dtype = resolve_dtype(config.model.dtype, device, hf_config)
     torch.manual_seed(config.model.seed)
     model = load_model(path, hf_config, dtype, device, max_model_len)
+    if device.type == "cpu" and not os.environ.get("PAGODA_DISABLE_CPU_KERNELS"):
+        prepack_for_cpu(model, keep={id(model.embed_tokens.weight)})
     d = model.dims
     spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
     runner = ModelRunner(model, config.cache.block_size, device, d.sliding_window)

@@ -16,6 +16,8 @@ from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
 from pagoda.scheduler import SchedulerOutput
 
+SMALL_STEP_TOKENS = 12
+
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device,
@@ -26,6 +28,7 @@ class ModelRunner:
         self.sliding_window = sliding_window
         self.sampler = Sampler()
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
+        self.max_threads = torch.get_num_threads()
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):
@@ -34,6 +37,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         """Runs one step; returns the requests that sampled and their tokens."""
+        self._set_threads(out.total_num_scheduled_tokens)
         order = sorted(range(len(out.requests)), key=lambda i: out.num_scheduled_tokens[i] != 1)
         reqs = [out.requests[i] for i in order]
         counts = [out.num_scheduled_tokens[i] for i in order]
@@ -45,6 +49,16 @@ class ModelRunner:
         rows = torch.tensor([row for _, row in sample_rows], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         return sampling, self.sampler(logits.cpu() if self.device.type != "cpu" else logits, sampling)
+
+    def _set_threads(self, num_tokens: int) -> None:
+        # NOTE: with passive OpenMP waits, waking a second thread for each of a small step's
+        # ~150 operations costs more than it saves: one thread decoded a single stream 26%
+        # faster here, two threads won from about 12 tokens a step (docs/benchmarks.md).
+        if self.device.type != "cpu":
+            return
+        threads = 1 if num_tokens < SMALL_STEP_TOKENS else self.max_threads
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
 
     def _slot(self, request: Request, pos: int) -> int:
         return request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -68,20 +68,22 @@ class Sampler:
                     logits[row, sorted(ids)] = float("-inf")
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        greedy = logits.argmax(dim=-1)
-        temps = torch.tensor([r.sampling_params.temperature or 1.0 for r in requests])
-        probs = self._filter(logits / temps[:, None], requests).softmax(dim=-1)
-        tokens = greedy.tolist()
-        unseeded = [i for i, r in enumerate(requests) if not r.sampling_params.greedy and r.generator is None]
+        tokens = logits.argmax(dim=-1).tolist()
+        rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
+        if not rows:
+            return tokens
+        sampled = [requests[i] for i in rows]
+        temps = torch.tensor([r.sampling_params.temperature for r in sampled])
+        probs = self._filter(logits[rows] / temps[:, None], sampled).softmax(dim=-1)
+        unseeded = [j for j, r in enumerate(sampled) if r.generator is None]
         if unseeded:
-            rows = torch.tensor(unseeded)
-            q = torch.empty_like(probs[rows]).exponential_()
-            for i, t in zip(unseeded, (probs[rows] / q).argmax(dim=-1).tolist(), strict=True):
-                tokens[i] = t
-        for i, r in enumerate(requests):
-            if not r.sampling_params.greedy and r.generator is not None:
-                q = torch.empty_like(probs[i]).exponential_(generator=r.generator)
-                tokens[i] = int((probs[i] / q).argmax())
+            q = torch.empty_like(probs[unseeded]).exponential_()
+            for j, t in zip(unseeded, (probs[unseeded] / q).argmax(dim=-1).tolist(), strict=True):
+                tokens[rows[j]] = t
+        for j, r in enumerate(sampled):
+            if r.generator is not None:
+                q = torch.empty_like(probs[j]).exponential_(generator=r.generator)
+                tokens[rows[j]] = int((probs[j] / q).argmax())
         return tokens
 
     def _filter(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:

@@ -94,3 +94,15 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory, smollm2_tokeniz
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_model_factory) -> Path:
     return tiny_model_factory("llama")
+
+
+def hf_greedy_generate(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy `generate`, one prompt at a time, running past EOS like ignore_eos."""
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        with torch.inference_mode():
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        outs.append(ids[0, len(p):].tolist())
+    return outs

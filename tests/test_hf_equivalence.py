@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import hf_greedy_generate
 
 from pagoda import LLM, SamplingParams
 
@@ -20,15 +21,7 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # like ignore_eos: run past EOS
-    outs = []
-    for p in prompts:
-        with torch.inference_mode():
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                 max_new_tokens=max_tokens,
-                                 do_sample=False, pad_token_id=0)
-        outs.append(ids[0, len(p):].tolist())
-    return outs
+    return hf_greedy_generate(model, prompts, max_tokens)
 
 
 def pagoda_greedy(model_dir, prompts, max_tokens, **engine_args) -> list[list[int]]:

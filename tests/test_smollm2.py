@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import hf_greedy_generate
 
 from pagoda import LLM, SamplingParams
 from pagoda.models.loader import load_hf_reference
@@ -29,15 +30,7 @@ def _chat_ids(llm: LLM) -> list[list[int]]:
 
 def test_greedy_matches_transformers(llm):
     prompts = _chat_ids(llm)
-    ref_model = load_hf_reference("smollm2", torch.float32)
-    ref_model.generation_config.eos_token_id = None  # like ignore_eos: run past EOS
-    expected = []
-    for p in prompts:
-        with torch.inference_mode():
-            ids = ref_model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                     max_new_tokens=MAX_TOKENS,
-                                     do_sample=False, pad_token_id=2)
-        expected.append(ids[0, len(p):].tolist())
+    expected = hf_greedy_generate(load_hf_reference("smollm2", torch.float32), prompts, MAX_TOKENS)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert batched == expected
