@@ -72,12 +72,15 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
-        while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
-                results[delta.request_id] = merge_delta(results.get(delta.request_id), delta)
-                if delta.finished:
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    results[delta.request_id] = merge_delta(results.get(delta.request_id), delta)
+                    if delta.finished:
+                        bar.update(1)
+        finally:
+            bar.close()
+            self.engine.runner.restore_threads()
         return [results[i] for i in ids]
 
 

@@ -60,6 +60,11 @@ class ModelRunner:
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 
+    def restore_threads(self) -> None:
+        """Gives torch back its full thread count (an offline run ends; others may follow)."""
+        if torch.get_num_threads() != self.max_threads:
+            torch.set_num_threads(self.max_threads)
+
     def _slot(self, request: Request, pos: int) -> int:
         return request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
