@@ -95,7 +95,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     runner = ModelRunner(model, config.cache.block_size, device, d.sliding_window)
     num_blocks = num_blocks_for(spec, config.cache, device, _available_cuda_bytes(config, runner, spec, device))
     check_capacity(num_blocks, config.cache.block_size, max_model_len)
-    runner.bind_kv_cache(allocate_kv_cache(spec, num_blocks, config.cache.block_size, device))
+    runner.bind_kv_cache(allocate_kv_cache(spec, num_blocks, config.cache.block_size, device,
+                                           zero=not runner.use_cpu_kernel))
     log_capacity(spec, num_blocks, config.cache.block_size, max_model_len)
     logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
     return EngineParts(config, tokenizer, runner, num_blocks, spec.block_bytes(config.cache.block_size),

@@ -61,9 +61,15 @@ def log_capacity(spec: KVCacheSpec, num_blocks: int, block_size: int, max_model_
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int,
-                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed K and V pools per layer (zero, so padded reads are finite)."""
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device,
+                      zero: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """K and V pools per layer.
+
+    `zero` is needed where attention reads padded slots (the torch decode path masks them,
+    and a masked NaN would still poison the sum); the CPU kernel reads only written slots, so
+    its pool is left untouched and the OS commits memory only as blocks are used.
+    """
+    make = torch.zeros if zero else torch.empty
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
-             torch.zeros(shape, dtype=spec.dtype, device=device)) for _ in range(spec.num_layers)]
+    return [(make(shape, dtype=spec.dtype, device=device), make(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)]

@@ -75,3 +75,15 @@ def test_torch_attention_fallback_matches_hf(tiny_model_factory, references, mon
         got = pagoda_greedy(tiny_model_factory(arch), _prompts(), MAX_TOKENS, num_kv_blocks=64,
                             max_num_batched_tokens=32)
         assert got == references(arch), arch
+
+
+def test_unwritten_slots_are_never_read(tiny_model_factory, references):
+    # NOTE: the CPU pool is left uninitialised (torch.empty); poison it to prove no read
+    # of a slot that was never written can reach the output.
+    llm = LLM(str(tiny_model_factory("llama")), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32)
+    for attn in llm.engine.runner.model.attention_layers():
+        attn.k_cache.fill_(float("nan"))
+        attn.v_cache.fill_(float("nan"))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate(_prompts(), params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == references("llama")
