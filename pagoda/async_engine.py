@@ -42,7 +42,7 @@ class AsyncLLM:
         self._stop = threading.Event()
         self._dead_reason: str | None = None
         self.last_step_time = time.monotonic()
-        self._kv_report = engine.kv_report()
+        self._snapshot = engine.scheduler_stats()
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 
@@ -127,8 +127,8 @@ class AsyncLLM:
         return self.engine.block_manager.num_blocks
 
     def kv_report(self) -> dict[str, float]:
-        """`LLMEngine.kv_report()` as of the engine loop's last iteration."""
-        return dict(self._kv_report)
+        """`LLMEngine.kv_report()` from the stats of the engine loop's last iteration."""
+        return self.engine.kv_report(self._snapshot)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -143,10 +143,10 @@ class AsyncLLM:
                 self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
-                    self._kv_report = self.engine.kv_report()
+                    self._snapshot = self.engine.last_scheduler_stats
                     self.last_step_time = time.monotonic()
                 else:
-                    self._kv_report = self.engine.kv_report()
+                    self._snapshot = self.engine.scheduler_stats()
                     self.last_step_time = time.monotonic()
                     self._wakeup.wait(timeout=1.0)
                     self._wakeup.clear()

@@ -53,6 +53,7 @@ class LLMEngine:
         self.stat_loggers = list(stat_loggers)
         self._ids = itertools.count()
         self._pending_stats = IterationStats()
+        self.last_scheduler_stats = self.scheduler_stats()
 
     @classmethod
     def from_engine_args(cls, model: str = "smollm2", stat_loggers: Sequence[StatLoggerBase] = (),
@@ -214,15 +215,17 @@ class LLMEngine:
         )
 
     def _record(self, stats: IterationStats) -> None:
-        if not self.stat_loggers:
-            return
-        sched_stats = self.scheduler_stats()
+        self.last_scheduler_stats = sched_stats = self.scheduler_stats()
         for stat_logger in self.stat_loggers:
             stat_logger.record(sched_stats, stats)
 
-    def kv_report(self) -> dict[str, float]:
-        """The pool's memory: held, reserved and what contiguous reservation would need."""
-        s = self.scheduler_stats()
+    def kv_report(self, snapshot: SchedulerStats | None = None) -> dict[str, float]:
+        """The pool's memory: held, reserved and what contiguous reservation would need.
+
+        Args:
+            snapshot: stats to report from (default: the pool as it is now).
+        """
+        s = snapshot or self.scheduler_stats()
         block_bytes = self.block_bytes
         contiguous_tokens = s.num_running_reqs * self.max_model_len
         return {

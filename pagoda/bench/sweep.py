@@ -25,6 +25,7 @@ from pagoda.bench.serve_command import (
     build_settings,
     percentile_args,
     resolve_model,
+    token_counter,
     tokenizer_for,
 )
 from pagoda.bench.serving import benchmark_result, print_result, run_benchmark, save_result
@@ -128,10 +129,7 @@ async def _run_point(args: argparse.Namespace, settings: Any, x_key: str, x: flo
     metrics, percentiles = percentile_args(args)
     percentiles = sorted({*percentiles, 50.0, 99.0})
 
-    def count_tokens(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False))
-
-    result = benchmark_result(point, outputs, duration, percentiles, count_tokens)
+    result = benchmark_result(point, outputs, duration, percentiles, token_counter(tokenizer))
     print_result(result, point, metrics, percentiles)
     return result
 
