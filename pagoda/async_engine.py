@@ -1,24 +1,32 @@
 """AsyncLLM: the engine loop in a background thread, per-request async streams.
 
-The HTTP event loop never runs the model: `generate()` validates and queues a request, then
-awaits its `RequestOutput` deltas, which the engine thread hands over with
-`call_soon_threadsafe`. Closing or cancelling the stream (a client disconnect) aborts the
+The HTTP event loop never runs the model: `generate()` validates a request through the
+engine's `InputProcessor` (tokenizing text in a worker thread), refuses it with
+`QueueFullError` when `max_queued_requests` sequences wait already, queues it, then awaits
+its `RequestOutput` deltas, which the engine thread hands over with `call_soon_threadsafe`. Closing or cancelling the stream (a client disconnect) aborts the
 request, which frees its KV blocks before the next step. `check_health()` reports the truth:
 unhealthy when the loop died or has had work pending without stepping for `stall_timeout`.
 `kv_report()` answers from a snapshot the engine thread takes after each loop iteration, so
 the HTTP thread never reads the scheduler while a step mutates it.
+
+Failing loudly: if the loop itself dies (a bug outside the per-request isolation), every
+open stream gets an `EngineDeadError` and `dead_reason` says why; the server then exits
+non-zero so a supervisor restarts it. `shutdown()` also ends every open stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
+from pagoda import heap
 from pagoda.engine import LLMEngine
+from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.metrics.base import StatLoggerBase
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -26,10 +34,20 @@ from pagoda.sampling_params import SamplingParams
 logger = logging.getLogger("pagoda")
 
 LOG_INTERVAL_S = 5.0
+IDLE_TRIM_INTERVAL_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop is not running (it died, or was shut down)."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many sequences wait already; the server answers 429 with `Retry-After`."""
+
+    def __init__(self, num_queued: int, limit: int, retry_after: int) -> None:
+        super().__init__(f"The server is busy: {num_queued} sequences are waiting "
+                         f"(--max-queued-requests {limit}). Retry after {retry_after} s.")
+        self.retry_after = retry_after
 
 
 class AsyncLLM:
@@ -43,6 +61,8 @@ class AsyncLLM:
         self._dead_reason: str | None = None
         self.last_step_time = time.monotonic()
         self._snapshot = engine.scheduler_stats()
+        self._num_waiting = 0
+        self._finish_times: deque[float] = deque(maxlen=64)
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
 
@@ -60,26 +80,42 @@ class AsyncLLM:
         return self.engine.config
 
     # ---- the API side --------------------------------------------------------------------
+    @property
+    def processor(self) -> InputProcessor:
+        return self.engine.processor
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine loop died (None while it runs): the server exits non-zero on it."""
+        return self._dead_reason
+
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Yields the request's deltas; the last has `finished=True`.
+        """Validates the request (tokenizing text off the event loop), then streams it.
 
         Raises:
             ValueError (incl. PromptTooLongError): the request is invalid.
+            QueueFullError: too many sequences are waiting.
             EngineDeadError: the engine loop is not running.
         """
-        if self._dead_reason is not None:
-            raise EngineDeadError(self._dead_reason)
-        token_ids = self.engine.tokenize(prompt)
-        self.engine.validate_prompt(token_ids)
+        if isinstance(prompt, str):
+            req = await asyncio.to_thread(self.processor.process, request_id, prompt,
+                                          sampling_params)
+        else:
+            req = self.processor.process(request_id, prompt, sampling_params)
+        async for out in self.generate_request(req):
+            yield out
+
+    async def generate_request(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        """Streams a request `self.processor` validated; yields deltas, the last `finished`."""
+        self._check_admission(req)
         queue: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), queue)
+        self._streams[req.request_id] = (asyncio.get_running_loop(), queue)
         if self._dead_reason is not None:
             # NOTE: the loop died after the first check, maybe before it failed every stream.
-            self._streams.pop(request_id, None)
+            self._streams.pop(req.request_id, None)
             raise EngineDeadError(self._dead_reason)
-        self._send("add", (request_id, prompt if isinstance(prompt, list) else token_ids,
-                           sampling_params, time.time(), prompt if isinstance(prompt, str) else None))
+        self._send("add", (req,))
         finished = False
         try:
             while True:
@@ -91,9 +127,41 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(req.request_id, None)
             if not finished:
-                self._send("abort", (request_id,))
+                self._send("abort", (req.request_id,))
+
+    def _check_admission(self, req: EngineRequest) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if req.request_id in self._streams:
+            raise ValueError(f"Request id {req.request_id!r} is already in use.")
+        self.check_queue(req.sampling_params.n)
+
+    def check_queue(self, num_sequences: int) -> None:
+        """Raises `QueueFullError` if `num_sequences` more would exceed max_queued_requests."""
+        limit = self.engine.config.limits.max_queued_requests
+        queued = self.num_queued_sequences()
+        if queued + num_sequences > limit:
+            raise QueueFullError(queued, limit, self._retry_after(queued))
+
+    def record_rejection(self, reason: str) -> None:
+        """Counts a request refused before reaching the engine (e.g. "queue_full")."""
+        self._send("reject", (reason,))
+
+    def num_queued_sequences(self) -> int:
+        """Sequences waiting to be scheduled, including adds the engine has not taken yet."""
+        pending = sum(args[0].sampling_params.n for command, args in list(self._commands)
+                      if command == "add")
+        return self._num_waiting + pending
+
+    def _retry_after(self, queued: int) -> int:
+        """Seconds until the queue has likely drained enough, from the recent finish rate."""
+        finishes = list(self._finish_times)
+        if len(finishes) < 2 or finishes[-1] <= finishes[0]:
+            return 1
+        rate = (len(finishes) - 1) / (finishes[-1] - finishes[0])
+        return int(min(max(math.ceil(queued / rate), 1), 60))
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", (request_id,))
@@ -131,60 +199,85 @@ class AsyncLLM:
         return self.engine.kv_report(self._snapshot)
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the loop; every stream still open gets an `EngineDeadError`."""
         self._stop.set()
         self._wakeup.set()
         self._thread.join(timeout)
+        self._dead_reason = self._dead_reason or "the engine was shut down"
+        self._fail_streams()
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
-        last_log = time.monotonic()
+        last_log = last_trim = time.monotonic()
         try:
             while not self._stop.is_set():
                 self._drain_commands()
+                self._num_waiting = len(self.engine.scheduler.waiting)
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
                     self._snapshot = self.engine.last_scheduler_stats
-                    self.last_step_time = time.monotonic()
+                    self._num_waiting = self._snapshot.num_waiting_reqs
                 else:
+                    if time.monotonic() - last_trim >= IDLE_TRIM_INTERVAL_S:
+                        # NOTE: big requests (and big refused ones, tokenized in the frontend's
+                        # threads) leave freed memory in malloc's arenas; hand it back.
+                        heap.trim()
+                        last_trim = time.monotonic()
                     self._snapshot = self.engine.scheduler_stats()
-                    self.last_step_time = time.monotonic()
-                    self._wakeup.wait(timeout=1.0)
+                    self._wakeup.wait(timeout=IDLE_TRIM_INTERVAL_S)
                     self._wakeup.clear()
+                self.last_step_time = time.monotonic()
                 if time.monotonic() - last_log >= LOG_INTERVAL_S:
                     last_log = time.monotonic()
-                    for stat_logger in self.engine.stat_loggers:
-                        stat_logger.log()
+                    self._log_stats()
         except BaseException as exc:  # noqa: BLE001 - report, then fail every waiting stream
-            logger.exception("Engine loop died")
+            logger.critical("Engine loop died", exc_info=exc)
             self._dead_reason = f"{type(exc).__name__}: {exc}"
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(self._dead_reason))
+            self._fail_streams()
+
+    def _log_stats(self) -> None:
+        for stat_logger in self.engine.stat_loggers:
+            try:
+                stat_logger.log()
+            except Exception:  # noqa: BLE001 - a broken sink must not stop serving
+                logger.exception("Stat logger %s failed", type(stat_logger).__name__)
+
+    def _fail_streams(self) -> None:
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(self._dead_reason or "engine stopped"))
 
     def _drain_commands(self) -> None:
         while self._commands:
             command, args = self._commands.popleft()
             if command == "add":
-                self._add(*args)
+                self._add(args[0])
+            elif command == "reject":
+                self.engine.record_rejection(args[0])
             else:
                 out = self.engine.abort_request(args[0])
                 if out is not None:
                     self._deliver(args[0], out)
 
-    def _add(self, request_id: str, prompt: list[int], params: SamplingParams, arrival: float,
-             text: str | None) -> None:
+    def _add(self, req: EngineRequest) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, arrival)
-            if text is not None:
-                self.engine.states[request_id].prompt = text
-        except ValueError as exc:
-            self._deliver(request_id, exc)
+            self.engine.add_processed(req)
+        except Exception as exc:  # noqa: BLE001 - a request that cannot start fails alone
+            if not isinstance(exc, ValueError):
+                logger.exception("Request %s could not be added", req.request_id)
+            self._deliver(req.request_id, exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
         for out in outputs:
+            if out.finished:
+                self._finish_times.append(now)
             self._deliver(out.request_id, out)
 
     def _deliver(self, request_id: str, item: object) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, queue = stream
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # NOTE: the stream's event loop has closed; nobody listens.
+                self._streams.pop(request_id, None)

@@ -76,8 +76,8 @@ class BlockManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._prefix_ids = itertools.count(1)
-        # request id -> how many of its leading blocks are named (so each step names only new ones)
-        self._num_named_blocks: dict[str, int] = {}
+        # request key -> how many of its leading blocks are named (each step names only new ones)
+        self._num_named_blocks: dict[tuple[str, int], int] = {}
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -166,7 +166,7 @@ class BlockManager:
                     # NOTE: blocks with nothing worth keeping are reused first.
                     self.free_queue.move_to_end(block_id, last=False)
         request.block_ids = []
-        self._num_named_blocks.pop(request.request_id, None)
+        self._num_named_blocks.pop(request.key, None)
 
     def uncache(self, request: Request, from_block: int = 0) -> None:
         """Forgets the hashes of the request's blocks from `from_block` on (content untrusted)."""
@@ -205,7 +205,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.block_hashes(request)
-        start = self._num_named_blocks.get(request.request_id, 0)
+        start = self._num_named_blocks.get(request.key, 0)
         end = min(num_tokens // self.block_size, len(hashes))
         parent_id = self.blocks[request.block_ids[start - 1]].prefix_id if start else 0
         for i in range(start, end):
@@ -215,7 +215,7 @@ class BlockManager:
             if block.prefix_id == 0:
                 self._name_block(block, hashes[i], self._block_tokens(request, i), parent_id)
             parent_id = block.prefix_id
-        self._num_named_blocks[request.request_id] = max(start, end)
+        self._num_named_blocks[request.key] = max(start, end)
 
     def _name_block(self, block: Block, block_hash: bytes, token_ids: tuple[int, ...],
                     parent_id: int) -> None:

@@ -22,13 +22,13 @@ def _check(ok: bool, name: str, value: object, why: str) -> None:
         raise ValueError(f"{name} {why}, got {value!r}.")
 
 
-def parse_bytes(text: str | int) -> int:
+def parse_bytes(text: str | int, name: str = "kv_cache_memory") -> int:
     """Parses a size like '4GiB', '512MB', '1e9' or an int into bytes."""
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
     if not m:
-        raise ValueError(f"kv_cache_memory must look like '4GiB' or a byte count, got {text!r}.")
+        raise ValueError(f"{name} must look like '4GiB' or a byte count, got {text!r}.")
     number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
     base = 1024 if binary or unit == "" else 1000
     return int(number * base ** " KMGT".index(unit or " "))
@@ -113,6 +113,41 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """What one request may ask of the engine; each limit is a `pagoda serve` flag.
+
+    Attributes:
+        max_n: most samples per prompt; None takes max_num_seqs.
+        max_prompt_chars: longest prompt text, checked before tokenizing; None takes
+            32 characters per token of the context length.
+        max_stop_sequences: most stop strings, and most stop token ids, per request.
+        max_stop_str_chars: longest stop string.
+        max_queued_requests: most sequences waiting to be scheduled (a request with n
+            samples counts n); beyond it the server answers 429.
+    """
+
+    max_n: int | None = None
+    max_prompt_chars: int | None = None
+    max_stop_sequences: int = 64
+    max_stop_str_chars: int = 1024
+    max_queued_requests: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_prompt_chars"):
+            value = getattr(self, name)
+            _check(value is None or value > 0, name, value, "must be positive")
+        for name in ("max_stop_sequences", "max_stop_str_chars", "max_queued_requests"):
+            value = getattr(self, name)
+            _check(value > 0, name, value, "must be positive")
+
+    def resolved(self, max_num_seqs: int, max_model_len: int) -> LimitsConfig:
+        """A copy with the defaults that depend on the engine filled in."""
+        return dataclasses.replace(
+            self, max_n=self.max_n or max_num_seqs,
+            max_prompt_chars=self.max_prompt_chars or 32 * max_model_len)
+
+
+@dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism (not built yet: only a size of 1 is accepted)."""
 
@@ -129,6 +164,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     log_stats: bool = True
 
     @classmethod
@@ -142,7 +178,7 @@ class EngineConfig:
             kwargs["kv_cache_memory_bytes"] = parse_bytes(kwargs.pop("kv_cache_memory"))  # type: ignore[arg-type]
         parts: dict[str, dict[str, object]] = {}
         owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                  "parallel": ParallelConfig}
+                  "parallel": ParallelConfig, "limits": LimitsConfig}
         known = {f.name: part for part, c in owners.items() for f in dataclasses.fields(c)}
         top: dict[str, object] = {}
         for key, value in kwargs.items():
@@ -160,7 +196,8 @@ class EngineConfig:
         return cls(**built, **top)  # type: ignore[arg-type]
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
-        """Returns a copy whose scheduler knows the resolved context length."""
+        """Returns a copy whose scheduler and limits know the resolved context length."""
         scheduler = dataclasses.replace(self.scheduler, max_model_len=max_model_len)
         model = dataclasses.replace(self.model, max_model_len=max_model_len)
-        return dataclasses.replace(self, scheduler=scheduler, model=model)
+        limits = self.limits.resolved(self.scheduler.max_num_seqs, max_model_len)
+        return dataclasses.replace(self, scheduler=scheduler, model=model, limits=limits)

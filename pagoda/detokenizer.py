@@ -2,8 +2,9 @@
 
 Text grows through `tokenizers`' DecodeStream, which holds back a token until it completes a
 UTF-8 character, so a multi-byte character split across tokens never appears half-decoded.
-Stop strings are searched in the newly grown tail; the matched string is cut from the text
-unless `include_stop_str_in_output`. While running, the last `len(longest stop) - 1`
+Stop strings are searched in the newly grown tail, once more than `min_tokens` tokens were
+generated (as vLLM); the matched string is cut from the text unless
+`include_stop_str_in_output`. While running, the last `len(longest stop) - 1`
 characters are held back from deltas so a stop string never leaks into a stream.
 """
 
@@ -22,6 +23,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.num_emitted_chars = 0
         self.stop_reason: str | None = None
+        self.num_tokens = 0
         self.hold_back = max((len(s) for s in params.stop), default=1) - 1
         self._backend: Any = getattr(tokenizer, "_tokenizer", None)
         self._stream: Any = None
@@ -36,11 +38,14 @@ class IncrementalDetokenizer:
         """Appends one token's text; returns True if a stop string matched."""
         if self._stream is None or self.stop_reason is not None:
             return False
+        self.num_tokens += 1
         piece = self._stream.step(self._backend, token_id)
         if not piece:
             return False
         start = max(len(self.text) - self.hold_back, 0)
         self.text += piece
+        if self.num_tokens <= self.params.min_tokens:
+            return False
         return self._check_stop(start)
 
     def _check_stop(self, start: int) -> bool:

@@ -1,8 +1,13 @@
 """LLMEngine: add_request / abort_request / step over the scheduler and the model runner.
 
 One step: schedule -> run the model -> sample -> append tokens and apply stop rules ->
-free finished requests -> emit `RequestOutput` deltas and stats. A step that fails fails only
-the requests in it (with an error) and the engine keeps serving the rest.
+free finished requests -> emit `RequestOutput` deltas and stats.
+
+One request never fails another: inputs are validated once, by `InputProcessor`, before they
+reach the core; a step whose model call fails is rerun a request at a time
+(`isolation.py`) and only the requests that fail alone are failed (with their siblings of
+the same user request); an error while appending one request's token fails only it; a broken
+stat logger is logged and skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from collections.abc import Sequence
 from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
 from pagoda.engine_setup import EngineParts, build_engine_parts
+from pagoda.input_processor import EngineRequest, InputProcessor, PromptTooLongError
+from pagoda.isolation import execute_isolating, untrusted_blocks, uses_any
 from pagoda.metrics.base import StatLoggerBase
 from pagoda.output_processor import RequestState, finished_stats, record_token_timing
 from pagoda.outputs import RequestOutput
@@ -25,16 +32,7 @@ from pagoda.stats import IterationStats, SchedulerStats
 
 logger = logging.getLogger("pagoda")
 
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room for even one output token."""
-
-    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
-        super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens. However, your "
-            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the input.")
-        self.num_prompt_tokens = num_prompt_tokens
-        self.max_model_len = max_model_len
+__all__ = ["LLMEngine", "PromptTooLongError"]
 
 
 class LLMEngine:
@@ -46,6 +44,8 @@ class LLMEngine:
         self.max_model_len = parts.config.scheduler.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.block_bytes = parts.block_bytes
+        self.processor = InputProcessor(parts.tokenizer, self.runner.model.dims.vocab_size,
+                                        self.max_model_len, parts.config.limits)
         self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
@@ -61,47 +61,37 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(model, **kwargs), stat_loggers)
 
     # ---- requests ------------------------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("This model has no tokenizer: pass prompt token ids.")
-            return list(self.tokenizer.encode(prompt))
-        return list(prompt)
-
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> str:
-        """Queues a request; returns its id.
+        """Validates and queues a request; returns its id.
 
         Raises:
-            ValueError: empty prompt, unknown token ids, or a duplicate id.
+            ValueError: an invalid prompt or params (`param` names the field), or an id in use.
             PromptTooLongError: no room for one output token.
         """
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self.states:
-            raise ValueError(f"Request id {request_id!r} is already in use.")
-        token_ids = self.tokenize(prompt)
-        self.validate_prompt(token_ids)
+        self._check_new_id(request_id)
+        return self.add_processed(self.processor.process(request_id, prompt, params, arrival_time))
+
+    def add_processed(self, req: EngineRequest) -> str:
+        """Queues a request that `self.processor` already validated; returns its id."""
+        self._check_new_id(req.request_id)
+        params = req.sampling_params
         children = [
-            Request(request_id if params.n == 1 else f"{request_id}#{i}", token_ids,
+            Request(req.request_id, req.prompt_token_ids,
                     params.for_child(i) if params.n > 1 else params, self.eos_token_ids,
-                    arrival_time, self.max_model_len)
+                    req.arrival_time, self.max_model_len, sample_index=i)
             for i in range(params.n)
         ]
-        self.states[request_id] = RequestState(request_id, prompt if isinstance(prompt, str) else None,
-                                               children, self.tokenizer)
+        self.states[req.request_id] = RequestState(req.request_id, req.prompt, children,
+                                                   self.tokenizer)
         for child in children:
             self.scheduler.add_request(child)
-        return request_id
+        return req.request_id
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("The prompt is empty.")
-        vocab = self.runner.model.dims.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Token ids out of the vocabulary (size {vocab}): {bad[:5]}.")
-        if len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(len(token_ids), self.max_model_len)
+    def _check_new_id(self, request_id: str) -> None:
+        if request_id in self.states:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Aborts a request (all its samples) and frees its blocks at once."""
@@ -117,6 +107,14 @@ class LLMEngine:
             self._record(self._pending_stats)
             self._pending_stats = IterationStats()
         return out
+
+    def record_rejection(self, reason: str) -> None:
+        """Counts a request the frontend refused (e.g. a full queue) in the next stats."""
+        rejected = self._pending_stats.rejected_requests
+        rejected[reason] = rejected.get(reason, 0) + 1
+        if not self.states:
+            self._record(self._pending_stats)
+            self._pending_stats = IterationStats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.states)
@@ -139,17 +137,25 @@ class LLMEngine:
         return outputs
 
     def _run(self, sched: SchedulerOutput, stats: IterationStats) -> None:
-        try:
-            sampled, result = self.runner.execute(sched)
-        except Exception as exc:  # noqa: BLE001 - one bad step must not take the engine down
-            self._fail(sched, exc, stats)
-            return
-        self.scheduler.update_from_output(sched)
-        if result is None:
-            return
+        result = execute_isolating(self.runner, sched)
+        untrusted = untrusted_blocks(result.failed, self.block_manager.block_size)
+        for request, exc in result.failed:
+            self._fail(request, exc, stats)
+        ran = SchedulerOutput()
+        for request, num_tokens in result.executed:
+            if uses_any(request, untrusted):
+                self.scheduler.preempt(request)
+                stats.num_preemptions += 1
+                result.samples.pop(request, None)
+            else:
+                ran.add(request, num_tokens)
+        self.scheduler.update_from_output(ran)
         now = time.time()
-        for request, token, logprobs in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            self._append(request, token, logprobs, now, stats)
+        for request, (token, logprobs) in result.samples.items():
+            try:
+                self._append(request, token, logprobs, now, stats)
+            except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer error: fail only it
+                self._fail(request, exc, stats)
 
     def _append(self, request: Request, token: int, logprobs: dict | None, now: float,
                 stats: IterationStats) -> None:
@@ -158,8 +164,7 @@ class LLMEngine:
             request.logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token][0]
         record_token_timing(request, now, stats)
-        state = self.states[self._parent_id(request)]
-        sample = state.samples[self._sample_index(request)]
+        sample = self.states[request.request_id].samples[request.sample_index]
         stopped_by_string = sample.add_token(token)
         if stopped_by_string:
             request.stop_reason = sample.detok.stop_reason
@@ -167,15 +172,18 @@ class LLMEngine:
         elif (status := request.check_stop()) is not None:
             self._finish(request, status, stats)
 
-    def _fail(self, sched: SchedulerOutput, exc: Exception, stats: IterationStats) -> None:
-        logger.exception("Engine step failed; failing the %d requests in it", len(sched.requests))
+    def _fail(self, request: Request, exc: Exception, stats: IterationStats) -> None:
+        logger.error("Request %s (sample %d) failed: %s: %s", request.request_id,
+                     request.sample_index, type(exc).__name__, exc, exc_info=exc)
         reason = type(exc).__name__
-        for request in sched.requests:
-            state = self.states.get(self._parent_id(request))
-            if state is not None:
-                state.error = f"{reason}: {exc}"
+        stats.failed_requests[reason] = stats.failed_requests.get(reason, 0) + 1
+        state = self.states.get(request.request_id)
+        if state is None:
             self._finish(request, RequestStatus.FINISHED_ERROR, stats)
-            stats.failed_requests[reason] = stats.failed_requests.get(reason, 0) + 1
+            return
+        state.error = f"{reason}: {exc}"
+        for sample in state.samples:  # NOTE: the user request has failed as a whole.
+            self._finish(sample.request, RequestStatus.FINISHED_ERROR, stats)
 
     def _finish(self, request: Request, status: RequestStatus, stats: IterationStats) -> None:
         if request.is_finished:
@@ -194,14 +202,6 @@ class LLMEngine:
                 del self.states[request_id]
         return outputs
 
-    @staticmethod
-    def _parent_id(request: Request) -> str:
-        return request.request_id.split("#", 1)[0] if "#" in request.request_id else request.request_id
-
-    @staticmethod
-    def _sample_index(request: Request) -> int:
-        return int(request.request_id.rsplit("#", 1)[1]) if "#" in request.request_id else 0
-
     # ---- stats ---------------------------------------------------------------------------
     def scheduler_stats(self) -> SchedulerStats:
         bm = self.block_manager
@@ -217,7 +217,10 @@ class LLMEngine:
     def _record(self, stats: IterationStats) -> None:
         self.last_scheduler_stats = sched_stats = self.scheduler_stats()
         for stat_logger in self.stat_loggers:
-            stat_logger.record(sched_stats, stats)
+            try:
+                stat_logger.record(sched_stats, stats)
+            except Exception:  # noqa: BLE001 - a broken sink must not stop serving
+                logger.exception("Stat logger %s failed", type(stat_logger).__name__)
 
     def kv_report(self, snapshot: SchedulerStats | None = None) -> dict[str, float]:
         """The pool's memory: held, reserved and what contiguous reservation would need.

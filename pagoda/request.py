@@ -41,8 +41,10 @@ class Request:
         eos_token_ids: set[int] | None = None,
         arrival_time: float | None = None,
         max_model_len: int | None = None,
+        sample_index: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.sample_index = sample_index
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids or set()
@@ -75,6 +77,11 @@ class Request:
         gen = torch.Generator()
         gen.manual_seed(self.sampling_params.seed)
         return gen
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The sequence's identity: its user request's id and its sample index (n > 1)."""
+        return self.request_id, self.sample_index
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -63,7 +63,9 @@ class Sampler:
         for row, r in enumerate(requests):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
-                ids = set(p.stop_token_ids) | (set() if p.ignore_eos else r.eos_token_ids)
+                # NOTE: as vLLM: EOS is masked until min_tokens even with ignore_eos, so that
+                # forced-length benchmarks generate the same tokens on every engine.
+                ids = set(p.stop_token_ids) | r.eos_token_ids
                 if ids:
                     logits[row, sorted(ids)] = float("-inf")
 
@@ -98,7 +100,7 @@ class Sampler:
         return logits
 
     def _top_k_top_p(self, logits: torch.Tensor, params: list, vocab: int) -> torch.Tensor:
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None]
+        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])[:, None]
         top_p = torch.tensor([p.top_p for p in params])[:, None]
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab)[None, :]

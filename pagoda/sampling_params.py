@@ -10,6 +10,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+# NOTE: vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing logits by 5e-324
+# overflows them to inf and the softmax to NaN).
+SAMPLING_EPS = 1e-5
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
 
 class SamplingParamError(ValueError):
     """An invalid sampling value; `param` names the offending field."""
@@ -17,6 +22,12 @@ class SamplingParamError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+def _short(values: list) -> str:
+    """A list's repr cut to a readable length (error messages echo user input)."""
+    text = repr(values)
+    return text if len(text) <= 200 else text[:200] + "...]"
 
 
 def _require(ok: bool, param: str, message: str) -> None:
@@ -28,7 +39,7 @@ def _require(ok: bool, param: str, message: str) -> None:
 class SamplingParams:
     """Sampling and stopping parameters, with vLLM's names and defaults.
 
-    temperature 0 means greedy. top_k -1 (or 0) disables top-k. `seed` makes the request's
+    temperature 0 (or below 1e-5) means greedy. top_k -1 (or 0) disables top-k. `seed` makes the request's
     samples reproducible whatever else shares its batch. `logprobs` N returns the sampled
     token's log-probability plus the top N alternatives at each step.
     """
@@ -59,6 +70,9 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
+        if self.temperature < SAMPLING_EPS:
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
+            _require(self.n == 1, "n", f"n must be 1 when using greedy sampling, got {self.n}.")
 
     def _validate(self) -> None:
         _require(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
@@ -77,21 +91,21 @@ class SamplingParams:
         _require(self.top_k >= -1, "top_k",
                  f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
         _require(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}.")
-        _require(self.repetition_penalty > 0, "repetition_penalty",
+        _require(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+                 "repetition_penalty",
                  f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _require(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}.")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
-                 f"stop strings must be non-empty, got {self.stop!r}.")
+                 f"stop strings must be non-empty, got {_short(self.stop)}.")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                 "stop_token_ids", f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}.")
+                 "stop_token_ids", f"stop_token_ids must be non-negative ints, got {_short(self.stop_token_ids)}.")
         _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                  f"logprobs must be in [0, 20], got {self.logprobs}.")
-        _require(self.seed is None or isinstance(self.seed, int), "seed",
-                 f"seed must be an integer, got {self.seed!r}.")
-        _require(not (self.n > 1 and self.temperature == 0), "n",
-                 f"n must be 1 when using greedy sampling, got {self.n}.")
+        _require(self.seed is None or (isinstance(self.seed, int)
+                                       and INT64_MIN <= self.seed <= INT64_MAX), "seed",
+                 f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}.")
 
     @property
     def greedy(self) -> bool:

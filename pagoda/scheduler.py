@@ -40,12 +40,12 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[tuple[str, int], Request] = {}
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
-        self.requests[request.request_id] = request
+        self.requests[request.key] = request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,13 +81,17 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.preempt(request)
+        out.preempted.append(request)
+
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's blocks and queues it first, to be recomputed."""
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
         self.waiting.appendleft(request)
-        out.preempted.append(request)
         self.num_preemptions += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
@@ -134,4 +138,4 @@ class Scheduler:
             self.block_manager.uncache(request, request.num_computed_tokens // self.block_manager.block_size)
         self.block_manager.free(request)
         request.status = status
-        self.requests.pop(request.request_id, None)
+        self.requests.pop(request.key, None)

@@ -55,3 +55,4 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     failed_requests: dict[str, int] = field(default_factory=dict)
+    rejected_requests: dict[str, int] = field(default_factory=dict)

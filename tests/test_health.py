@@ -33,12 +33,15 @@ ENGINE_ARGS: dict = {"dtype": "float32", "num_kv_blocks": 32, "max_model_len": 1
 BODY = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
-def make_engine(model: Path, registry: CollectorRegistry | None = None) -> AsyncLLM:
+def make_engine(model: Path, registry: CollectorRegistry | None = None,
+                **engine_args: object) -> AsyncLLM:
+    """A real AsyncLLM over `model` (ENGINE_ARGS, or `engine_args` when given)."""
+    args = engine_args or ENGINE_ARGS
     loggers = []
     if registry is not None:
-        config = EngineConfig.from_kwargs(str(model), **ENGINE_ARGS)
+        config = EngineConfig.from_kwargs(str(model), **args)
         loggers.append(PrometheusStatLogger("tiny", config, registry=registry))
-    return AsyncLLM.from_engine_args(str(model), stat_loggers=loggers, **ENGINE_ARGS)
+    return AsyncLLM.from_engine_args(str(model), stat_loggers=loggers, **args)
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +57,12 @@ def engine(tiny_llama: Path, registry: CollectorRegistry) -> Iterator[AsyncLLM]:
 
 
 @contextlib.asynccontextmanager
-async def app_client(engine: AsyncLLM) -> AsyncIterator[httpx.AsyncClient]:
+async def app_client(engine: AsyncLLM, **ctx_args: object) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client of the app over `engine`, in-process (ASGI)."""
     ctx = ServerContext(engine=engine, served_model_names=["tiny"], model_path="tiny",
-                        max_model_len=engine.config.model.max_model_len)
+                        max_model_len=engine.config.model.max_model_len, **ctx_args)  # type: ignore[arg-type]
     transport = httpx.ASGITransport(app=build_app(ctx))
-    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as c:
         yield c
 
 

@@ -60,6 +60,7 @@ EXPORTED_TYPES = {
     "pagoda:kv_tokens_held": "gauge",
     "pagoda:kv_slots_reserved": "gauge",
     "pagoda:request_failures_total": "counter",
+    "pagoda:requests_rejected_total": "counter",
     "pagoda:engine_step_duration_seconds": "histogram",
 }
 

@@ -455,8 +455,15 @@ def test_api_keys_and_served_names(keyed_server: ServerProcess):
     for key in ("key-one", "key-two", "key-env"):
         r = httpx.get(f"{url}/v1/models", headers={"Authorization": f"Bearer {key}"})
         assert [m["id"] for m in r.json()["data"]] == ["tiny", "tiny-alias"]
-    assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.post(f"{url}/tokenize", json={"prompt": "a"}).status_code == 200
+    for open_route in ("/health", "/ping", "/version", "/metrics"):
+        assert httpx.get(f"{url}{open_route}").status_code == 200, open_route
+    key = {"Authorization": "Bearer key-one"}
+    for method, route, body in (("POST", "/tokenize", {"prompt": "a"}),
+                                ("POST", "/detokenize", {"tokens": [1]}),
+                                ("GET", "/kv_cache", None), ("GET", "/docs", None),
+                                ("GET", "/openapi.json", None)):
+        assert httpx.request(method, f"{url}{route}", json=body).status_code == 401, route
+        assert httpx.request(method, f"{url}{route}", json=body, headers=key).status_code == 200
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="key-one", max_retries=0)
     out = client.chat.completions.create(model="tiny-alias", max_tokens=2,
                                          messages=[{"role": "user", "content": "hi"}])

@@ -19,8 +19,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from pagoda.config import LimitsConfig
+from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, RequestOutput
-from pagoda.sampling_params import SamplingParams
 from pagoda.server.api import build_app
 from pagoda.server.errors import context_length_error
 from pagoda.server.middleware import key_matches
@@ -36,23 +37,33 @@ class FakeEngine:
 
     def __init__(self, tokenizer: object) -> None:
         self.tokenizer = tokenizer
-        self.config = SimpleNamespace(model=SimpleNamespace(max_model_len=64))
+        limits = LimitsConfig().resolved(max_num_seqs=8, max_model_len=64)
+        self.config = SimpleNamespace(model=SimpleNamespace(max_model_len=64), limits=limits)
+        self.processor = InputProcessor(tokenizer, 49152, 64, limits)
         self.healthy = True
+        self.dead_reason: str | None = None
         self.aborted: list[str] = []
 
-    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        if sampling_params.seed == FAIL_BEFORE_OUTPUT:
+    async def generate_request(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        seed = req.sampling_params.seed
+        if seed == FAIL_BEFORE_OUTPUT:
             raise ValueError("The prompt is not acceptable.")
         for step in range(3):
-            if step == 2 and sampling_params.seed == FAIL_MID_STREAM:
+            if step == 2 and seed == FAIL_MID_STREAM:
                 raise RuntimeError("the engine exploded")
             last = step == 2
             delta = CompletionOutput(0, f"t{step} ", [100 + step],
                                      finish_reason="length" if last else None)
-            error = "step failed" if last and sampling_params.seed == FAIL_WITH_ERROR else None
-            yield RequestOutput(request_id, None, list(prompt), [delta], last, error=error)
+            error = "step failed" if last and seed == FAIL_WITH_ERROR else None
+            yield RequestOutput(req.request_id, None, req.prompt_token_ids, [delta], last,
+                                error=error)
             await asyncio.sleep(0)
+
+    def check_queue(self, num_sequences: int) -> None:
+        """Always room."""
+
+    def record_rejection(self, reason: str) -> None:
+        """Nothing to count."""
 
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -169,7 +180,7 @@ def test_serve_flags_map_to_engine_kwargs():
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--block-size", "7"], "invalid choice"),
-    (["--kv-cache-memory", "lots"], "kv_cache_memory must look like"),
+    (["--kv-cache-memory", "lots"], "a size must look like"),
     (["--port", "99999"], "must be an integer in [0, 65535]"),
     (["--max-model-len", "big"], "expected an integer like 2048 or 8k"),
 ])

@@ -1,4 +1,4 @@
-"""The `pagoda bench` command: serve, sweep, throughput, latency, memory.
+"""The `pagoda bench` command: serve, sweep, throughput, latency, memory, prefix-caching, soak.
 
 `add_bench_parser(subparsers)` hangs it under the main `pagoda` parser; each subcommand sets
 `args.func`, which returns the exit status (the results are the module `main`s' return
@@ -21,7 +21,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # subcommand -> the module whose main(args) runs it
 MODULES = {"serve": "serve_command", "sweep": "sweep", "throughput": "throughput",
-           "latency": "latency", "memory": "memory", "prefix-caching": "prefix_caching"}
+           "latency": "latency", "memory": "memory", "prefix-caching": "prefix_caching",
+           "soak": "soak"}
 
 
 def run_command(args: argparse.Namespace) -> Any:
@@ -49,6 +50,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagoda.bench.memory import add_memory_args
     from pagoda.bench.prefix_caching import add_prefix_caching_args
     from pagoda.bench.serve_command import add_serve_args
+    from pagoda.bench.soak import add_soak_args
     from pagoda.bench.sweep import add_sweep_args
     from pagoda.bench.throughput import add_throughput_args
 
@@ -58,7 +60,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     bench = subparsers.add_parser("bench", help="Benchmark pagoda (or any OpenAI server).",
                                   description="Benchmarks: serve, sweep, throughput, latency, memory.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,throughput,latency,memory,prefix-caching}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,throughput,latency,memory,prefix-caching,soak}")
     sub.required = True
     _add(sub, "serve", "Load-test an OpenAI-compatible server (vllm bench serve's flags).",
          add_serve_args)
@@ -72,6 +74,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
          add_memory_args)
     _add(sub, "prefix-caching", "TTFT of requests sharing a ~1,000-token system prompt, cold vs warm.",
          add_prefix_caching_args)
+    _add(sub, "soak", "Hours of mixed, aborted and malformed traffic against a pagoda server it "
+         "starts; fails on any failed request, KV leak or rising RSS.", add_soak_args)
     return bench
 
 

@@ -154,6 +154,10 @@ class PrometheusStatLogger(StatLoggerBase):
         self._failures = self._register(Counter(
             "pagoda:request_failures", "Requests that failed in the engine, by reason.",
             [*LABEL_NAMES, "reason"], registry=None))
+        self._rejections = self._register(Counter(
+            "pagoda:requests_rejected", "Requests refused before reaching the engine, by reason "
+            "(queue_full: --max-queued-requests).", [*LABEL_NAMES, "reason"], registry=None))
+        self._rejections.labels(**self.labels, reason="queue_full")
         self._cache_info = self._register(Gauge(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             sorted([*self._cache_info_labels(), "engine"]), registry=None))
@@ -205,6 +209,8 @@ class PrometheusStatLogger(StatLoggerBase):
             self.itl.observe(itl)
         for reason, count in stats.failed_requests.items():
             self._failures.labels(**self.labels, reason=reason).inc(count)
+        for reason, count in stats.rejected_requests.items():
+            self._rejections.labels(**self.labels, reason=reason).inc(count)
         for finished in stats.finished_requests:
             self._record_finished(finished)
 

@@ -10,6 +10,7 @@ slots reserved, and what contiguous reservation would need).
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 from typing import Annotated, Any
 
@@ -31,7 +32,7 @@ from pagoda.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagoda.server.serving import ServerContext, check_token_ids
+from pagoda.server.serving import ServerContext, invalid_input, tokenize_text
 
 
 def get_ctx(request: Request) -> ServerContext:
@@ -97,14 +98,14 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx) -
 async def tokenize(req: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
     ctx.check_model(req.model)
     if req.messages is not None:
-        text = render_chat(ctx, req.messages, req.add_generation_prompt)
-        add_special = bool(req.add_special_tokens)
+        text = await render_chat(ctx, req.messages, req.add_generation_prompt)
+        add_special, param = bool(req.add_special_tokens), "messages"
     elif req.prompt is not None:
         text = req.prompt
-        add_special = req.add_special_tokens is not False
+        add_special, param = req.add_special_tokens is not False, "prompt"
     else:
         raise bad_request("Either `prompt` or `messages` is required.", "prompt")
-    token_ids = list(ctx.tokenizer.encode(text, add_special_tokens=add_special))
+    token_ids = await tokenize_text(ctx, text, add_special, param)
     token_strs = ctx.tokenizer.convert_ids_to_tokens(token_ids) if req.return_token_strs else None
     return TokenizeResponse(count=len(token_ids), max_model_len=ctx.max_model_len,
                             tokens=token_ids, token_strs=token_strs)
@@ -113,9 +114,17 @@ async def tokenize(req: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
 @router.post("/detokenize", dependencies=JSON_BODY)
 async def detokenize(req: DetokenizeRequest, ctx: Ctx) -> DetokenizeResponse:
     ctx.check_model(req.model)
-    if req.tokens:
-        check_token_ids(ctx, req.tokens, "tokens")
-    return DetokenizeResponse(prompt=str(ctx.tokenizer.decode(req.tokens)))
+    # NOTE: decoding costs about as much per token as tokenizing per character; one bound.
+    if len(req.tokens) > ctx.processor.max_prompt_chars:
+        raise bad_request(f"At most {ctx.processor.max_prompt_chars} tokens can be detokenized "
+                          f"(--max-prompt-chars), got {len(req.tokens)}.", "tokens")
+    try:
+        if req.tokens:
+            ctx.processor.check_token_ids(req.tokens, "tokens")
+    except ValueError as e:
+        raise invalid_input(e) from e
+    text = await asyncio.to_thread(ctx.tokenizer.decode, req.tokens)
+    return DetokenizeResponse(prompt=str(text))
 
 
 @router.get("/metrics")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +30,9 @@ from pagoda.server.serving import (
     Prompt,
     ServerContext,
     build_sampling_params,
+    invalid_input,
     token_str,
+    tokenize_text,
     top_entries,
 )
 from pagoda.server.streaming import sse, until_disconnect
@@ -46,10 +49,25 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return data
 
 
-def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                template_kwargs: dict[str, Any] | None = None) -> str:
-    """Applies the chat template (--chat-template, else the tokenizer's) to the messages."""
+async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
+                      template_kwargs: dict[str, Any] | None = None) -> str:
+    """Applies the chat template (--chat-template, else the tokenizer's), in a worker thread.
+
+    The messages' text is size-checked first (`--max-prompt-chars`), so a huge conversation
+    is refused before any templating or tokenizing.
+    """
     conversation = [_message_dict(m) for m in messages]
+    num_chars = sum(len(m["content"]) for m in conversation)
+    try:
+        ctx.processor.check_num_chars(num_chars, "messages")
+    except ValueError as e:
+        raise invalid_input(e) from e
+    return await asyncio.to_thread(_apply_template, ctx, conversation, add_generation_prompt,
+                                   template_kwargs)
+
+
+def _apply_template(ctx: ServerContext, conversation: list[dict[str, Any]],
+                    add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> str:
     try:
         text = ctx.tokenizer.apply_chat_template(
             conversation, chat_template=ctx.chat_template, tokenize=False,
@@ -84,8 +102,9 @@ def _num_logprobs(req: ChatCompletionRequest) -> int | None:
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request
                                  ) -> Response:
     ctx.check_model(req.model)
-    text = render_chat(ctx, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
-    prompt = Prompt(ctx.tokenizer.encode(text, add_special_tokens=False), text)
+    text = await render_chat(ctx, req.messages, req.add_generation_prompt,
+                             req.chat_template_kwargs)
+    prompt = Prompt(await tokenize_text(ctx, text, False, "messages"), text)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     num_logprobs = _num_logprobs(req)

@@ -22,15 +22,15 @@ from pagoda.server.serving import (
     Prompt,
     ServerContext,
     build_sampling_params,
-    check_token_ids,
     token_str,
+    tokenize_text,
     top_entries,
 )
 from pagoda.server.streaming import sse, until_disconnect
 
 
-def completion_prompts(ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]]
-                       ) -> list[Prompt]:
+async def completion_prompts(ctx: ServerContext,
+                             prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
     """Normalizes the four prompt shapes OpenAI allows into tokenized prompts."""
     items: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt)
     if not items:
@@ -40,10 +40,9 @@ def completion_prompts(ctx: ServerContext, prompt: str | list[str] | list[int] |
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompts.append(Prompt(ctx.tokenizer.encode(item), item))
+            prompts.append(Prompt(await tokenize_text(ctx, item), item))
         else:
             prompts.append(Prompt(list(item)))
-        check_token_ids(ctx, prompts[-1].token_ids, "prompt")
     return prompts
 
 
@@ -77,7 +76,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported.", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
-    prompts = completion_prompts(ctx, req.prompt)
+    prompts = await completion_prompts(ctx, req.prompt)
     fields = req.sampling_kwargs()
     params = [build_sampling_params(ctx, fields, len(p.token_ids), req.max_tokens, req.logprobs)
               for p in prompts]

@@ -25,7 +25,9 @@ ERROR_TYPES = {
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    413: "RequestTooLargeError",
     415: "BadRequestError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -35,12 +37,13 @@ class APIError(Exception):
     """An error a route raises to answer with `status` in the OpenAI shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: int | str | None = None) -> None:
+                 code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = status if code is None else code
+        self.headers = headers
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -57,7 +60,7 @@ def error_body(status: int, message: str, param: str | None = None,
 
 def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error_body(error.status, error.message, error.param, error.code),
-                        status_code=error.status)
+                        status_code=error.status, headers=error.headers)
 
 
 def sse_error(error: APIError) -> str:

@@ -1,7 +1,11 @@
-"""The gate every HTTP request passes: drain (503), API keys (401), in-flight count.
+"""The gate every HTTP request passes: drain (503), API keys (401), body size (413),
+in-flight count.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, which would wrap
-`receive` and so hide a client's disconnect from the routes that watch for it.
+`receive` and so hide a client's disconnect from the routes that watch for it. With a key set,
+every route needs it except the probes and the scrape target (`OPEN_ROUTES`). A body larger
+than `max_request_body_bytes` is refused from its Content-Length, or, when chunked, as soon
+as that many bytes have arrived, so no route ever parses it.
 """
 
 from __future__ import annotations
@@ -9,7 +13,7 @@ from __future__ import annotations
 import hmac
 
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.server.errors import error_body
 from pagoda.server.serving import ServerContext
@@ -17,6 +21,8 @@ from pagoda.server.serving import ServerContext
 # NOTE: while draining, a load balancer still needs /metrics (and an operator /kv_cache);
 # /health answers 503 on purpose.
 OPEN_WHILE_DRAINING = ("/metrics", "/kv_cache")
+# NOTE: what load balancers, supervisors and Prometheus call without credentials.
+OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics")
 
 
 def key_matches(given: str, keys: list[str]) -> bool:
@@ -47,6 +53,8 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         refusal = self._refusal(scope)
+        if refusal is None:
+            receive, refusal = await self._bounded_body(scope, receive)
         if refusal is not None:
             await refusal(scope, receive, send)
             return
@@ -61,9 +69,55 @@ class GateMiddleware:
         if self.ctx.draining and path not in OPEN_WHILE_DRAINING:
             body = error_body(503, "The server is shutting down and accepts no new requests.")
             return JSONResponse(body, status_code=503, headers={"Connection": "close"})
-        if self.ctx.api_keys and path.startswith("/v1"):
+        if self.ctx.api_keys and path not in OPEN_ROUTES:
             if not key_matches(_bearer_token(scope), self.ctx.api_keys):
                 body = error_body(401, "Incorrect or missing API key.", code="invalid_api_key")
                 return JSONResponse(body, status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
+        length = _content_length(scope)
+        if length is not None and length > self.ctx.max_request_body_bytes:
+            return self._too_large()
         return None
+
+    def _too_large(self) -> JSONResponse:
+        limit = self.ctx.max_request_body_bytes
+        body = error_body(413, f"The request body is larger than this server accepts ({limit} "
+                               "bytes, --max-request-body-bytes).")
+        return JSONResponse(body, status_code=413, headers={"Connection": "close"})
+
+    async def _bounded_body(self, scope: Scope, receive: Receive
+                            ) -> tuple[Receive, JSONResponse | None]:
+        """For a body without Content-Length: reads it up to the limit, then replays it."""
+        if _content_length(scope) is not None or scope["method"] in ("GET", "HEAD"):
+            return receive, None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return receive, None  # NOTE: a disconnect; the route sees it on its own read.
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.ctx.max_request_body_bytes:
+                return receive, self._too_large()
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        return replay, None
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope.get("headers", []):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None

@@ -17,11 +17,39 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     model_serializer,
+    model_validator,
 )
 
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value if isinstance(v, (str, dict, list)))
+    return False
+
+
+class RequestModel(OpenAIBaseModel):
+    """A request body: its strings must be valid Unicode (JSON allows a lone surrogate escape,
+    which no tokenizer, template or UTF-8 response can carry)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if _has_lone_surrogate(data):
+            raise ValueError("the body holds a string that is not valid Unicode "
+                             "(a lone surrogate)")
+        return data
 
 
 def random_id(prefix: str) -> str:
@@ -54,7 +82,7 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(OpenAIBaseModel):
+class SamplingFields(RequestModel):
     """The sampling fields completions and chat share (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -248,7 +276,7 @@ class ModelList(OpenAIBaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(RequestModel):
     """vLLM's two shapes in one: `prompt` (completion) or `messages` (chat)."""
 
     model: str | None = None
@@ -266,7 +294,7 @@ class TokenizeResponse(OpenAIBaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

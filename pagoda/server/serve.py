@@ -8,7 +8,8 @@ later. `--engine-stall-timeout` is how long /health tolerates pending work witho
 
 Shutdown: the first SIGTERM or SIGINT starts draining: new requests get 503, running ones
 finish or hit `--drain-timeout`, then uvicorn stops and the process exits 0. A second signal
-stops at once.
+stops at once. If the engine loop dies, every open stream gets an error and the process exits
+1, so that a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,11 @@ import uvicorn
 from pagoda.config import BLOCK_SIZES, DEFAULT_MODEL, DTYPES, EngineConfig, parse_bytes
 from pagoda.metrics import default_stat_loggers, format_kv_memory_report
 from pagoda.server.api import build_app
-from pagoda.server.serving import ServerContext, load_chat_template
+from pagoda.server.serving import (
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    ServerContext,
+    load_chat_template,
+)
 
 logger = logging.getLogger("pagoda.serve")
 
@@ -41,6 +46,9 @@ ENGINE_FLAGS = {
     "num_kv_blocks": "num_kv_blocks", "enable_prefix_caching": "enable_prefix_caching",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "tensor_parallel_size": "tensor_parallel_size",
+    "max_n": "max_n", "max_prompt_chars": "max_prompt_chars",
+    "max_stop_sequences": "max_stop_sequences", "max_stop_str_chars": "max_stop_str_chars",
+    "max_queued_requests": "max_queued_requests",
 }
 
 
@@ -57,7 +65,7 @@ def human_int(text: str) -> int:
 
 def byte_size(text: str) -> str:
     try:
-        parse_bytes(text)
+        parse_bytes(text, "a size")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
@@ -71,6 +79,13 @@ def positive_seconds(text: str) -> float:
     if not seconds > 0:
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
     return seconds
+
+
+def positive_int(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def port_number(text: str) -> int:
@@ -120,6 +135,27 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None)
     cache.add_argument("-tp", "--tensor-parallel-size", type=int, default=None)
+    add_limit_arguments(parser)
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The per-request limits; each refusal is a clear 4xx (see docs/architecture.md)."""
+    limits = parser.add_argument_group("limits (what one request may ask)")
+    limits.add_argument("--max-queued-requests", type=positive_int, default=None, metavar="N",
+                        help="sequences that may wait to be scheduled (n counts); beyond it "
+                             "requests get 429 with Retry-After (default 1024)")
+    limits.add_argument("--max-n", type=positive_int, default=None,
+                        help="most samples per prompt (default: --max-num-seqs)")
+    limits.add_argument("--max-prompt-chars", type=positive_int, default=None,
+                        help="longest prompt text, checked before tokenizing "
+                             "(default: 32 x max-model-len)")
+    limits.add_argument("--max-stop-sequences", type=positive_int, default=None,
+                        help="most stop strings, and most stop token ids (default 64)")
+    limits.add_argument("--max-stop-str-chars", type=positive_int, default=None,
+                        help="longest stop string (default 1024)")
+    limits.add_argument("--max-request-body-bytes", type=byte_size,
+                        default=str(DEFAULT_MAX_REQUEST_BODY_BYTES),
+                        help="larger bodies get 413 (default 16MiB)")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -187,16 +223,21 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
         ctx = ServerContext(engine=engine, served_model_names=names, model_path=model,
                             max_model_len=engine.config.model.max_model_len,
                             chat_template=load_chat_template(config.model.chat_template),
-                            api_keys=api_keys(args))
+                            api_keys=api_keys(args),
+                            max_request_body_bytes=parse_bytes(args.max_request_body_bytes))
         logger.info("engine ready in %.1f s (max_model_len %d)", time.perf_counter() - started,
                     ctx.max_model_len)
         logger.info("%s", format_kv_memory_report(engine.kv_report()))
         uv_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
                                    timeout_graceful_shutdown=2)
-        await DrainingServer(uv_config, ctx, args.drain_timeout).serve()
+        server = DrainingServer(uv_config, ctx, args.drain_timeout)
+        await server.serve()
     finally:
         engine.shutdown()
+    if engine.dead_reason is not None and server.engine_died:
+        logger.critical("exiting with status 1: the engine died (%s)", engine.dead_reason)
+        return 1
     return 0
 
 
@@ -208,6 +249,7 @@ class DrainingServer(uvicorn.Server):
         self.ctx = ctx
         self.drain_timeout = drain_timeout
         self.drain_started: float | None = None
+        self.engine_died = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # NOTE: uvicorn re-raises captured signals after serving, which would turn a clean
@@ -222,6 +264,12 @@ class DrainingServer(uvicorn.Server):
         self.drain_started = time.monotonic()
 
     async def on_tick(self, counter: int) -> bool:
+        if self.ctx.engine.dead_reason is not None and not self.engine_died:
+            # NOTE: fail loudly: a supervisor (systemd, Kubernetes) restarts a process that
+            # exits; one that answers 503 forever needs a human.
+            logger.critical("the engine loop died (%s); stopping the server",
+                            self.ctx.engine.dead_reason)
+            self.engine_died = self.should_exit = True
         if self.drain_started is not None and not self.should_exit:
             waited = time.monotonic() - self.drain_started
             if self.ctx.num_active_requests == 0 or waited > self.drain_timeout:

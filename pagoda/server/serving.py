@@ -16,14 +16,17 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pagoda.async_engine import EngineDeadError
+from pagoda.async_engine import EngineDeadError, QueueFullError
+from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.sampling_params import SamplingParamError, SamplingParams
+from pagoda.sampling_params import SamplingParams
 from pagoda.server.errors import APIError, bad_request, context_length_error
 from pagoda.server.protocol import PromptTokensDetails, UsageInfo, now
 from pagoda.server.streaming import merge
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024**2
 
 
 class EngineClient(Protocol):
@@ -31,9 +34,12 @@ class EngineClient(Protocol):
 
     tokenizer: Any
     config: Any
+    processor: InputProcessor
+    dead_reason: str | None
 
-    def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                 request_id: str) -> AsyncIterator[RequestOutput]: ...
+    def generate_request(self, req: EngineRequest) -> AsyncIterator[RequestOutput]: ...
+
+    def check_queue(self, num_sequences: int) -> None: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -42,6 +48,8 @@ class EngineClient(Protocol):
     def num_unfinished_requests(self) -> int: ...
 
     def kv_report(self) -> dict[str, float]: ...
+
+    def record_rejection(self, reason: str) -> None: ...
 
 
 @dataclass
@@ -54,6 +62,7 @@ class ServerContext:
     max_model_len: int
     chat_template: str | None = None
     api_keys: list[str] = field(default_factory=list)
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     draining: bool = False
     num_active_requests: int = 0
 
@@ -64,6 +73,10 @@ class ServerContext:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def processor(self) -> InputProcessor:
+        return self.engine.processor
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.served_model_names:
@@ -86,13 +99,18 @@ class Prompt:
     text: str | None = None
 
 
-def check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> None:
-    if not token_ids:
-        raise bad_request("The prompt cannot be empty.", param)
-    vocab_size = len(ctx.tokenizer)
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise bad_request(f"Token id {bad[0]} is out of vocabulary (size {vocab_size}).", param)
+def invalid_input(e: ValueError | TypeError) -> APIError:
+    """An `InputProcessor` / `SamplingParams` error as the 400 the client gets."""
+    return bad_request(str(e), getattr(e, "param", None))
+
+
+async def tokenize_text(ctx: ServerContext, text: str, add_special_tokens: bool = True,
+                        param: str = "prompt") -> list[int]:
+    """Checks and tokenizes `text` in a worker thread, so a long prompt never blocks the loop."""
+    try:
+        return await asyncio.to_thread(ctx.processor.tokenize, text, add_special_tokens, param)
+    except ValueError as e:
+        raise invalid_input(e) from e
 
 
 def build_sampling_params(ctx: ServerContext, fields: dict[str, Any], num_prompt_tokens: int,
@@ -108,10 +126,8 @@ def build_sampling_params(ctx: ServerContext, fields: dict[str, Any], num_prompt
         max_tokens = ctx.max_model_len - num_prompt_tokens
     try:
         return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
-    except SamplingParamError as e:
-        raise bad_request(str(e), e.param) from e
     except (TypeError, ValueError) as e:
-        raise bad_request(str(e)) from e
+        raise invalid_input(e) from e
 
 
 @dataclass
@@ -132,6 +148,23 @@ class ChoiceState:
         self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
 
 
+def admit(ctx: ServerContext, num_sequences: int) -> None:
+    """Refuses a request whose sequences the queue cannot take (400 if it never could)."""
+    limit = ctx.engine.config.limits.max_queued_requests
+    if num_sequences > limit:
+        raise bad_request(f"This request asks for {num_sequences} sequences (prompts x n); the "
+                          f"server queues at most {limit} (--max-queued-requests).", "n")
+    try:
+        ctx.engine.check_queue(num_sequences)
+    except QueueFullError as e:
+        raise queue_full(ctx, e) from e
+
+
+def queue_full(ctx: ServerContext, e: QueueFullError) -> APIError:
+    ctx.engine.record_rejection("queue_full")
+    return APIError(429, str(e), headers={"Retry-After": str(e.retry_after)})
+
+
 _background_tasks: set[asyncio.Task[None]] = set()
 
 
@@ -143,7 +176,11 @@ async def _abort_quietly(engine: EngineClient, request_id: str) -> None:
 
 
 class Generation:
-    """One API request's prompts running in the engine, with the state of each choice."""
+    """One API request's prompts running in the engine, with the state of each choice.
+
+    Construction validates every prompt with its params (400) and checks that the queue has
+    room for all their sequences (429), before any response starts.
+    """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[Prompt],
                  params: list[SamplingParams]) -> None:
@@ -151,18 +188,26 @@ class Generation:
         self.request_id = request_id
         self.created = now()
         self.prompts = prompts
-        self.params = params
         self.n = params[0].n
-        self.request_ids = ([request_id] if len(prompts) == 1
-                            else [f"{request_id}-{i}" for i in range(len(prompts))])
+        request_ids = ([request_id] if len(prompts) == 1
+                       else [f"{request_id}-{i}" for i in range(len(prompts))])
+        self.requests = [self._process(rid, p, sp)
+                         for rid, p, sp in zip(request_ids, prompts, params, strict=True)]
+        admit(ctx, len(prompts) * self.n)
         self.choices = [ChoiceState() for _ in range(len(prompts) * self.n)]
         self.num_cached_tokens = [0] * len(prompts)
         self.finished = [False] * len(prompts)
 
+    def _process(self, request_id: str, prompt: Prompt, params: SamplingParams) -> EngineRequest:
+        try:
+            return self.ctx.processor.process(request_id, prompt.token_ids, params,
+                                              prompt_text=prompt.text)
+        except ValueError as e:
+            raise invalid_input(e) from e
+
     async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """Yields (choice index, delta) as the engine produces them."""
-        streams = [self.ctx.engine.generate(p.token_ids, sp, rid)
-                   for p, sp, rid in zip(self.prompts, self.params, self.request_ids, strict=True)]
+        streams = [self.ctx.engine.generate_request(req) for req in self.requests]
         try:
             async for i, out in merge(streams):
                 if out.error:
@@ -175,10 +220,10 @@ class Generation:
                     yield index, delta
         except APIError:
             raise
-        except SamplingParamError as e:
-            raise bad_request(str(e), e.param) from e
-        except ValueError as e:  # NOTE: e.g. PromptTooLongError, raised before any output.
-            raise bad_request(str(e), getattr(e, "param", None)) from e
+        except QueueFullError as e:
+            raise queue_full(self.ctx, e) from e
+        except ValueError as e:  # NOTE: e.g. a duplicate request id, raised before any output.
+            raise invalid_input(e) from e
         except EngineDeadError as e:
             # NOTE: 503, as /health answers: this replica cannot serve; retry on another one.
             raise APIError(503, f"The engine is not running: {e}") from e
@@ -204,9 +249,10 @@ class Generation:
     def _abort_unfinished(self) -> None:
         # NOTE: a fresh task, because this may run inside a cancelled scope where any await
         # would be cancelled again before the abort reached the engine.
-        for rid, done in zip(self.request_ids, self.finished, strict=True):
+        for req, done in zip(self.requests, self.finished, strict=True):
             if not done:
-                task = asyncio.get_running_loop().create_task(_abort_quietly(self.ctx.engine, rid))
+                task = asyncio.get_running_loop().create_task(
+                    _abort_quietly(self.ctx.engine, req.request_id))
                 _background_tasks.add(task)
                 task.add_done_callback(_background_tasks.discard)
 

@@ -1,0 +1,157 @@
+"""InputProcessor: a user's prompt and sampling params in, a validated `EngineRequest` out.
+
+The one place where a request is checked against the model and the limits, before anything
+reaches the engine core (vLLM's `Processor`):
+- prompt text: at most `max_prompt_chars` characters, counted before tokenizing, and valid
+  Unicode (a lone surrogate cannot be encoded);
+- prompt token ids: non-empty, inside the model's vocabulary, leaving room for one token;
+- sampling params: `n` up to `max_n`, stop strings and stop token ids bounded in number and
+  size, stop ids inside the vocabulary, `top_k` above the vocabulary clamped to "off".
+Invariant: what `process` returns can be scheduled and sampled without an index or overflow
+error, so a step never fails because of one request's inputs. Errors are `ValueError`s with a
+`param` attribute (the server's 400s); a prompt without room is a `PromptTooLongError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda.config import LimitsConfig
+from pagoda.sampling_params import SamplingParamError, SamplingParams
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for even one output token."""
+
+    param = "prompt"
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"request has {num_prompt_tokens} input tokens. Please reduce the length of the input.")
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+@dataclass
+class EngineRequest:
+    """A validated request, ready for `LLMEngine.add_processed`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+
+
+def check_unicode(text: str, param: str) -> None:
+    """Raises a 400-style error if `text` holds a lone surrogate (JSON allows '\\ud800')."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SamplingParamError(
+            param, f"{param} is not valid Unicode: a lone surrogate at position {e.start}.") from None
+
+
+class InputProcessor:
+    """Validates and tokenizes requests for one engine.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer, or None (token-id prompts only).
+        vocab_size: the model's vocabulary (its embedding rows): valid ids are below it.
+        max_model_len: the context length.
+        limits: resolved limits (`LimitsConfig.resolved`).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
+                 limits: LimitsConfig) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.limits = limits
+        self.max_prompt_chars = limits.max_prompt_chars or 32 * max_model_len
+        self.max_n = limits.max_n or 1
+
+    # ---- text ----------------------------------------------------------------------------
+    def check_text(self, text: str, param: str = "prompt") -> None:
+        """Size and Unicode checks of a prompt text, before any tokenizing."""
+        self.check_num_chars(len(text), param)
+        check_unicode(text, param)
+
+    def check_num_chars(self, num_chars: int, param: str = "prompt") -> None:
+        if num_chars > self.max_prompt_chars:
+            raise SamplingParamError(
+                param, f"The {param} has {num_chars} characters, more than this server accepts "
+                       f"({self.max_prompt_chars}, --max-prompt-chars); the context holds "
+                       f"{self.max_model_len} tokens.")
+
+    def tokenize(self, text: str, add_special_tokens: bool = True,
+                 param: str = "prompt") -> list[int]:
+        """Checks `text`, then tokenizes it (may take a while: call it off the event loop)."""
+        if self.tokenizer is None:
+            raise SamplingParamError(param, "This model has no tokenizer: pass prompt token ids.")
+        self.check_text(text, param)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    # ---- token ids and params --------------------------------------------------------------
+    def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
+        if not token_ids:
+            raise SamplingParamError(param, f"The {param} cannot be empty.")
+        bad = next((t for t in token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)),
+                   None)
+        if bad is not None:
+            raise SamplingParamError(
+                param, f"Token id {bad} is out of vocabulary (size {self.vocab_size}).")
+
+    def check_prompt(self, token_ids: list[int]) -> None:
+        self.check_token_ids(token_ids, "prompt")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(len(token_ids), self.max_model_len)
+
+    def check_params(self, params: SamplingParams) -> SamplingParams:
+        """Checks `params` against the model and the limits; returns them, maybe clamped."""
+        limits = self.limits
+        if params.n > self.max_n:
+            raise SamplingParamError("n", f"n must be at most {self.max_n} (--max-n), got {params.n}.")
+        for name, values in (("stop", params.stop), ("stop_token_ids", params.stop_token_ids)):
+            if len(values) > limits.max_stop_sequences:
+                raise SamplingParamError(
+                    name, f"{name} may hold at most {limits.max_stop_sequences} entries "
+                          f"(--max-stop-sequences), got {len(values)}.")
+        for stop in params.stop:
+            if len(stop) > limits.max_stop_str_chars:
+                raise SamplingParamError(
+                    "stop", f"stop strings may be at most {limits.max_stop_str_chars} characters "
+                            f"(--max-stop-str-chars), got one of {len(stop)}.")
+            check_unicode(stop, "stop")
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise SamplingParamError(
+                "stop_token_ids", f"Stop token id {bad} is out of vocabulary (size {self.vocab_size}).")
+        if params.top_k >= self.vocab_size:
+            # NOTE: vLLM treats a top_k at or above the vocabulary as "off"; a huge value (2**63,
+            # 1e30) would otherwise overflow the sampler's int64 tensor.
+            params = dataclasses.replace(params, top_k=-1)
+        return params
+
+    # ---- the whole request ---------------------------------------------------------------
+    def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                arrival_time: float | None = None, prompt_text: str | None = None) -> EngineRequest:
+        """Tokenizes (when given text) and validates one request.
+
+        Raises:
+            ValueError: with `param` naming the offending field.
+            PromptTooLongError: no room for one output token.
+        """
+        if isinstance(prompt, str):
+            prompt_text = prompt
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = list(prompt)
+        self.check_prompt(token_ids)
+        params = self.check_params(params)
+        return EngineRequest(request_id, token_ids, params,
+                             time.time() if arrival_time is None else arrival_time, prompt_text)
