@@ -122,6 +122,7 @@ class LimitsConfig:
             32 characters per token of the context length.
         max_stop_sequences: most stop strings, and most stop token ids, per request.
         max_stop_str_chars: longest stop string.
+        max_logit_bias: most entries in a request's logit_bias.
         max_queued_requests: most sequences waiting to be scheduled (a request with n
             samples counts n); beyond it the server answers 429.
     """
@@ -130,13 +131,15 @@ class LimitsConfig:
     max_prompt_chars: int | None = None
     max_stop_sequences: int = 64
     max_stop_str_chars: int = 1024
+    max_logit_bias: int = 1024
     max_queued_requests: int = 1024
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_prompt_chars"):
             value = getattr(self, name)
             _check(value is None or value > 0, name, value, "must be positive")
-        for name in ("max_stop_sequences", "max_stop_str_chars", "max_queued_requests"):
+        for name in ("max_stop_sequences", "max_stop_str_chars", "max_logit_bias",
+                     "max_queued_requests"):
             value = getattr(self, name)
             _check(value > 0, name, value, "must be positive")
 

@@ -77,10 +77,12 @@ class LLMEngine:
         """Queues a request that `self.processor` already validated; returns its id."""
         self._check_new_id(req.request_id)
         params = req.sampling_params
+        grammars = [req.grammar] + [req.grammar.fork() if req.grammar else None
+                                    for _ in range(params.n - 1)]
         children = [
             Request(req.request_id, req.prompt_token_ids,
                     params.for_child(i) if params.n > 1 else params, self.eos_token_ids,
-                    req.arrival_time, self.max_model_len, sample_index=i)
+                    req.arrival_time, self.max_model_len, sample_index=i, grammar=grammars[i])
             for i in range(params.n)
         ]
         self.states[req.request_id] = RequestState(req.request_id, req.prompt, children,
@@ -164,6 +166,9 @@ class LLMEngine:
             request.logprobs.append(logprobs)
             request.cumulative_logprob += logprobs[token][0]
         record_token_timing(request, now, stats)
+        if request.grammar is not None and not request.grammar.accept(token):
+            raise RuntimeError(f"token {token} is outside the request's grammar "
+                               f"({request.grammar.error or 'not allowed'})")
         sample = self.states[request.request_id].samples[request.sample_index]
         stopped_by_string = sample.add_token(token)
         if stopped_by_string:
@@ -171,6 +176,8 @@ class LLMEngine:
             self._finish(request, RequestStatus.FINISHED_STOPPED, stats)
         elif (status := request.check_stop()) is not None:
             self._finish(request, status, stats)
+        elif request.grammar is not None and request.grammar.terminated:
+            self._finish(request, RequestStatus.FINISHED_STOPPED, stats)
 
     def _fail(self, request: Request, exc: Exception, stats: IterationStats) -> None:
         logger.error("Request %s (sample %d) failed: %s: %s", request.request_id,

@@ -6,7 +6,10 @@ reaches the engine core (vLLM's `Processor`):
   Unicode (a lone surrogate cannot be encoded);
 - prompt token ids: non-empty, inside the model's vocabulary, leaving room for one token;
 - sampling params: `n` up to `max_n`, stop strings and stop token ids bounded in number and
-  size, stop ids inside the vocabulary, `top_k` above the vocabulary clamped to "off".
+  size, stop ids inside the vocabulary, `top_k` above the vocabulary clamped to "off",
+  logit_bias and allowed_token_ids inside the vocabulary;
+- structured outputs: compiled here (cached per constraint, in the caller's thread), so an
+  invalid schema is a 400 and compiling never stalls the engine's steps.
 Invariant: what `process` returns can be scheduled and sampled without an index or overflow
 error, so a step never fails because of one request's inputs. Errors are `ValueError`s with a
 `param` attribute (the server's 400s); a prompt without room is a `PromptTooLongError`.
@@ -21,6 +24,7 @@ from typing import Any
 
 from pagoda.config import LimitsConfig
 from pagoda.sampling_params import SamplingParamError, SamplingParams
+from pagoda.structured_output import Grammar, GrammarCompiler
 
 
 class PromptTooLongError(ValueError):
@@ -45,6 +49,7 @@ class EngineRequest:
     sampling_params: SamplingParams
     arrival_time: float
     prompt: str | None = None
+    grammar: Grammar | None = None
 
 
 def check_unicode(text: str, param: str) -> None:
@@ -74,6 +79,7 @@ class InputProcessor:
         self.limits = limits
         self.max_prompt_chars = limits.max_prompt_chars or 32 * max_model_len
         self.max_n = limits.max_n or 1
+        self.grammars = GrammarCompiler(tokenizer, vocab_size)
 
     # ---- text ----------------------------------------------------------------------------
     def check_text(self, text: str, param: str = "prompt") -> None:
@@ -131,16 +137,34 @@ class InputProcessor:
         if bad is not None:
             raise SamplingParamError(
                 "stop_token_ids", f"Stop token id {bad} is out of vocabulary (size {self.vocab_size}).")
+        self._check_token_controls(params)
         if params.top_k >= self.vocab_size:
             # NOTE: vLLM treats a top_k at or above the vocabulary as "off"; a huge value (2**63,
             # 1e30) would otherwise overflow the sampler's int64 tensor.
             params = dataclasses.replace(params, top_k=-1)
         return params
 
+    def _check_token_controls(self, params: SamplingParams) -> None:
+        bias = params.logit_bias or {}
+        if len(bias) > self.limits.max_logit_bias:
+            raise SamplingParamError(
+                "logit_bias", f"logit_bias may hold at most {self.limits.max_logit_bias} "
+                              f"entries (--max-logit-bias), got {len(bias)}.")
+        for name, ids in (("logit_bias", list(bias)),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise SamplingParamError(
+                    name, f"Token id {bad} in {name} is out of vocabulary (size {self.vocab_size}).")
+
     # ---- the whole request ---------------------------------------------------------------
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                arrival_time: float | None = None, prompt_text: str | None = None) -> EngineRequest:
-        """Tokenizes (when given text) and validates one request.
+                arrival_time: float | None = None, prompt_text: str | None = None,
+                structured_param: str = "structured_outputs") -> EngineRequest:
+        """Tokenizes (when given text), validates and compiles one request's constraint.
+
+        Args:
+            structured_param: the request field a grammar error names (e.g. response_format).
 
         Raises:
             ValueError: with `param` naming the offending field.
@@ -153,5 +177,9 @@ class InputProcessor:
             token_ids = list(prompt)
         self.check_prompt(token_ids)
         params = self.check_params(params)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammars.compile(params.structured_outputs, structured_param)
         return EngineRequest(request_id, token_ids, params,
-                             time.time() if arrival_time is None else arrival_time, prompt_text)
+                             time.time() if arrival_time is None else arrival_time, prompt_text,
+                             grammar)

@@ -14,6 +14,7 @@ import torch
 
 from pagoda.outputs import RequestMetrics
 from pagoda.sampling_params import SamplingParams
+from pagoda.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -42,6 +43,7 @@ class Request:
         arrival_time: float | None = None,
         max_model_len: int | None = None,
         sample_index: int = 0,
+        grammar: Grammar | None = None,
     ) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
@@ -61,6 +63,7 @@ class Request:
         self.generator = self._make_generator()
         self.logprobs: list[dict[int, tuple[float, int]]] = []
         self.cumulative_logprob = 0.0
+        self.grammar = grammar
 
     def _max_tokens(self, max_model_len: int | None) -> int:
         limit = self.sampling_params.max_tokens

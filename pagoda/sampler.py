@@ -1,8 +1,9 @@
 """Sampling: logits of the rows that sample -> token ids (and log-probabilities).
 
-Greedy requests without penalties take an argmax fast path. Otherwise, in vLLM's order:
-penalties, min-tokens suppression, temperature, top-k / top-p / min-p, then an exponential
-race (Gumbel-max) per row. A request with a seed draws only from its own generator, so its
+Token constraints come first: grammar bitmasks (structured outputs), allowed_token_ids and
+logit_bias. Greedy requests without penalties then take an argmax fast path. Otherwise, in
+vLLM's order: penalties, min-tokens suppression, temperature, top-k / top-p / min-p, then an
+exponential race (Gumbel-max) per row. A request with a seed draws only from its own generator, so its
 tokens do not depend on what else is in the batch. Log-probabilities are of the raw logits.
 """
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from pagoda.request import Request
+from pagoda.structured_output import apply_bitmask
 
 # token id -> (logprob, rank), for the sampled token and the top-N
 TokenLogprobs = dict[int, tuple[float, int]]
@@ -32,13 +34,40 @@ def _needs_full_path(requests: list[Request]) -> bool:
     return False
 
 
+def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> None:
+    """Grammar bitmasks, allowed_token_ids and logit_bias, in place, on the rows that ask."""
+    grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    if grammar_rows:
+        words = -(-logits.shape[-1] // 32)
+        bitmask = torch.full((len(grammar_rows), words), -1, dtype=torch.int32)
+        for j, i in enumerate(grammar_rows):
+            requests[i].grammar.fill_bitmask(bitmask[j])  # type: ignore[union-attr]
+        rows = logits[grammar_rows]
+        apply_bitmask(rows, bitmask)
+        logits[grammar_rows] = rows
+    for row, r in enumerate(requests):
+        p = r.sampling_params
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor(p.allowed_token_ids, dtype=torch.long)
+            kept = logits[row, keep]
+            logits[row] = float("-inf")
+            logits[row, keep] = kept
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            logits[row, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         raw = logits.float()
-        if not _needs_full_path(requests):
-            tokens = raw.argmax(dim=-1).tolist()
-        else:
+        logits = raw
+        if any(r.sampling_params.constrains_tokens for r in requests):
             logits = raw.clone()
+            apply_token_constraints(logits, requests)
+        if not _needs_full_path(requests):
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            logits = logits.clone() if logits is raw else logits
             self._apply_penalties(logits, requests)
             self._suppress_stops(logits, requests)
             tokens = self._sample(logits, requests)
@@ -65,9 +94,13 @@ class Sampler:
             if r.num_output_tokens < p.min_tokens:
                 # NOTE: as vLLM: EOS is masked until min_tokens even with ignore_eos, so that
                 # forced-length benchmarks generate the same tokens on every engine.
-                ids = set(p.stop_token_ids) | r.eos_token_ids
+                ids = sorted(set(p.stop_token_ids) | r.eos_token_ids)
                 if ids:
-                    logits[row, sorted(ids)] = float("-inf")
+                    kept = logits[row, ids].clone()
+                    logits[row, ids] = float("-inf")
+                    if not torch.isfinite(logits[row]).any():
+                        # NOTE: a grammar that allows only EOS now wins over min_tokens.
+                        logits[row, ids] = kept
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()

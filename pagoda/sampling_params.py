@@ -10,6 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from pagoda.structured_output import StructuredOutputsParams
+
 # NOTE: vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing logits by 5e-324
 # overflows them to inf and the softmax to NaN).
 SAMPLING_EPS = 1e-5
@@ -61,6 +63,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -103,9 +108,27 @@ class SamplingParams:
                  "stop_token_ids", f"stop_token_ids must be non-negative ints, got {_short(self.stop_token_ids)}.")
         _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
                  f"logprobs must be in [0, 20], got {self.logprobs}.")
+        self._validate_token_controls()
         _require(self.seed is None or (isinstance(self.seed, int)
                                        and INT64_MIN <= self.seed <= INT64_MAX), "seed",
                  f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}.")
+
+    def _validate_token_controls(self) -> None:
+        bias = self.logit_bias or {}
+        _require(all(isinstance(t, int) and t >= 0 for t in bias), "logit_bias",
+                 "logit_bias keys must be non-negative token ids.")
+        _require(all(isinstance(v, (int, float)) and -100 <= v <= 100 for v in bias.values()),
+                 "logit_bias", "logit_bias values must be in [-100, 100].")
+        allowed = self.allowed_token_ids
+        _require(allowed is None or (len(allowed) > 0 and all(
+            isinstance(t, int) and t >= 0 for t in allowed)), "allowed_token_ids",
+            "allowed_token_ids must be a non-empty list of non-negative token ids.")
+
+    @property
+    def constrains_tokens(self) -> bool:
+        """Whether some tokens are masked or biased before sampling."""
+        return (self.structured_outputs is not None or bool(self.logit_bias)
+                or self.allowed_token_ids is not None)
 
     @property
     def greedy(self) -> bool:

@@ -31,11 +31,13 @@ from pagoda.server.serving import (
     ServerContext,
     build_sampling_params,
     invalid_input,
+    request_fields,
     token_str,
     tokenize_text,
     top_entries,
 )
 from pagoda.server.streaming import sse, until_disconnect
+from pagoda.server.tools import ToolPlan, ToolStream, parse_calls, plan_tools
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -49,14 +51,28 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
     return data
 
 
+def template_has_tools(ctx: ServerContext) -> bool:
+    """Whether the chat template renders `tools` (it then has a tool-call format)."""
+    source = ctx.chat_template or getattr(ctx.tokenizer, "chat_template", None) or ""
+    return "tools" in str(source)
+
+
 async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
-                      template_kwargs: dict[str, Any] | None = None) -> str:
+                      template_kwargs: dict[str, Any] | None = None,
+                      tools: ToolPlan | None = None) -> str:
     """Applies the chat template (--chat-template, else the tokenizer's), in a worker thread.
 
     The messages' text is size-checked first (`--max-prompt-chars`), so a huge conversation
-    is refused before any templating or tokenizing.
+    is refused before any templating or tokenizing. Tools go to a template that renders them;
+    for one that cannot, a call's tools are described in a system message.
     """
     conversation = [_message_dict(m) for m in messages]
+    template_kwargs = dict(template_kwargs or {})
+    if tools is not None and tools.tools:
+        if template_has_tools(ctx):
+            template_kwargs["tools"] = tools.template_tools()
+        elif tools.calls_tools:
+            conversation = _with_system_note(conversation, tools.system_note())
     num_chars = sum(len(m["content"]) for m in conversation)
     try:
         ctx.processor.check_num_chars(num_chars, "messages")
@@ -64,6 +80,13 @@ async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_gener
         raise invalid_input(e) from e
     return await asyncio.to_thread(_apply_template, ctx, conversation, add_generation_prompt,
                                    template_kwargs)
+
+
+def _with_system_note(conversation: list[dict[str, Any]], note: str) -> list[dict[str, Any]]:
+    if conversation and conversation[0].get("role") == "system":
+        first = {**conversation[0], "content": f"{conversation[0]['content']}\n\n{note}"}
+        return [first, *conversation[1:]]
+    return [{"role": "system", "content": note}, *conversation]
 
 
 def _apply_template(ctx: ServerContext, conversation: list[dict[str, Any]],
@@ -102,44 +125,61 @@ def _num_logprobs(req: ChatCompletionRequest) -> int | None:
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request
                                  ) -> Response:
     ctx.check_model(req.model)
+    fields, structured_param = request_fields(req)
+    plan = plan_tools(req, template_has_tools(ctx))
+    if plan.constraint() is not None:
+        if fields["structured_outputs"] is not None:
+            raise bad_request("A tool call and another output constraint cannot be combined.",
+                              structured_param)
+        fields["structured_outputs"], structured_param = plan.constraint(), "tools"
     text = await render_chat(ctx, req.messages, req.add_generation_prompt,
-                             req.chat_template_kwargs)
+                             req.chat_template_kwargs, plan)
     prompt = Prompt(await tokenize_text(ctx, text, False, "messages"), text)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     num_logprobs = _num_logprobs(req)
-    params = build_sampling_params(ctx, req.sampling_kwargs(), len(prompt.token_ids), max_tokens,
-                                   num_logprobs)
-    gen = Generation(ctx, random_id("chatcmpl"), [prompt], [params])
+    params = build_sampling_params(ctx, fields, len(prompt.token_ids), max_tokens, num_logprobs)
+    gen = await Generation.create(ctx, random_id("chatcmpl"), [prompt], [params],
+                                  structured_param)
     model = req.model or ctx.model_name
     if req.stream:
-        return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs)),
+        return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, plan)),
                                  media_type="text/event-stream")
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
-    return JSONResponse(full_chat(gen, model, num_logprobs).model_dump())
+    return JSONResponse(full_chat(gen, model, num_logprobs, plan).model_dump())
 
 
-def full_chat(gen: Generation, model: str, num_logprobs: int | None) -> ChatCompletionResponse:
+def _finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | None:
+    # NOTE: OpenAI answers "stop" for a forced (named) function, "tool_calls" otherwise.
+    return "tool_calls" if called and plan.mode != "named" and reason == "stop" else reason
+
+
+def full_chat(gen: Generation, model: str, num_logprobs: int | None,
+              plan: ToolPlan) -> ChatCompletionResponse:
     choices = []
     for index, state in enumerate(gen.choices):
         logprobs = None
         if num_logprobs is not None:
             logprobs = chat_logprobs(gen.ctx, state.token_ids, state.logprobs, num_logprobs)
+        content, calls = parse_calls(plan, state.text) if plan.calls_tools else (state.text, [])
         choices.append(ChatCompletionResponseChoice(
-            index=index, message=AssistantMessage(content=state.text), logprobs=logprobs,
-            finish_reason=state.finish_reason, stop_reason=state.stop_reason))
+            index=index, message=AssistantMessage(content=content, tool_calls=calls),
+            logprobs=logprobs, finish_reason=_finish_reason(plan, state.finish_reason, bool(calls)),
+            stop_reason=state.stop_reason))
     return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=model,
                                   choices=choices, usage=gen.usage())
 
 
 async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
-                      num_logprobs: int | None) -> AsyncIterator[ChatCompletionStreamResponse]:
+                      num_logprobs: int | None, plan: ToolPlan
+                      ) -> AsyncIterator[ChatCompletionStreamResponse]:
     def chunk(choices: list[ChatCompletionStreamChoice]) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(id=gen.request_id, created=gen.created, model=model,
                                             choices=choices,
                                             usage=gen.usage() if req.continuous_usage else None)
 
+    streams = [ToolStream(plan) for _ in gen.choices]
     for index in range(len(gen.choices)):
         yield chunk([ChatCompletionStreamChoice(
             index=index, delta=DeltaMessage(role="assistant", content=""))])
@@ -150,9 +190,19 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
         logprobs = None
         if num_logprobs is not None:
             logprobs = chat_logprobs(gen.ctx, delta.token_ids, delta.logprobs or [], num_logprobs)
-        yield chunk([ChatCompletionStreamChoice(
-            index=index, delta=DeltaMessage(content=delta.text), logprobs=logprobs,
-            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason)])
+        pieces, called = [DeltaMessage(content=delta.text)], False
+        if plan.calls_tools:
+            pieces = streams[index].feed(delta.text)
+            if delta.finish_reason is not None:
+                tail, called = streams[index].finish()
+                pieces += tail
+        pieces = pieces or [DeltaMessage(content="")]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield chunk([ChatCompletionStreamChoice(
+                index=index, delta=piece, logprobs=logprobs if i == 0 else None,
+                finish_reason=_finish_reason(plan, delta.finish_reason, called) if last else None,
+                stop_reason=delta.stop_reason if last else None)])
     if req.include_usage:
         usage_chunk = chunk([])
         usage_chunk.usage = gen.usage()

@@ -22,6 +22,7 @@ from pagoda.server.serving import (
     Prompt,
     ServerContext,
     build_sampling_params,
+    request_fields,
     token_str,
     tokenize_text,
     top_entries,
@@ -76,11 +77,11 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         raise bad_request("echo together with logprobs (prompt logprobs) is not supported.", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
+    fields, structured_param = request_fields(req)
     prompts = await completion_prompts(ctx, req.prompt)
-    fields = req.sampling_kwargs()
     params = [build_sampling_params(ctx, fields, len(p.token_ids), req.max_tokens, req.logprobs)
               for p in prompts]
-    gen = Generation(ctx, random_id("cmpl"), prompts, params)
+    gen = await Generation.create(ctx, random_id("cmpl"), prompts, params, structured_param)
     model = req.model or ctx.model_name
     if req.stream:
         return StreamingResponse(sse(stream_completion(gen, req, model)),

@@ -41,7 +41,13 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 class RequestModel(OpenAIBaseModel):
     """A request body: its strings must be valid Unicode (JSON allows a lone surrogate escape,
-    which no tokenizer, template or UTF-8 response can carry)."""
+    which no tokenizer, template or UTF-8 response can carry). Unknown fields are kept in
+    `model_extra` so that the route refuses them by name (nothing is silently ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def unsupported_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
 
     @model_validator(mode="before")
     @classmethod
@@ -82,6 +88,38 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool = False
 
 
+class JSONSchemaFormat(OpenAIBaseModel):
+    name: str = "response"
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs` field (one constraint)."""
+
+    json_spec: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    whitespace_pattern: str | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
 class SamplingFields(RequestModel):
     """The sampling fields completions and chat share (OpenAI's plus vLLM's extensions)."""
 
@@ -104,12 +142,23 @@ class SamplingFields(RequestModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto `SamplingParams`, without unset ones."""
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
-                 "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens")
+                 "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+                 "allowed_token_ids")
         values = {name: getattr(self, name) for name in names}
         return {name: value for name, value in values.items() if value is not None}
 
@@ -184,6 +233,31 @@ class ChatMessage(OpenAIBaseModel):
     name: str | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionName(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -192,6 +266,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -208,9 +285,21 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -230,11 +319,32 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
 
 
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(OpenAIBaseModel):
     """A streamed message delta; unset fields are left out, as OpenAI does."""
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -48,7 +48,7 @@ ENGINE_FLAGS = {
     "tensor_parallel_size": "tensor_parallel_size",
     "max_n": "max_n", "max_prompt_chars": "max_prompt_chars",
     "max_stop_sequences": "max_stop_sequences", "max_stop_str_chars": "max_stop_str_chars",
-    "max_queued_requests": "max_queued_requests",
+    "max_logit_bias": "max_logit_bias", "max_queued_requests": "max_queued_requests",
 }
 
 
@@ -153,6 +153,8 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most stop strings, and most stop token ids (default 64)")
     limits.add_argument("--max-stop-str-chars", type=positive_int, default=None,
                         help="longest stop string (default 1024)")
+    limits.add_argument("--max-logit-bias", type=positive_int, default=None,
+                        help="most logit_bias entries per request (default 1024)")
     limits.add_argument("--max-request-body-bytes", type=byte_size,
                         default=str(DEFAULT_MAX_REQUEST_BODY_BYTES),
                         help="larger bodies get 413 (default 16MiB)")

@@ -20,8 +20,9 @@ from pagoda.async_engine import EngineDeadError, QueueFullError
 from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
+from pagoda.server.constraints import check_supported, logit_bias, structured_constraint
 from pagoda.server.errors import APIError, bad_request, context_length_error
-from pagoda.server.protocol import PromptTokensDetails, UsageInfo, now
+from pagoda.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo, now
 from pagoda.server.streaming import merge
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,16 @@ async def tokenize_text(ctx: ServerContext, text: str, add_special_tokens: bool 
         raise invalid_input(e) from e
 
 
+def request_fields(req: SamplingFields) -> tuple[dict[str, Any], str]:
+    """The request's `SamplingParams` keywords (constraints included) and the field a grammar
+    error names; refuses unknown fields (400)."""
+    check_supported(req)
+    structured, param = structured_constraint(req)
+    fields = req.sampling_kwargs()
+    fields.update(structured_outputs=structured, logit_bias=logit_bias(req))
+    return fields, param
+
+
 def build_sampling_params(ctx: ServerContext, fields: dict[str, Any], num_prompt_tokens: int,
                           max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """Checks the context length, then builds SamplingParams; both fail with a 400.
@@ -178,32 +189,41 @@ async def _abort_quietly(engine: EngineClient, request_id: str) -> None:
 class Generation:
     """One API request's prompts running in the engine, with the state of each choice.
 
-    Construction validates every prompt with its params (400) and checks that the queue has
-    room for all their sequences (429), before any response starts.
+    `Generation.create` validates every prompt with its params and compiles its output
+    constraint in a worker thread (400s), and checks that the queue has room for all their
+    sequences (429), before any response starts.
     """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[Prompt],
-                 params: list[SamplingParams]) -> None:
+                 requests: list[EngineRequest]) -> None:
         self.ctx = ctx
         self.request_id = request_id
         self.created = now()
         self.prompts = prompts
-        self.n = params[0].n
-        request_ids = ([request_id] if len(prompts) == 1
-                       else [f"{request_id}-{i}" for i in range(len(prompts))])
-        self.requests = [self._process(rid, p, sp)
-                         for rid, p, sp in zip(request_ids, prompts, params, strict=True)]
-        admit(ctx, len(prompts) * self.n)
+        self.requests = requests
+        self.n = requests[0].sampling_params.n
         self.choices = [ChoiceState() for _ in range(len(prompts) * self.n)]
         self.num_cached_tokens = [0] * len(prompts)
         self.finished = [False] * len(prompts)
 
-    def _process(self, request_id: str, prompt: Prompt, params: SamplingParams) -> EngineRequest:
+    @classmethod
+    async def create(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
+                     params: list[SamplingParams], structured_param: str = "structured_outputs"
+                     ) -> Generation:
+        request_ids = ([request_id] if len(prompts) == 1
+                       else [f"{request_id}-{i}" for i in range(len(prompts))])
+
+        def process() -> list[EngineRequest]:
+            return [ctx.processor.process(rid, p.token_ids, sp, prompt_text=p.text,
+                                          structured_param=structured_param)
+                    for rid, p, sp in zip(request_ids, prompts, params, strict=True)]
+
         try:
-            return self.ctx.processor.process(request_id, prompt.token_ids, params,
-                                              prompt_text=prompt.text)
+            requests = await asyncio.to_thread(process)
         except ValueError as e:
             raise invalid_input(e) from e
+        admit(ctx, len(prompts) * params[0].n)
+        return cls(ctx, request_id, prompts, requests)
 
     async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """Yields (choice index, delta) as the engine produces them."""

@@ -1,0 +1,235 @@
+"""Structured outputs, logit_bias and allowed_token_ids in the engine.
+
+The grammar battery runs on the real SmolLM2 (nested objects, arrays, enums, numbers,
+booleans, required fields; regex; choice): every output must parse and validate. The tiny
+random model checks the mechanics where any model would do: masks hold whatever the model
+prefers, constrained and free requests share a batch exactly, n > 1 and preemption keep the
+grammar state, and bad constraints are errors naming their field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.structured_output import (
+    GrammarCompiler,
+    GrammarError,
+    StructuredOutputsParams,
+    apply_bitmask,
+)
+
+SCHEMAS = {
+    "person": ("Describe a fictional person as JSON.", {
+        "type": "object", "additionalProperties": False, "required": ["name", "age"],
+        "properties": {"name": {"type": "string"}, "email": {"type": "string"},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 150}}}),
+    "nested": ("Give a city with its coordinates and a few tags as JSON.", {
+        "type": "object", "additionalProperties": False,
+        "required": ["city", "location", "tags"],
+        "properties": {
+            "city": {"type": "string"},
+            "location": {"type": "object", "additionalProperties": False,
+                         "required": ["lat", "lon"],
+                         "properties": {"lat": {"type": "number"}, "lon": {"type": "number"}}},
+            "tags": {"type": "array", "items": {"type": "string"}, "minItems": 1,
+                     "maxItems": 3}}}),
+    "enum": ("Classify the sentiment of 'I love this!' as JSON.", {
+        "type": "object", "additionalProperties": False,
+        "required": ["sentiment", "confidence"],
+        "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]},
+                       "confidence": {"type": "number", "minimum": 0, "maximum": 1}}}),
+    "list": ("List two or three famous movies with their years as JSON.", {
+        "type": "array", "minItems": 2, "maxItems": 3,
+        "items": {"type": "object", "additionalProperties": False,
+                  "required": ["title", "year"],
+                  "properties": {"title": {"type": "string"}, "year": {"type": "integer"}}}}),
+    "bool": ("Is the sky blue? Answer as JSON with a short reason.", {
+        "type": "object", "required": ["answer", "reason"], "additionalProperties": False,
+        "properties": {"answer": {"type": "boolean"},
+                       "reason": {"type": "string", "maxLength": 80}}}),
+}
+
+
+# ---- without a model -------------------------------------------------------------------------
+def test_exactly_one_constraint():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="non-empty"):
+        StructuredOutputsParams(choice=[])
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+
+
+def test_apply_bitmask_matches_a_reference():
+    g = torch.Generator().manual_seed(0)
+    vocab = 100
+    allowed = torch.rand(3, vocab, generator=g) < 0.3
+    bitmask = torch.zeros(3, 4, dtype=torch.int32)
+    for row, col in allowed.nonzero().tolist():
+        word = int(bitmask[row, col // 32]) & 0xFFFFFFFF | (1 << (col % 32))
+        bitmask[row, col // 32] = word - (1 << 32) if word >= 2**31 else word
+    logits = torch.randn(3, vocab, generator=g)
+    expected = logits.masked_fill(~allowed, float("-inf"))
+    apply_bitmask(logits, bitmask)
+    assert torch.equal(logits, expected)
+
+
+# ---- the tiny random model -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=256)
+
+
+def constrained(so: StructuredOutputsParams, **kw) -> SamplingParams:
+    kw.setdefault("temperature", 0)
+    kw.setdefault("max_tokens", 40)
+    return SamplingParams(structured_outputs=so, **kw)
+
+
+def text_of(llm: LLM, prompt: str | list[int], params: SamplingParams) -> list[str]:
+    return [o.text for o in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+
+
+def test_masks_hold_whatever_the_model_prefers(llm: LLM):
+    assert text_of(llm, "hello", constrained(StructuredOutputsParams(choice=["red", "blue"]))
+                   )[0] in ("red", "blue")
+    [phone] = text_of(llm, "call", constrained(StructuredOutputsParams(regex=r"\(\d{3}\) \d{4}")))
+    assert re.fullmatch(r"\(\d{3}\) \d{4}", phone)
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok"],
+              "properties": {"ok": {"type": "boolean"}}}
+    [obj] = text_of(llm, "x", constrained(StructuredOutputsParams(json=schema)))
+    jsonschema.validate(json.loads(obj), schema)
+
+
+def test_a_constrained_and_a_free_request_share_a_batch_exactly(llm: LLM):
+    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(["The quick brown fox"], free, use_tqdm=False)[0].outputs[0].token_ids
+    choice = constrained(StructuredOutputsParams(choice=["alpha", "beta", "gamma"]))
+    outs = llm.generate(["The quick brown fox", "Pick one"], [free, choice], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone
+    assert outs[1].outputs[0].text in ("alpha", "beta", "gamma")
+    assert outs[1].outputs[0].finish_reason == "stop"
+
+
+def test_n_samples_each_follow_the_grammar(llm: LLM):
+    params = constrained(StructuredOutputsParams(regex=r"[a-c]{2}-[0-9]{2}"), n=4,
+                         temperature=1.0, seed=5)
+    for text in text_of(llm, "sample", params):
+        assert re.fullmatch(r"[a-c]{2}-[0-9]{2}", text), text
+
+
+def test_grammar_state_survives_preemption(tiny_llama):
+    so = StructuredOutputsParams(regex=r"(ab|cd){3,12}")
+    params = constrained(so, max_tokens=60)
+    prompts = [[5 + i] * 40 for i in range(6)]
+    roomy = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, max_model_len=256)
+    tight = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=16, max_model_len=256,
+                block_size=16)
+    expected = [o.outputs[0].text for o in roomy.generate(prompts, params, use_tqdm=False)]
+    got = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].text for o in got] == expected
+    assert all(re.fullmatch(r"(ab|cd){3,12}", t) for t in expected)
+
+
+def test_min_tokens_does_not_fight_a_finished_grammar(llm: LLM):
+    params = constrained(StructuredOutputsParams(choice=["ok"]), min_tokens=5)
+    out = llm.generate(["x"], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == "ok" and out.finish_reason == "stop"
+
+
+def test_logit_bias_and_allowed_token_ids(llm: LLM):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    base = llm.generate(["bias"], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    pushed = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={777: 100})
+    assert llm.generate(["bias"], pushed, use_tqdm=False)[0].outputs[0].token_ids == [777] * 6
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            logit_bias={base[0]: -100})
+    assert llm.generate(["bias"], banned, use_tqdm=False)[0].outputs[0].token_ids[0] != base[0]
+    allowed = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                             allowed_token_ids=[10, 20, 30])
+    assert set(llm.generate(["bias"], allowed, use_tqdm=False)[0].outputs[0].token_ids) <= {
+        10, 20, 30}
+
+
+@pytest.mark.parametrize("so, message", [
+    (StructuredOutputsParams(regex="[0-9"), "Invalid regex"),
+    (StructuredOutputsParams(json={"type": "objectx"}), "Invalid json"),
+    (StructuredOutputsParams(json="{not json"), "Invalid json"),
+    (StructuredOutputsParams(grammar="start: undefined_rule"), "Invalid grammar"),
+])
+def test_bad_constraints_are_errors_naming_the_field(llm: LLM, so, message):
+    with pytest.raises(GrammarError, match=message) as info:
+        llm.engine.add_request("bad", "x", constrained(so))
+    assert info.value.param == "structured_outputs"
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("params, param", [
+    (dict(logit_bias={49152: 1.0}), "logit_bias"),
+    (dict(logit_bias={5: 101.0}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[10**9]), "allowed_token_ids"),
+])
+def test_bad_token_controls_are_refused(llm: LLM, params: dict, param: str):
+    with pytest.raises(ValueError) as info:
+        llm.engine.add_request("bad", "x", SamplingParams(**params))
+    assert getattr(info.value, "param", None) == param
+
+
+def test_compiles_are_cached(tiny_llama, smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), 49152)
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    first, second = compiler.compile(so), compiler.compile(
+        StructuredOutputsParams(json={"properties": {"a": {"type": "integer"}}, "type": "object"}))
+    assert len(compiler._cache) == 1 and first is not second
+
+
+# ---- the real SmolLM2 ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smollm2() -> LLM:
+    return LLM("smollm2", max_model_len=1024, kv_cache_memory="256MiB")
+
+
+def chat(llm: LLM, question: str) -> str:
+    return str(llm.tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                                 add_generation_prompt=True, tokenize=False))
+
+
+def test_smollm2_json_schemas_all_validate(smollm2: LLM):
+    names = list(SCHEMAS)
+    prompts = [chat(smollm2, SCHEMAS[k][0]) for k in names]
+    params = [constrained(StructuredOutputsParams(json=SCHEMAS[k][1]), max_tokens=300)
+              for k in names]
+    sampled = [constrained(StructuredOutputsParams(json=SCHEMAS[k][1]), max_tokens=300,
+                           temperature=0.7, top_p=0.9, seed=i) for i, k in enumerate(names)]
+    outs = smollm2.generate(prompts * 2, params + sampled, use_tqdm=False)
+    for name, out in zip(names * 2, outs, strict=True):
+        completion = out.outputs[0]
+        assert completion.finish_reason == "stop", (name, completion.text)
+        jsonschema.validate(json.loads(completion.text), SCHEMAS[name][1])
+
+
+def test_smollm2_json_object_regex_and_choice(smollm2: LLM):
+    cases = [
+        (chat(smollm2, "Describe a cat as a JSON object."),
+         StructuredOutputsParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+        (chat(smollm2, "Give a US phone number."),
+         StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}"),
+         lambda t: re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", t)),
+        (chat(smollm2, "Is Paris in France? Answer yes or no."),
+         StructuredOutputsParams(choice=["yes", "no"]), lambda t: t == "yes"),
+    ]
+    outs = smollm2.generate([c[0] for c in cases],
+                            [constrained(c[1], max_tokens=200) for c in cases], use_tqdm=False)
+    for (_, so, check), out in zip(cases, outs, strict=True):
+        assert check(out.outputs[0].text), (so.kind, out.outputs[0].text)
