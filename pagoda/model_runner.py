@@ -11,6 +11,7 @@ import torch
 
 from pagoda.layers import cpu_kernels
 from pagoda.layers.attention import AttentionMetadata, PrefillChunk
+from pagoda.layers.cpu_kernels.memory import advise_huge_pages
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
@@ -36,6 +37,9 @@ class ModelRunner:
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):
             attn.k_cache, attn.v_cache = k, v
+            if self.use_cpu_kernel:
+                advise_huge_pages(k)
+                advise_huge_pages(v)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:

@@ -19,6 +19,7 @@ namespace {
 
 constexpr int kQueryTile = 16;
 constexpr int kKeyTile = 16;
+constexpr int kPrefetchTiles = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct AttnArgs {
@@ -32,8 +33,15 @@ struct AttnArgs {
 };
 
 // Per-item scratch: query rows, accumulators, running max/sum, one tile of K/V and scores.
+struct KeyTile {
+  int64_t key0;
+  int n;
+  int64_t offset;
+};
+
 struct Scratch {
   std::vector<float> qf, acc, m, l, kf, vf, s;
+  std::vector<KeyTile> tiles;
   void resize(int rows, int d) {
     qf.resize(size_t(rows) * d);
     acc.assign(size_t(rows) * d, 0.f);
@@ -190,26 +198,31 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const A
   const int64_t hi = pos0 + rows;
   const int64_t* table = a.block_tables + seq * a.max_blocks;
   const int bs = a.block_size;
-  auto key_tile = [&](int64_t key0, int64_t& offset) {
+  // Key tiles of this item (start, length, element offset of the head's first row), listed
+  // first so that K/V can be prefetched kPrefetchTiles ahead.
+  // NOTE: blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every
+  // block edge; explicit prefetches keep DRAM busy while the current tile is computed.
+  w.tiles.clear();
+  for (int64_t key0 = lo; key0 < hi;) {
     const int64_t blk = key0 / bs, in_blk = key0 % bs;
-    offset = ((table[blk] * bs + in_blk) * a.num_kv_heads + kvh) * d;
-    return static_cast<int>(std::min<int64_t>({kKeyTile, bs - in_blk, hi - key0}));
-  };
-  int64_t offset = 0, next_offset = 0;
-  int next_n = lo < hi ? key_tile(lo, next_offset) : 0;
-  for (int64_t key0 = lo; key0 < hi; key0 += t.n) {
-    t.n = next_n;
-    offset = next_offset;
-    t.k = k_cache + offset;
-    t.v = v_cache + offset;
-    // NOTE: blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at
-    // every block edge; fetching the next tile while this one is computed pays (see docs).
-    if (key0 + t.n < hi) {
-      next_n = key_tile(key0 + t.n, next_offset);
-      prefetch_rows(k_cache + next_offset, next_n, t.kv_stride, d);
-      prefetch_rows(v_cache + next_offset, next_n, t.kv_stride, d);
+    const int n = static_cast<int>(std::min<int64_t>({kKeyTile, bs - in_blk, hi - key0}));
+    w.tiles.push_back({key0, n, ((table[blk] * bs + in_blk) * a.num_kv_heads + kvh) * d});
+    key0 += n;
+  }
+  const int num_tiles = static_cast<int>(w.tiles.size());
+  auto prefetch_tile = [&](int i) {
+    if (i < num_tiles) {
+      prefetch_rows(k_cache + w.tiles[i].offset, w.tiles[i].n, t.kv_stride, d);
+      prefetch_rows(v_cache + w.tiles[i].offset, w.tiles[i].n, t.kv_stride, d);
     }
-    attend_keys<DC>(t, a, w, key0, pos0);
+  };
+  for (int i = 0; i < kPrefetchTiles; ++i) prefetch_tile(i);
+  for (int i = 0; i < num_tiles; ++i) {
+    prefetch_tile(i + kPrefetchTiles);
+    t.n = w.tiles[i].n;
+    t.k = k_cache + w.tiles[i].offset;
+    t.v = v_cache + w.tiles[i].offset;
+    attend_keys<DC>(t, a, w, w.tiles[i].key0, pos0);
   }
   for (int r = 0; r < rows * group; ++r) {
     T* dst = out + (q_begin + row0 + r / group) * a.out_stride + (int64_t(kvh) * group + r % group) * d;

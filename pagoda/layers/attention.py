@@ -66,21 +66,22 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.scale = head_dim**-0.5
         self.native = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D] (token rows may be strided). Returns [T, H * D]."""
-        k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        n = meta.num_decode_tokens
         if self.native:
             cpu_kernels.ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        else:
+            if n == q.shape[0] and not meta.prefills:
+                return self._decode_native(q, meta)
+        k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        if not self.native:
             k_flat.index_copy_(0, meta.slot_mapping, k)
             v_flat.index_copy_(0, meta.slot_mapping, v)
-        n = meta.num_decode_tokens
-        if n == q.shape[0] and not meta.prefills:
-            return self._decode(q, k_flat, v_flat, meta)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if n:
             out[:n] = self._decode(q[:n], k_flat, v_flat, meta)
@@ -92,11 +93,7 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         if meta.decode_slots is None:
-            assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-            assert meta.decode_query_start_loc is not None
-            return cpu_kernels.ops.paged_attention(
-                q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                meta.decode_query_start_loc, self.head_dim**-0.5, meta.sliding_window)
+            return self._decode_native(q, meta)
         # NOTE: the query heads sharing a KV head become that head's "query positions", so
         # grouped-query attention needs no K/V expansion: [B, KV, group, D] against [B, KV, L, D].
         batch = q.shape[0]
@@ -106,6 +103,13 @@ class PagedAttention(nn.Module):
         queries = q.reshape(batch, self.num_kv_heads, group, self.head_dim)
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask)
         return o.reshape(batch, self.num_heads * self.head_dim)
+
+    def _decode_native(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        assert meta.decode_query_start_loc is not None
+        return cpu_kernels.ops.paged_attention(
+            q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+            meta.decode_query_start_loc, self.scale, meta.sliding_window)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
                  v_flat: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:

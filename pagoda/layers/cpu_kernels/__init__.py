@@ -23,6 +23,7 @@ def library() -> KernelLibrary | None:
     global _library, _loaded
     if not _loaded:
         _library, _loaded = load(), True
+        ops.LIB = _library
     return _library
 
 
@@ -34,6 +35,7 @@ def use_variant(variant: str | None) -> KernelLibrary | None:
     """Loads `variant` (None: the CPU's own) in place of the current library; for tests."""
     global _library, _loaded
     _library, _loaded = load(variant), True
+    ops.LIB = _library
     return _library
 
 

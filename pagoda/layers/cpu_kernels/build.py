@@ -69,6 +69,9 @@ def build(variant: str, out_dir: Path) -> Path:
             os.unlink(tmp.name)
             raise BuildError(f"compiling the {variant} CPU kernels failed:\n{' '.join(cmd)}\n{result.stderr[-4000:]}")
         os.replace(tmp.name, target)
+    for stale in out_dir.glob(f"libpagoda_cpu-{variant}-*.so"):
+        if stale != target:
+            stale.unlink(missing_ok=True)
     return target
 
 

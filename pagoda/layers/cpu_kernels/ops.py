@@ -14,14 +14,19 @@ import torch
 
 from pagoda.layers.cpu_kernels.loader import KernelLibrary
 
+# NOTE: set by `cpu_kernels.library()` / `use_variant()`; read here without an import or a
+# call, since a decode step makes ~400 kernel calls.
+LIB: KernelLibrary | None = None
+
 
 def _lib() -> KernelLibrary:
-    from pagoda.layers.cpu_kernels import library
+    if LIB is None:
+        from pagoda.layers.cpu_kernels import library
 
-    lib = library()
-    if lib is None:
-        raise RuntimeError("pagoda's CPU kernels are not available")
-    return lib
+        if library() is None:
+            raise RuntimeError("pagoda's CPU kernels are not available")
+    assert LIB is not None
+    return LIB
 
 
 def _check_rows(x: torch.Tensor, inner: int) -> None:
