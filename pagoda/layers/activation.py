@@ -1,11 +1,25 @@
-"""SiLU-and-multiply over a fused gate/up projection."""
+"""SiLU-and-multiply over a fused gate/up projection (one kernel call when `native`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from pagoda.layers import cpu_kernels
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+class SiluAndMul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.native = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.is_contiguous():
+            return cpu_kernels.ops.silu_and_mul(x)
+        return silu_and_mul(x)

@@ -1,10 +1,13 @@
 """Attention over the paged KV cache.
 
 `AttentionMetadata` is built once per step by the model runner and passed explicitly to every
-layer. The flattened batch holds decode tokens first (one query each, attended in one batched
-call over their gathered block tables), then prefill chunks (one call each, causal over the
-cached context plus the new tokens). K/V of every scheduled token are written to their slots
-before attention reads them.
+layer. The flattened batch holds decode tokens first (attended in one batched call), then
+prefill chunks (one call each, causal over the cached context plus the new tokens). K/V of
+every scheduled token are written to their slots before attention reads them.
+With `native` set (by the runner, on CPU) the slot write is one `reshape_and_cache` call and
+the decode rows go to the paged-attention kernel, which reads K/V in place through the block
+tables; its metadata (`decode_query_start_loc`) already allows several query rows per
+sequence (speculative verification, prefix continuations). Otherwise torch ops do both.
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ class PrefillChunk:
 class AttentionMetadata:
     """Per-step inputs of every attention layer.
 
-    Decode rows use either the native kernel (`decode_block_tables` + `decode_context_lens`,
-    read in place) or the torch path (`decode_slots` gather index + `decode_mask`).
+    Decode rows use either the native kernel (`decode_block_tables`, `decode_seq_lens` with
+    the new rows counted, `decode_query_start_loc`: int64, read in place) or the torch path
+    (`decode_slots` gather index + `decode_mask`).
     """
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None
-    decode_context_lens: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
+    decode_query_start_loc: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
     sliding_window: int = 0
@@ -61,39 +66,50 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.scale = head_dim**-0.5
+        self.native = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KV, D]. Returns [T, H * D]."""
+        """q: [T, H, D]; k, v: [T, KV, D] (token rows may be strided). Returns [T, H * D]."""
+        n = meta.num_decode_tokens
+        if self.native:
+            cpu_kernels.ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if n == q.shape[0] and not meta.prefills:
+                return self._decode_native(q, meta)
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        k_flat.index_copy_(0, meta.slot_mapping, k)
-        v_flat.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)
-        if meta.num_decode_tokens:
-            n = meta.num_decode_tokens
+        if not self.native:
+            k_flat.index_copy_(0, meta.slot_mapping, k)
+            v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
+        if n:
             out[:n] = self._decode(q[:n], k_flat, v_flat, meta)
         for chunk in meta.prefills:
             rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, chunk)
-        return out.view(q.shape[0], -1)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], k_flat, v_flat, chunk).flatten(1)
+        return out
 
     def _decode(self, q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         if meta.decode_slots is None:
-            assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
-            return cpu_kernels.paged_decode(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                            meta.decode_context_lens, self.head_dim**-0.5,
-                                            meta.sliding_window)
+            return self._decode_native(q, meta)
         # NOTE: the query heads sharing a KV head become that head's "query positions", so
         # grouped-query attention needs no K/V expansion: [B, KV, group, D] against [B, KV, L, D].
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
         keys = k_flat[meta.decode_slots].transpose(1, 2)
         values = v_flat[meta.decode_slots].transpose(1, 2)
-        queries = q.view(batch, self.num_kv_heads, group, self.head_dim)
+        queries = q.reshape(batch, self.num_kv_heads, group, self.head_dim)
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask)
-        return o.reshape(batch, self.num_heads, self.head_dim)
+        return o.reshape(batch, self.num_heads * self.head_dim)
+
+    def _decode_native(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        assert meta.decode_query_start_loc is not None
+        return cpu_kernels.ops.paged_attention(
+            q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+            meta.decode_query_start_loc, self.scale, meta.sliding_window)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
                  v_flat: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:

@@ -4,6 +4,10 @@ Fused projections (q/k/v, gate/up) are one GEMM each; the checkpoint's separate 
 copied into their slice by shard index, so the loader stays a dictionary lookup.
 On CPUs with native bf16, `prepack_for_cpu` stores bf16 weights in oneDNN's blocked layout
 once, after loading: the same results bit for bit, 1.4-3x faster matrix products.
+With the native kernels on (`native`, set by the model runner), a bf16 product of at most
+`GEMV_MAX_ROWS` rows (a decode step of a few sequences, the LM head of one) runs the GEMV
+kernel on the plain weight instead: fp32 sums of exact bf16 products, so it differs from
+F.linear only in summation order (within one bf16 rounding of the output).
 """
 
 from __future__ import annotations
@@ -11,6 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from pagoda.layers import cpu_kernels
+
+# NOTE: measured (docs/performance.md, Kernels): the GEMV kernel streams SmolLM2's linears
+# 1.3x faster than oneDNN's prepacked bf16 path at 1 row, 1.25x at 2, even at 4, slower beyond.
+GEMV_MAX_ROWS = 4
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -32,11 +42,18 @@ class Linear(nn.Module):
             self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
         self.packed: torch.Tensor | None = None
+        self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native and x.shape[0] <= GEMV_MAX_ROWS and self._gemv_ready():
+            return cpu_kernels.ops.gemv(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _gemv_ready(self) -> bool:
+        w = self.weight
+        return w.dtype == torch.bfloat16 and w.numel() > 0 and w.device.type == "cpu"
 
 
 class MergedLinear(Linear):
@@ -60,17 +77,20 @@ class MergedLinear(Linear):
 def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # type: ignore[assignment]
     """Prepacks every bf16 CPU `Linear` for oneDNN; frees the plain weights not in `keep` (ids).
 
+    Where the native kernels are available the plain weights stay too (the GEMV kernel reads
+    them for small steps), at the cost of a second copy of the linear weights.
     Returns the number of layers packed (0 where oneDNN has no native bf16).
     """
     if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return 0
+    keep_all = cpu_kernels.available()
     count = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
         if not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu":
             continue
         module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
-        if id(w) not in keep:
+        if id(w) not in keep and not keep_all:
             w.data = torch.empty(0, dtype=w.dtype)
         count += 1
     return count

@@ -2,13 +2,19 @@
 
 Frequencies come from transformers' own rope-initialisation functions (default, linear,
 llama3, yarn, ...), so scaled variants match the reference exactly. The table is gathered by
-position once per step and shared by every layer.
+position once per step and shared by every layer; with `native` set (by the model runner, on
+CPU) nothing is gathered and each layer rotates q and k in place with one kernel call, rounding
+like `apply_rotary` in the storage dtype.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from pagoda.layers import cpu_kernels
 
 
 def rope_parameters(config: object) -> dict:
@@ -46,11 +52,34 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for each position, shaped [tokens, 1, head_dim] to broadcast over heads."""
+        self.native = False
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryInputs:
+        """What every layer of this step needs to rotate its q and k."""
+        if self.native:
+            return RotaryInputs(positions, self.cos, self.sin, native=True)  # type: ignore[arg-type]
         cos: torch.Tensor = self.cos  # type: ignore[assignment]
         sin: torch.Tensor = self.sin  # type: ignore[assignment]
-        return cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1)
+        return RotaryInputs(positions, cos[positions].to(dtype).unsqueeze(1), sin[positions].to(dtype).unsqueeze(1))
+
+
+@dataclass
+class RotaryInputs:
+    """One step's rotary inputs: fp32 tables [max_positions, head_dim] (native) or cos/sin
+    gathered per token as [tokens, 1, head_dim] in the model dtype (torch path)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    native: bool = False
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates q [T, H, D] and k [T, KV, D]; the native path rotates them in place."""
+        if self.native:
+            cpu_kernels.ops.rotary_inplace(q, self.positions, self.cos, self.sin)
+            cpu_kernels.ops.rotary_inplace(k, self.positions, self.cos, self.sin)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,9 @@
 Flags come from the architecture and its config: q/k/v bias (Qwen2), per-head q/k RMSNorm
 (Qwen3), a sliding window (Mistral), tied embeddings. The model is free of parallelism,
 quantization and cache-management code: it reads the `AttentionMetadata` it is given.
+Layers carry the residual stream separately (vLLM's layout), so that "add the residual, then
+normalize" is one step (`RMSNorm.forward_with_residual`); the sums are those of Hugging Face's
+`h = h + f(norm(h))`.
 """
 
 from __future__ import annotations
@@ -12,11 +15,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagoda.layers.activation import silu_and_mul
+from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import AttentionMetadata, PagedAttention
 from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
-from pagoda.layers.rotary import RotaryEmbedding, apply_rotary, inv_freq_for
+from pagoda.layers.rotary import RotaryEmbedding, RotaryInputs, inv_freq_for
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps) if flags.qk_norm else None
         self.attn = PagedAttention(d.num_heads, d.num_kv_heads, d.head_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RotaryInputs, meta: AttentionMetadata) -> torch.Tensor:
         d = self.dims
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, d.num_heads, d.head_dim)
@@ -80,7 +82,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, d.num_kv_heads, d.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rope.apply(q, k)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -89,9 +91,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedLinear(d.hidden_size, [d.intermediate_size] * 2, flags.mlp_bias)
         self.down_proj = Linear(d.intermediate_size, d.hidden_size, flags.mlp_bias)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -102,10 +105,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.mlp = LlamaMLP(d, flags)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryInputs,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it is added)."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(h, residual)
+        h = self.self_attn(h, rope, meta)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -134,10 +143,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
+        rope = self.rotary(positions, h.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            h = layer(h, cos, sin, meta)
-        return self.norm(h)
+            h, residual = layer(h, residual, rope, meta)
+        if residual is None:
+            return self.norm(h)
+        return self.norm.forward_with_residual(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -1,0 +1,278 @@
+// Paged attention for CPUs: any number of new query rows per sequence, K/V read in place.
+//
+// Sequence s owns query rows [query_start_loc[s], query_start_loc[s+1]) of `q`; they are the
+// last rows of its context of seq_lens[s] tokens, whose K/V (the new rows' included) are
+// already in the pool. Row i of n sits at position seq_lens[s] - n + i and attends causally
+// to positions [p - window + 1, p] (window > 0) or [0, p]. One pass, online softmax, fp32
+// accumulation whatever the storage dtype.
+// Work items are (sequence, KV head, tile of up to 16 query rows): every query head of a GQA
+// group, and every row of the tile, is scored against one read of each K/V row. A decode
+// batch of B sequences is B x num_kv_heads items, so two cores share even a single sequence.
+#include <type_traits>
+#include <vector>
+
+#include "parallel.h"
+#include "vec.h"
+
+namespace pagoda {
+namespace {
+
+constexpr int kQueryTile = 16;
+constexpr int kKeyTile = 16;
+constexpr int kPrefetchTiles = 2;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct AttnArgs {
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  const int64_t* query_start_loc;
+  int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t q_stride, out_stride;
+  float scale;
+  int64_t window;
+};
+
+// Per-item scratch: query rows, accumulators, running max/sum, one tile of K/V and scores.
+struct KeyTile {
+  int64_t key0;
+  int n;
+  int64_t offset;
+};
+
+struct Scratch {
+  std::vector<float> qf, acc, m, l, kf, vf, s;
+  std::vector<KeyTile> tiles;
+  void resize(int rows, int d) {
+    qf.resize(size_t(rows) * d);
+    acc.assign(size_t(rows) * d, 0.f);
+    m.assign(rows, kNegInf);
+    l.assign(rows, 0.f);
+    kf.resize(size_t(kKeyTile) * d);
+    vf.resize(size_t(kKeyTile) * d);
+    s.resize(size_t(rows) * kKeyTile);
+  }
+};
+
+template <typename T>
+inline void prefetch_rows(const T* p, int rows, int64_t stride, int d) {
+  const int bytes = d * static_cast<int>(sizeof(T));
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p + r * stride) + b);
+}
+
+template <typename T>
+inline void widen_row(const T* src, float* dst, int d) {
+  for (int i = 0; i < d; i += kLanes) store(dst + i, load(src + i, tail_mask(d - i)), tail_mask(d - i));
+}
+
+inline float dot(const float* a, const float* b, int d) {
+  Vf acc = vzero();
+  for (int i = 0; i < d; i += kLanes) {
+    const Mask m = tail_mask(d - i);
+    acc = vfma(load(a + i, m), load(b + i, m), acc);
+  }
+  return reduce_add(acc);
+}
+
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+// bf16 q.k straight from storage: vdpbf16ps multiplies bf16 pairs exactly, sums in fp32.
+inline float dot_bf16(const bf16* a, const bf16* b, int d) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int i = 0; i < d; i += 32) {
+    const __mmask32 m = d - i >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (d - i)) - 1u);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, a + i),
+                           (__m512bh)_mm512_maskz_loadu_epi16(m, b + i));
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+constexpr bool kNativeBf16Dot = true;
+#else
+inline float dot_bf16(const bf16*, const bf16*, int) { return 0.f; }
+constexpr bool kNativeBf16Dot = false;
+#endif
+
+template <typename T>
+struct Tile {
+  const T* q;        // first query row of the tile, head kvh * group
+  const T* k;        // first key of the key tile (row stride kv_stride)
+  const T* v;
+  int64_t kv_stride;
+  int rows, group, n;  // query rows x heads in the group; keys in the tile
+};
+
+// Scores of every (row, key) of the tile into s[row * kKeyTile + t].
+template <typename T>
+void score_tile(const Tile<T>& t, const AttnArgs& a, Scratch& w) {
+  const int d = a.head_dim;
+  if constexpr (std::is_same_v<T, bf16> && kNativeBf16Dot) {
+    for (int r = 0; r < t.rows * t.group; ++r) {
+      const bf16* qr = t.q + (r / t.group) * a.q_stride + (r % t.group) * d;
+      for (int j = 0; j < t.n; ++j) w.s[r * kKeyTile + j] = dot_bf16(qr, t.k + j * t.kv_stride, d) * a.scale;
+    }
+  } else {
+    for (int j = 0; j < t.n; ++j) widen_row(t.k + j * t.kv_stride, &w.kf[j * d], d);
+    for (int r = 0; r < t.rows * t.group; ++r)
+      for (int j = 0; j < t.n; ++j) w.s[r * kKeyTile + j] = dot(&w.qf[r * d], &w.kf[j * d], d);
+  }
+}
+
+// Row r's share of one key tile: running max and sum updated, the accumulator rescaled, and
+// the tile's probabilities left in s[r * kKeyTile + j] (0 where the row may not look).
+inline void softmax_step(Scratch& w, int r, int d, int lo, int hi) {
+  const Mask keep = lo < hi ? Mask(tail_mask(hi) & ~tail_mask(lo)) : Mask(0);
+  float* srow = &w.s[r * kKeyTile];
+  if (!keep) {
+    store(srow, vzero());
+    return;
+  }
+  const Vf sv = select(keep, load(srow), kNegInf);
+  const float m_new = std::max(w.m[r], reduce_max(sv));
+  const Vf p = select(keep, vexp(sv - vset1(m_new)), 0.f);
+  const float corr = std::exp(w.m[r] - m_new);
+  w.l[r] = w.l[r] * corr + reduce_add(p);
+  w.m[r] = m_new;
+  store(srow, p);
+  if (corr != 1.f) {
+    float* acc = &w.acc[r * d];
+    for (int i = 0; i < d; i += kLanes) store(acc + i, load(acc + i, tail_mask(d - i)) * vset1(corr), tail_mask(d - i));
+  }
+}
+
+// acc[r] += sum_j p[r][j] * v[j] for RB rows at once, DC 16-lane chunks of head_dim held in
+// registers (DC = 0: head_dim known only at run time).
+template <int DC, int RB>
+void accumulate_rows(Scratch& w, int r0, int rows, int n, int d) {
+  constexpr int kMax = DC > 0 ? DC : 16;
+  const int dc = DC > 0 ? DC : (d + kLanes - 1) / kLanes;
+  Vf x[RB][kMax];
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < dc; ++c) x[r][c] = load(&w.acc[(r0 + r) * d + c * kLanes], tail_mask(d - c * kLanes));
+  for (int j = 0; j < n; ++j) {
+    const float* vj = &w.vf[j * d];
+    for (int c = 0; c < dc; ++c) {
+      const Vf v = load(vj + c * kLanes, tail_mask(d - c * kLanes));
+      for (int r = 0; r < rows; ++r) x[r][c] = vfma(vset1(w.s[(r0 + r) * kKeyTile + j]), v, x[r][c]);
+    }
+  }
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < dc; ++c) store(&w.acc[(r0 + r) * d + c * kLanes], x[r][c], tail_mask(d - c * kLanes));
+}
+
+template <int DC>
+void accumulate(Scratch& w, int rows, int n, int d) {
+  constexpr int RB = DC > 0 && DC <= 4 ? 4 : (DC > 0 && DC <= 8 ? 2 : 1);
+  for (int r0 = 0; r0 < rows; r0 += RB) accumulate_rows<DC, RB>(w, r0, std::min(RB, rows - r0), n, d);
+}
+
+template <int DC, typename T>
+void attend_keys(const Tile<T>& t, const AttnArgs& a, Scratch& w, int64_t key0, int64_t pos0) {
+  score_tile(t, a, w);
+  const int d = a.head_dim;
+  for (int j = 0; j < t.n; ++j) widen_row(t.v + j * t.kv_stride, &w.vf[j * d], d);
+  for (int r = 0; r < t.rows * t.group; ++r) {
+    const int64_t pos = pos0 + r / t.group;
+    const int64_t first = a.window > 0 ? pos - a.window + 1 : 0;
+    const int lo = static_cast<int>(std::clamp<int64_t>(first - key0, 0, t.n));
+    const int hi = static_cast<int>(std::clamp<int64_t>(pos + 1 - key0, 0, t.n));
+    softmax_step(w, r, d, lo, hi);
+  }
+  accumulate<DC>(w, t.rows * t.group, t.n, d);
+}
+
+template <int DC, typename T>
+void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const AttnArgs& a,
+                 int64_t seq, int kvh, int64_t row0) {
+  const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
+  const int64_t q_begin = a.query_start_loc[seq], qlen = a.query_start_loc[seq + 1] - q_begin;
+  const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, qlen - row0));
+  const int64_t pos0 = a.seq_lens[seq] - qlen + row0;
+  thread_local Scratch w;
+  w.resize(rows * group, d);
+  Tile<T> t{q + (q_begin + row0) * a.q_stride + int64_t(kvh) * group * d, nullptr, nullptr,
+            int64_t(a.num_kv_heads) * d, rows, group, 0};
+  for (int r = 0; r < rows * group; ++r) {
+    const T* src = t.q + (r / group) * a.q_stride + (r % group) * d;
+    for (int i = 0; i < d; ++i) w.qf[r * d + i] = to_float(src[i]) * a.scale;
+  }
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0;
+  const int64_t hi = pos0 + rows;
+  const int64_t* table = a.block_tables + seq * a.max_blocks;
+  const int bs = a.block_size;
+  // Key tiles of this item (start, length, element offset of the head's first row), listed
+  // first so that K/V can be prefetched kPrefetchTiles ahead.
+  // NOTE: blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every
+  // block edge; explicit prefetches keep DRAM busy while the current tile is computed.
+  w.tiles.clear();
+  for (int64_t key0 = lo; key0 < hi;) {
+    const int64_t blk = key0 / bs, in_blk = key0 % bs;
+    const int n = static_cast<int>(std::min<int64_t>({kKeyTile, bs - in_blk, hi - key0}));
+    w.tiles.push_back({key0, n, ((table[blk] * bs + in_blk) * a.num_kv_heads + kvh) * d});
+    key0 += n;
+  }
+  const int num_tiles = static_cast<int>(w.tiles.size());
+  auto prefetch_tile = [&](int i) {
+    if (i < num_tiles) {
+      prefetch_rows(k_cache + w.tiles[i].offset, w.tiles[i].n, t.kv_stride, d);
+      prefetch_rows(v_cache + w.tiles[i].offset, w.tiles[i].n, t.kv_stride, d);
+    }
+  };
+  for (int i = 0; i < kPrefetchTiles; ++i) prefetch_tile(i);
+  for (int i = 0; i < num_tiles; ++i) {
+    prefetch_tile(i + kPrefetchTiles);
+    t.n = w.tiles[i].n;
+    t.k = k_cache + w.tiles[i].offset;
+    t.v = v_cache + w.tiles[i].offset;
+    attend_keys<DC>(t, a, w, w.tiles[i].key0, pos0);
+  }
+  for (int r = 0; r < rows * group; ++r) {
+    T* dst = out + (q_begin + row0 + r / group) * a.out_stride + (int64_t(kvh) * group + r % group) * d;
+    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    for (int i = 0; i < d; i += kLanes) {
+      const Mask m = tail_mask(d - i);
+      store(dst + i, load(&w.acc[r * d + i], m) * vset1(inv), m);
+    }
+  }
+}
+
+template <typename T>
+void paged_attention(const void* q, const void* k_cache, const void* v_cache, void* out, int num_seqs,
+                     const AttnArgs& a) {
+  // NOTE: items are (sequence, query tile) x KV head, listed once per call so that a long
+  // prefill's tiles spread over threads like separate sequences.
+  std::vector<std::pair<int64_t, int64_t>> tiles;
+  for (int64_t s = 0; s < num_seqs; ++s)
+    for (int64_t r = 0; r < a.query_start_loc[s + 1] - a.query_start_loc[s]; r += kQueryTile) tiles.emplace_back(s, r);
+  const int kv = a.num_kv_heads;
+  parallel_items(int64_t(tiles.size()) * kv, [&](int64_t i) {
+    const auto [seq, row0] = tiles[i / kv];
+    const auto* qt = static_cast<const T*>(q);
+    const auto* kt = static_cast<const T*>(k_cache);
+    const auto* vt = static_cast<const T*>(v_cache);
+    auto* ot = static_cast<T*>(out);
+    const int kvh = static_cast<int>(i % kv);
+    switch (a.head_dim) {
+      case 64: attend_item<4>(qt, kt, vt, ot, a, seq, kvh, row0); break;
+      case 128: attend_item<8>(qt, kt, vt, ot, a, seq, kvh, row0); break;
+      default: attend_item<0>(qt, kt, vt, ot, a, seq, kvh, row0); break;
+    }
+  });
+}
+
+}  // namespace
+}  // namespace pagoda
+
+#define PAGODA_ATTENTION(NAME, T)                                                                    \
+  extern "C" void NAME(const void* q, const void* k_cache, const void* v_cache, void* out,          \
+                       const int64_t* block_tables, const int64_t* seq_lens,                        \
+                       const int64_t* query_start_loc, int num_seqs, int num_heads, int num_kv_heads, \
+                       int head_dim, int block_size, int max_blocks, int64_t q_stride,               \
+                       int64_t out_stride, float scale, int64_t window) {                            \
+    const pagoda::AttnArgs a{block_tables, seq_lens,  query_start_loc, num_heads, num_kv_heads,    \
+                             head_dim,     block_size, max_blocks,      q_stride,  out_stride,      \
+                             scale,        window};                                                  \
+    pagoda::paged_attention<T>(q, k_cache, v_cache, out, num_seqs, a);                              \
+  }
+
+PAGODA_ATTENTION(pagoda_paged_attention_f32, float)
+PAGODA_ATTENTION(pagoda_paged_attention_bf16, pagoda::bf16)
+PAGODA_ATTENTION(pagoda_paged_attention_f16, pagoda::f16)

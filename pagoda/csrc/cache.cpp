@@ -1,0 +1,90 @@
+// Writing new K/V into the paged pool, and rotary embedding applied in place.
+//
+// `reshape_and_cache` (vLLM's name) copies token t's K and V rows (num_kv_heads x head_dim,
+// contiguous within the row, rows `k_stride`/`v_stride` elements apart) to pool slot
+// slot_mapping[t]; a negative slot is skipped (padding). The pool is
+// [num_blocks * block_size, num_kv_heads, head_dim] per layer, so a slot is one row.
+// `rotary_inplace` rotates heads with the neox layout (halves, as Hugging Face's
+// rotate_half) and rounds like Hugging Face's `x * cos + rotate_half(x) * sin` in the storage
+// dtype: cos/sin cast to T, each product rounded to T, the sum rounded to T.
+#include <cstring>
+
+#include "parallel.h"
+#include "vec.h"
+
+namespace pagoda {
+namespace {
+
+constexpr int64_t kParallelTokens = 64;  // below this, copies run on the calling thread
+
+template <typename T>
+void reshape_and_cache(const T* k, const T* v, T* k_cache, T* v_cache, const int64_t* slots,
+                       int64_t num_tokens, int64_t row_len, int64_t k_stride, int64_t v_stride) {
+  auto copy = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      std::memcpy(k_cache + slot * row_len, k + t * k_stride, size_t(row_len) * sizeof(T));
+      std::memcpy(v_cache + slot * row_len, v + t * v_stride, size_t(row_len) * sizeof(T));
+    }
+  };
+  if (num_tokens < kParallelTokens) {
+    copy(0, num_tokens);
+  } else {
+    parallel_ranges(num_tokens, 16, copy);
+  }
+}
+
+template <typename T>
+void rotate_head(T* x, const float* cos, const float* sin, int half) {
+  for (int i = 0; i < half; i += kLanes) {
+    const Mask m = tail_mask(half - i);
+    const Vf x1 = load(x + i, m), x2 = load(x + half + i, m);
+    const Vf c1 = round_as<T>(load(cos + i, m)), s1 = round_as<T>(load(sin + i, m));
+    const Vf c2 = round_as<T>(load(cos + half + i, m)), s2 = round_as<T>(load(sin + half + i, m));
+    const Vf o1 = round_as<T>(x1 * c1) - round_as<T>(x2 * s1);
+    const Vf o2 = round_as<T>(x2 * c2) + round_as<T>(x1 * s2);
+    store(x + i, o1, m);
+    store(x + half + i, o2, m);
+  }
+}
+
+template <typename T>
+void rotary_inplace(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t num_tokens,
+                    int num_heads, int head_dim, int64_t token_stride, int64_t head_stride) {
+  auto rotate = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + positions[t] * head_dim;
+      const float* s = sin + positions[t] * head_dim;
+      for (int h = 0; h < num_heads; ++h) rotate_head(x + t * token_stride + h * head_stride, c, s, head_dim / 2);
+    }
+  };
+  if (num_tokens < kParallelTokens) {
+    rotate(0, num_tokens);
+  } else {
+    parallel_ranges(num_tokens, 16, rotate);
+  }
+}
+
+}  // namespace
+}  // namespace pagoda
+
+#define PAGODA_CACHE(SUFFIX, T)                                                                       \
+  extern "C" void pagoda_reshape_and_cache_##SUFFIX(const void* k, const void* v, void* k_cache,    \
+                                                    void* v_cache, const int64_t* slots,             \
+                                                    int64_t num_tokens, int64_t row_len,             \
+                                                    int64_t k_stride, int64_t v_stride) {            \
+    pagoda::reshape_and_cache(static_cast<const T*>(k), static_cast<const T*>(v),                  \
+                              static_cast<T*>(k_cache), static_cast<T*>(v_cache), slots, num_tokens, \
+                              row_len, k_stride, v_stride);                                          \
+  }                                                                                                  \
+  extern "C" void pagoda_rotary_##SUFFIX(void* x, const int64_t* positions, const float* cos,        \
+                                         const float* sin, int64_t num_tokens, int num_heads,        \
+                                         int head_dim, int64_t token_stride, int64_t head_stride) {  \
+    pagoda::rotary_inplace(static_cast<T*>(x), positions, cos, sin, num_tokens, num_heads, head_dim, \
+                           token_stride, head_stride);                                               \
+  }
+
+PAGODA_CACHE(f32, float)
+PAGODA_CACHE(bf16, pagoda::bf16)
+PAGODA_CACHE(f16, pagoda::f16)

@@ -1,0 +1,94 @@
+// Row-wise kernels between the matrix products: RMSNorm (plain and fused with the residual
+// add) and SiLU-and-multiply, rounding where Hugging Face's modules round.
+//
+// RMSNorm: h = float(x); h *= 1 / sqrt(mean(h^2) + eps); out = weight * T(h) (a T product).
+// Fused: residual = T(x + residual) first, then x = RMSNorm(residual): vLLM's
+// fused_add_rms_norm, equal to Hugging Face's `h = residual + h; norm(h)` (the sum commutes).
+// SiLU-and-mul: out = T(T(silu(gate)) * up) over x = [gate | up].
+// Rows are contiguous, `stride` elements apart; every row is handled by one thread.
+#include "parallel.h"
+#include "vec.h"
+
+namespace pagoda {
+namespace {
+
+constexpr int64_t kParallelRows = 8;
+
+template <typename F>
+void over_rows(int64_t rows, F&& fn) {
+  auto body = [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r);
+  };
+  if (rows < kParallelRows) {
+    body(0, rows);
+  } else {
+    parallel_ranges(rows, 1, body);
+  }
+}
+
+template <typename T>
+float inv_rms(const T* x, int n, float eps) {
+  Vf acc = vzero();
+  for (int i = 0; i < n; i += kLanes) {
+    const Vf h = load(x + i, tail_mask(n - i));
+    acc = vfma(h, h, acc);
+  }
+  return 1.f / std::sqrt(reduce_add(acc) / static_cast<float>(n) + eps);
+}
+
+template <typename T>
+void normalize_row(const T* x, const T* weight, T* out, int n, float eps) {
+  const Vf inv = vset1(inv_rms(x, n, eps));
+  for (int i = 0; i < n; i += kLanes) {
+    const Mask m = tail_mask(n - i);
+    store(out + i, load(weight + i, m) * round_as<T>(load(x + i, m) * inv), m);
+  }
+}
+
+template <typename T>
+void add_rows(T* residual, const T* x, int n) {
+  for (int i = 0; i < n; i += kLanes) {
+    const Mask m = tail_mask(n - i);
+    store(residual + i, load(x + i, m) + load(residual + i, m), m);
+  }
+}
+
+template <typename T>
+void silu_mul_row(const T* x, T* out, int n) {
+  for (int i = 0; i < n; i += kLanes) {
+    const Mask m = tail_mask(n - i);
+    const Vf g = load(x + i, m);
+    const Vf silu = round_as<T>(vdiv(g, vset1(1.f) + vexp(vzero() - g)));
+    store(out + i, silu * load(x + n + i, m), m);
+  }
+}
+
+}  // namespace
+}  // namespace pagoda
+
+#define PAGODA_ELEMENTWISE(SUFFIX, T)                                                               \
+  extern "C" void pagoda_rms_norm_##SUFFIX(const void* x, const void* weight, void* out, int64_t rows, \
+                                           int n, int64_t x_stride, int64_t out_stride, float eps) { \
+    pagoda::over_rows(rows, [&](int64_t r) {                                                        \
+      pagoda::normalize_row(static_cast<const T*>(x) + r * x_stride, static_cast<const T*>(weight), \
+                            static_cast<T*>(out) + r * out_stride, n, eps);                         \
+    });                                                                                             \
+  }                                                                                                 \
+  extern "C" void pagoda_fused_add_rms_norm_##SUFFIX(void* x, void* residual, const void* weight,    \
+                                                     int64_t rows, int n, float eps) {              \
+    pagoda::over_rows(rows, [&](int64_t r) {                                                        \
+      T* xr = static_cast<T*>(x) + r * n;                                                           \
+      T* res = static_cast<T*>(residual) + r * n;                                                   \
+      pagoda::add_rows(res, xr, n);                                                                 \
+      pagoda::normalize_row(res, static_cast<const T*>(weight), xr, n, eps);                        \
+    });                                                                                             \
+  }                                                                                                 \
+  extern "C" void pagoda_silu_and_mul_##SUFFIX(const void* x, void* out, int64_t rows, int n) {     \
+    pagoda::over_rows(rows, [&](int64_t r) {                                                        \
+      pagoda::silu_mul_row(static_cast<const T*>(x) + r * 2 * n, static_cast<T*>(out) + r * n, n);  \
+    });                                                                                             \
+  }
+
+PAGODA_ELEMENTWISE(f32, float)
+PAGODA_ELEMENTWISE(bf16, pagoda::bf16)
+PAGODA_ELEMENTWISE(f16, pagoda::f16)

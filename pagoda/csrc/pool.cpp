@@ -1,0 +1,154 @@
+// The kernels' thread pool (see parallel.h for why it is not OpenMP).
+//
+// A job is published by bumping `generation_`; each worker spins on it for up to the spin time
+// (PAGODA_KERNEL_SPIN_US, default 50 us), then sleeps on it with a futex. `sleepers_` counts
+// the sleeping workers so that publishing costs a wake-up syscall only when one sleeps (both
+// sides use sequentially consistent atomics, so a worker either sees the new generation before
+// it sleeps or is counted and woken). Every pool thread counts itself out of every job through
+// `pending_` (those beyond the job's width without running it), and the caller waits for that
+// after doing its own share (spinning 20 us, then on a futex, woken by the last worker): so no
+// thread can still be reading a job when the next is set.
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "parallel.h"
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define PAGODA_PAUSE() _mm_pause()
+#else
+#define PAGODA_PAUSE() std::this_thread::yield()
+#endif
+
+namespace pagoda {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+#else
+  if (word->load() == expected) std::this_thread::yield();
+#endif
+}
+
+void futex_wake_all(std::atomic<uint32_t>* word) {
+#if defined(__linux__)
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, INT32_MAX, nullptr, nullptr, 0);
+#else
+  (void)word;
+#endif
+}
+
+std::chrono::microseconds spin_time() {
+  const char* env = std::getenv("PAGODA_KERNEL_SPIN_US");
+  return std::chrono::microseconds(env ? std::atoi(env) : 50);
+}
+
+class Pool {
+ public:
+  void run(int n, JobFn fn, void* ctx) {
+    std::lock_guard<std::mutex> lock(run_mutex_);
+    grow(n - 1);
+    fn_ = fn;
+    ctx_ = ctx;
+    workers_ = n;
+    pending_.store(static_cast<uint32_t>(threads_.size()));
+    generation_.fetch_add(1);
+    if (sleepers_.load() > 0) futex_wake_all(&generation_);
+    fn(ctx, 0, n);
+    wait_for_workers();
+  }
+
+ private:
+  void grow(int wanted) {
+    while (static_cast<int>(threads_.size()) < wanted) {
+      const int id = static_cast<int>(threads_.size()) + 1;
+      // NOTE: the generation is read here, not by the thread: its first job may be published
+      // before it starts.
+      const uint32_t seen = generation_.load();
+      threads_.emplace_back([this, id, seen] { loop(id, seen); });
+      threads_.back().detach();
+    }
+  }
+
+  void loop(int id, uint32_t seen) {
+    const auto spin = spin_time();
+    for (;;) {
+      seen = wait_for_job(seen, spin);
+      if (id < workers_) fn_(ctx_, id, workers_);
+      if (pending_.fetch_sub(1) == 1 && caller_sleeps_.load()) futex_wake_all(&pending_);
+    }
+  }
+
+  uint32_t wait_for_job(uint32_t seen, std::chrono::microseconds spin) {
+    const auto deadline = Clock::now() + spin;
+    for (int i = 0;; ++i) {
+      const uint32_t g = generation_.load(std::memory_order_acquire);
+      if (g != seen) return g;
+      if ((i & 63) == 63 && Clock::now() > deadline) break;
+      PAGODA_PAUSE();
+    }
+    sleepers_.fetch_add(1);
+    uint32_t g = generation_.load();
+    while (g == seen) {
+      futex_wait(&generation_, seen);
+      g = generation_.load();
+    }
+    sleepers_.fetch_sub(1);
+    return g;
+  }
+
+  // NOTE: spin briefly (the workers' share ends about when ours does), then sleep: a worker
+  // that the OS descheduled, or that shares this core on a busy machine, must not be waited
+  // for by spinning (measured: a pausing waiter cost 230 us a call there).
+  void wait_for_workers() {
+    const auto deadline = Clock::now() + std::chrono::microseconds(20);
+    for (int i = 0;; ++i) {
+      if (pending_.load(std::memory_order_acquire) == 0) return;
+      if ((i & 63) == 63 && Clock::now() > deadline) break;
+      PAGODA_PAUSE();
+    }
+    caller_sleeps_.store(true);
+    for (uint32_t left = pending_.load(); left != 0; left = pending_.load()) futex_wait(&pending_, left);
+    caller_sleeps_.store(false);
+  }
+
+  std::mutex run_mutex_;
+  std::vector<std::thread> threads_;
+  alignas(64) std::atomic<uint32_t> generation_{0};
+  alignas(64) std::atomic<int> sleepers_{0};
+  alignas(64) std::atomic<uint32_t> pending_{0};
+  std::atomic<bool> caller_sleeps_{false};
+  JobFn fn_ = nullptr;
+  void* ctx_ = nullptr;
+  int workers_ = 0;
+};
+
+// NOTE: never destroyed: detached workers may still be waiting on it when the process exits.
+Pool& pool() {
+  static Pool* p = new Pool();
+  return *p;
+}
+
+std::atomic<int> g_threads{1};
+
+}  // namespace
+
+void run_on_workers(int n, JobFn fn, void* ctx) { pool().run(n, fn, ctx); }
+int num_threads() { return g_threads.load(std::memory_order_relaxed); }
+void set_num_threads(int n) { g_threads.store(n > 0 ? n : 1); }
+
+}  // namespace pagoda
+
+extern "C" void pagoda_set_num_threads(int n) { pagoda::set_num_threads(n); }

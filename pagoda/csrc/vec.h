@@ -1,0 +1,185 @@
+// Sixteen-float vectors for pagoda's CPU kernels, with one AVX-512 and one portable body.
+//
+// Kernels are written once against `Vf` (16 x fp32) and the load/store helpers below, which
+// convert from and to the storage dtypes (fp32, bf16, fp16) on the fly. The AVX-512 body is
+// compiled when the build enables AVX-512 F/BW/VL; the portable body is plain loops that any
+// x86-64 (or other) compiler vectorizes as far as its target allows.
+// Invariants: every rounding to bf16 is round-to-nearest-even with NaN kept NaN (as torch);
+// no helper fuses a multiply and an add unless its name says fma (the build passes
+// -ffp-contract=off so that elementwise kernels round where torch rounds).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGODA_AVX512 1
+#include <immintrin.h>
+#endif
+
+namespace pagoda {
+
+struct bf16 {
+  uint16_t bits;
+};
+using f16 = _Float16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(f16 x) { return static_cast<float>(x); }
+inline float to_float(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline void store_one(float f, float* out) { *out = f; }
+inline void store_one(float f, f16* out) { *out = static_cast<f16>(f); }
+inline void store_one(float f, bf16* out) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+    out->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
+    return;
+  }
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  out->bits = static_cast<uint16_t>(u >> 16);
+}
+
+// The value `f` takes once stored as T (a no-op for float).
+template <typename T>
+inline float round_as(float f) {
+  T t;
+  store_one(f, &t);
+  return to_float(t);
+}
+
+constexpr int kLanes = 16;
+
+#ifdef PAGODA_AVX512
+
+struct Vf {
+  __m512 v;
+};
+using Mask = __mmask16;
+
+inline Mask tail_mask(int n) { return n >= kLanes ? Mask(0xFFFF) : Mask((1u << n) - 1u); }
+inline Vf vzero() { return {_mm512_setzero_ps()}; }
+inline Vf vset1(float x) { return {_mm512_set1_ps(x)}; }
+inline Vf operator+(Vf a, Vf b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vf operator-(Vf a, Vf b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vf operator*(Vf a, Vf b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vf vdiv(Vf a, Vf b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vf vfma(Vf a, Vf b, Vf c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vf vmax(Vf a, Vf b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline float reduce_add(Vf a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(Vf a) { return _mm512_reduce_max_ps(a.v); }
+// Lanes not in `keep` become `fill`.
+inline Vf select(Mask keep, Vf a, float fill) { return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), keep, a.v)}; }
+
+inline Vf load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline Vf load(const float* p, Mask m) { return {_mm512_maskz_loadu_ps(m, p)}; }
+inline Vf widen_bf16(__m256i raw) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+inline Vf load(const bf16* p) { return widen_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vf load(const bf16* p, Mask m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
+inline Vf load(const f16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+inline Vf load(const f16* p, Mask m) { return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p))}; }
+
+inline __m256i narrow_bf16(Vf a) {
+  const __m512i u = _mm512_castps_si512(a.v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  r = _mm512_srli_epi32(r, 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+inline void store(float* p, Vf a) { _mm512_storeu_ps(p, a.v); }
+inline void store(float* p, Vf a, Mask m) { _mm512_mask_storeu_ps(p, m, a.v); }
+inline void store(bf16* p, Vf a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16(a)); }
+inline void store(bf16* p, Vf a, Mask m) { _mm256_mask_storeu_epi16(p, m, narrow_bf16(a)); }
+inline void store(f16* p, Vf a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
+}
+inline void store(f16* p, Vf a, Mask m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
+}
+
+// exp(x) to ~2 ulp (Cephes' expf polynomial); exp(-inf) = 0, large inputs saturate to inf.
+inline Vf vexp(Vf x) {
+  __m512 a = _mm512_min_ps(_mm512_max_ps(x.v, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.72f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), a);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return {_mm512_scalef_ps(p, n)};
+}
+
+#else  // portable body
+
+struct Vf {
+  float v[kLanes];
+};
+using Mask = uint32_t;
+
+inline Mask tail_mask(int n) { return n >= kLanes ? Mask(0xFFFF) : Mask((1u << n) - 1u); }
+template <typename F>
+inline Vf vmap(F f) {
+  Vf r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = f(i);
+  return r;
+}
+inline Vf vset1(float x) { return vmap([&](int) { return x; }); }
+inline Vf vzero() { return vset1(0.f); }
+inline Vf operator+(Vf a, Vf b) { return vmap([&](int i) { return a.v[i] + b.v[i]; }); }
+inline Vf operator-(Vf a, Vf b) { return vmap([&](int i) { return a.v[i] - b.v[i]; }); }
+inline Vf operator*(Vf a, Vf b) { return vmap([&](int i) { return a.v[i] * b.v[i]; }); }
+inline Vf vdiv(Vf a, Vf b) { return vmap([&](int i) { return a.v[i] / b.v[i]; }); }
+inline Vf vfma(Vf a, Vf b, Vf c) { return vmap([&](int i) { return std::fma(a.v[i], b.v[i], c.v[i]); }); }
+inline Vf vmax(Vf a, Vf b) { return vmap([&](int i) { return std::max(a.v[i], b.v[i]); }); }
+inline float reduce_add(Vf a) {
+  float s = 0.f;
+  for (float x : a.v) s += x;
+  return s;
+}
+inline float reduce_max(Vf a) { return *std::max_element(a.v, a.v + kLanes); }
+inline Vf select(Mask keep, Vf a, float fill) { return vmap([&](int i) { return (keep >> i) & 1u ? a.v[i] : fill; }); }
+template <typename T>
+inline Vf load(const T* p, Mask m = 0xFFFF) {
+  return vmap([&](int i) { return (m >> i) & 1u ? to_float(p[i]) : 0.f; });
+}
+template <typename T>
+inline void store(T* p, Vf a, Mask m = 0xFFFF) {
+  for (int i = 0; i < kLanes; ++i)
+    if ((m >> i) & 1u) store_one(a.v[i], p + i);
+}
+inline Vf vexp(Vf x) { return vmap([&](int i) { return std::exp(x.v[i]); }); }
+
+#endif
+
+// `a` rounded to T and back (identity for float): where torch stores an intermediate as T.
+template <typename T>
+inline Vf round_as(Vf a) {
+  if constexpr (std::is_same_v<T, float>) {
+    return a;
+  } else {
+    alignas(64) T tmp[kLanes];
+    store(tmp, a);
+    return load(tmp);
+  }
+}
+
+}  // namespace pagoda

@@ -1,0 +1,49 @@
+"""pagoda's native CPU kernels: decode/prefix attention over the paged pool, the K/V slot
+write, rotary in place, RMSNorm (fused with the residual add), SiLU-and-mul, and a bf16
+matrix-vector product for small batches.
+
+`available()` says whether a library is loaded (it is loaded once, on first use); layers
+whose `native` flag the model runner sets (see `enable`) call `ops` instead of torch.
+Invariant: with PAGODA_DISABLE_CPU_KERNELS=1, or when nothing can be loaded, nothing here is
+called and every layer runs its pure-torch path, on any device.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pagoda.layers.cpu_kernels import ops
+from pagoda.layers.cpu_kernels.loader import KernelLibrary, load
+
+_library: KernelLibrary | None = None
+_loaded = False
+
+
+def library() -> KernelLibrary | None:
+    global _library, _loaded
+    if not _loaded:
+        _library, _loaded = load(), True
+        ops.LIB = _library
+    return _library
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def use_variant(variant: str | None) -> KernelLibrary | None:
+    """Loads `variant` (None: the CPU's own) in place of the current library; for tests."""
+    global _library, _loaded
+    _library, _loaded = load(variant), True
+    ops.LIB = _library
+    return _library
+
+
+def enable(model: nn.Module, on: bool) -> None:
+    """Sets the `native` flag of every module that has one (the layers with a kernel path)."""
+    for module in model.modules():
+        if hasattr(module, "native"):
+            module.native = on  # type: ignore[assignment]
+
+
+__all__ = ["available", "enable", "library", "ops", "use_variant"]

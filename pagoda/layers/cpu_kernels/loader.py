@@ -1,0 +1,115 @@
+"""Finding, loading and binding the compiled kernels.
+
+The variant comes from the CPU's flags (`avx512bf16` where AVX-512 F/BW/VL and AVX512_BF16 are
+all present, else `portable`), or from PAGODA_CPU_KERNEL_VARIANT. The library is looked up in
+the package's build folder (written by `make install`), then in the user cache; if neither
+holds a build of the current sources, it is compiled into the first writable one, with a
+warning (the first request would otherwise pay for it). PAGODA_DISABLE_CPU_KERNELS=1 disables
+everything: `library()` is then None and every layer takes its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from pagoda.layers.cpu_kernels import build
+
+logger = logging.getLogger("pagoda")
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+ArgTypes = list[type]
+_DTYPED: dict[str, ArgTypes] = {
+    "paged_attention": [_P] * 7 + [_I] * 6 + [_L, _L, _F, _L],
+    "reshape_and_cache": [_P] * 5 + [_L] * 4,
+    "rotary": [_P] * 4 + [_L, _I, _I, _L, _L],
+    "rms_norm": [_P] * 3 + [_L, _I, _L, _L, _F],
+    "fused_add_rms_norm": [_P] * 3 + [_L, _I, _F],
+    "silu_and_mul": [_P] * 2 + [_L, _I],
+}
+_PLAIN: dict[str, ArgTypes] = {
+    "gemv_bf16": [_P, _L, _P, _P, _P, _L, _L, _L, _L],
+    "set_num_threads": [_I],
+}
+SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next((x for x in f if x.startswith("flags")), "")
+    except OSError:
+        return set()
+    return set(line.partition(":")[2].split())
+
+
+def pick_variant() -> str:
+    forced = os.environ.get("PAGODA_CPU_KERNEL_VARIANT")
+    if forced:
+        if forced not in build.VARIANTS:
+            raise ValueError(f"PAGODA_CPU_KERNEL_VARIANT={forced!r}; known: {sorted(build.VARIANTS)}")
+        return forced
+    needed = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    return "avx512bf16" if build.IS_X86 and needed <= cpu_flags() else "portable"
+
+
+class KernelLibrary:
+    """One loaded variant: `fn(name, dtype)` returns the bound C function."""
+
+    def __init__(self, path: Path, variant: str) -> None:
+        self.path = path
+        self.variant = variant
+        self._cdll = ctypes.CDLL(str(path))
+        self.fns: dict[str, ctypes._CFuncPtr] = {}  # type: ignore[name-defined]
+        for base, argtypes in _DTYPED.items():
+            for suffix in SUFFIXES.values():
+                self._bind(f"{base}_{suffix}", argtypes)
+        for name, argtypes in _PLAIN.items():
+            self._bind(name, argtypes)
+        self.fns["set_num_threads"](torch.get_num_threads())
+
+    def _bind(self, name: str, argtypes: ArgTypes) -> None:
+        fn = getattr(self._cdll, f"pagoda_{name}")
+        fn.argtypes = argtypes
+        fn.restype = None
+        self.fns[name] = fn
+
+    def fn(self, name: str, dtype: torch.dtype | None = None) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+        return self.fns[name if dtype is None else f"{name}_{SUFFIXES[dtype]}"]
+
+
+def _search_dirs() -> list[Path]:
+    cache = Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "kernels"
+    return [build.default_build_dir(), cache]
+
+
+def locate(variant: str) -> Path:
+    """The library for `variant`, compiled first (with a warning) if no current build exists."""
+    name = build.library_name(variant)
+    dirs = _search_dirs()
+    for d in dirs:
+        if (d / name).exists():
+            return d / name
+    logger.warning("CPU kernels (%s) not built by `make install` for these sources; compiling now", variant)
+    for d in dirs:
+        try:
+            return build.build(variant, d)
+        except PermissionError:
+            continue
+    raise build.BuildError(f"no writable folder for the CPU kernels among {dirs}")
+
+
+def load(variant: str | None = None) -> KernelLibrary | None:
+    """Loads a variant (the CPU's by default); None when disabled or impossible, with a warning."""
+    if os.environ.get("PAGODA_DISABLE_CPU_KERNELS"):
+        return None
+    variant = variant or pick_variant()
+    try:
+        return KernelLibrary(locate(variant), variant)
+    except (OSError, build.BuildError) as exc:
+        logger.warning("CPU kernels unavailable (%s); using the torch fallback", exc)
+        return None

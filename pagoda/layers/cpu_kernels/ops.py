@@ -1,0 +1,124 @@
+"""Python faces of the CPU kernels: shape checks, then one ctypes call each.
+
+Every function takes CPU tensors of one dtype (fp32, bf16 or fp16; `gemv` bf16 only) whose
+innermost dimension is contiguous; outer strides are passed through, so views (q/k/v split
+from a fused projection) need no copy. Call only when `cpu_kernels.available()`.
+NOTE: ctypes rather than torch custom ops: a call costs ~1 us here either way (measured:
+8-argument ctypes call 1.2 us, `torch.ops.aten.add_` 1.9 us), and plain C needs no torch
+headers, so the build takes seconds and one library serves every torch version.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.layers.cpu_kernels.loader import KernelLibrary
+
+# NOTE: set by `cpu_kernels.library()` / `use_variant()`; read here without an import or a
+# call, since a decode step makes ~400 kernel calls.
+LIB: KernelLibrary | None = None
+
+
+def _lib() -> KernelLibrary:
+    if LIB is None:
+        from pagoda.layers.cpu_kernels import library
+
+        if library() is None:
+            raise RuntimeError("pagoda's CPU kernels are not available")
+    assert LIB is not None
+    return LIB
+
+
+def _check_rows(x: torch.Tensor, inner: int) -> None:
+    if x.stride(-1) != 1 or (x.dim() == 3 and x.stride(1) != inner):
+        raise ValueError(f"rows must be contiguous inside (shape {tuple(x.shape)}, strides {x.stride()})")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
+                    window: int = 0) -> torch.Tensor:
+    """Causal attention of each sequence's new query rows over its whole paged context.
+
+    Args:
+        q: [num_tokens, num_heads, head_dim]; sequence s owns rows
+            query_start_loc[s]:query_start_loc[s + 1], the last rows of its context.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+        block_tables: int64 [num_seqs, max_blocks]; seq_lens: int64 [num_seqs] (context
+            lengths, new rows included); query_start_loc: int64 [num_seqs + 1].
+        window: sliding window in tokens (0: none).
+    Returns:
+        [num_tokens, num_heads * head_dim].
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _check_rows(q, head_dim)
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
+    _lib().fn("paged_attention", q.dtype)(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+        seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads,
+        head_dim, block_size, block_tables.shape[1], q.stride(0), num_heads * head_dim, scale, window)
+    return out
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Writes token t's k[t], v[t] ([num_kv_heads, head_dim]) into slot slot_mapping[t] (< 0: skip)."""
+    _check_rows(k, k.shape[-1])
+    _check_rows(v, v.shape[-1])
+    _lib().fn("reshape_and_cache", k.dtype)(
+        k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
+        k.shape[0], k.shape[1] * k.shape[2], k.stride(0), v.stride(0))
+
+
+def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates x ([num_tokens, num_heads, head_dim], heads may be strided) in place.
+
+    cos, sin: fp32 [max_positions, head_dim] tables; positions: int64 [num_tokens].
+    """
+    if x.stride(-1) != 1:
+        raise ValueError("head_dim must be contiguous")
+    num_tokens, num_heads, head_dim = x.shape
+    _lib().fn("rotary", x.dtype)(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                 num_tokens, num_heads, head_dim, x.stride(0), x.stride(1))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm over the last dimension of a 2-D x (rows may be strided)."""
+    _check_rows(x, x.shape[-1])
+    out = torch.empty(x.shape, dtype=x.dtype)
+    _lib().fn("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                                   x.stride(0), out.stride(0), eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual = x + residual, then x = RMSNorm(residual). Both contiguous [rows, n]."""
+    if not (x.is_contiguous() and residual.is_contiguous()):
+        raise ValueError("x and residual must be contiguous")
+    _lib().fn("fused_add_rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
+                                             x.shape[0], x.shape[1], eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :n]) * x[:, n:] for a contiguous [rows, 2n] x."""
+    if not x.is_contiguous():
+        raise ValueError("x must be contiguous")
+    n = x.shape[-1] // 2
+    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
+    _lib().fn("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // (2 * n), n)
+    return out
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (rows may be strided) times weight [N, K]^T (+ bias): bf16, fp32 sums."""
+    _check_rows(x, x.shape[-1])
+    n, k = weight.shape
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    _lib().fn("gemv_bf16")(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                           bias.data_ptr() if bias is not None else None, out.data_ptr(), n, x.shape[0], n, k)
+    return out
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the kernels split their work over (independent of torch's current setting)."""
+    _lib().fn("set_num_threads")(n)

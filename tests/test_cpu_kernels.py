@@ -1,0 +1,200 @@
+"""The native CPU kernels against plain torch references, for both compiled variants.
+
+Tolerances: fp32 results match the reference to 1e-5 (only the summation order differs);
+bf16/fp16 results are the fp32 reference's value rounded once, so they may differ from it by
+one rounding of the output (2^-8 relative for bf16, 2^-11 for fp16) plus fp32 summation noise;
+elementwise kernels that round where torch rounds (rotary, the residual add) must be exact.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagoda.layers import cpu_kernels
+from pagoda.layers.cpu_kernels import ops
+from pagoda.layers.cpu_kernels.build import VARIANTS
+
+pytestmark = pytest.mark.skipif(bool(os.environ.get("PAGODA_DISABLE_CPU_KERNELS")),
+                                reason="PAGODA_DISABLE_CPU_KERNELS is set")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}
+
+
+@pytest.fixture(params=sorted(VARIANTS), autouse=True)
+def variant(request: pytest.FixtureRequest):
+    lib = cpu_kernels.use_variant(request.param)
+    if lib is None:
+        pytest.skip(f"{request.param} kernels unavailable")
+    yield request.param
+    cpu_kernels.use_variant(None)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """|got - want| <= tol * (|want| + 1): one output rounding plus summation noise."""
+    err = (got.float() - want.float()).abs() / (want.float().abs() + 1)
+    assert err.max().item() <= TOL[dtype], f"max scaled error {err.max().item():.3g}"
+
+
+# ---------------------------------------------------------------- paged attention
+
+def make_pool(lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              gen: torch.Generator):
+    """A NaN-filled pool with each sequence's K/V in shuffled blocks; returns pool, tables, dense K/V."""
+    blocks = [math.ceil(n / block_size) for n in lens]
+    num_blocks = sum(blocks) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, v_cache = torch.full(shape, float("nan"), dtype=dtype), torch.full(shape, float("nan"), dtype=dtype)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.long)
+    dense = []
+    for s, n in enumerate(lens):
+        ids = [order.pop() for _ in range(blocks[s])]
+        tables[s, :len(ids)] = torch.tensor(ids)
+        k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+        v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+        for pos in range(n):
+            k_cache[ids[pos // block_size], pos % block_size] = k[pos]
+            v_cache[ids[pos // block_size], pos % block_size] = v[pos]
+        dense.append((k, v))
+    return k_cache, v_cache, tables, dense
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """q [n, H, D] are the last n rows of a context of len(k); causal (+ window) softmax in fp32."""
+    n, heads, d = q.shape
+    length, kv_heads = k.shape[0], k.shape[1]
+    group = heads // kv_heads
+    qf = q.float().transpose(0, 1)
+    kf = k.float().repeat_interleave(group, 1).transpose(0, 1)
+    vf = v.float().repeat_interleave(group, 1).transpose(0, 1)
+    qpos = torch.arange(length - n, length)[:, None]
+    kpos = torch.arange(length)[None, :]
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    scores = (qf @ kf.transpose(1, 2)) / math.sqrt(d)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ vf).transpose(0, 1).reshape(n, heads * d)
+
+
+def run_attention(lens: list[int], qlens: list[int], block_size: int, heads: int, kv_heads: int,
+                  head_dim: int, dtype: torch.dtype, window: int = 0, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables, dense = make_pool(lens, block_size, kv_heads, head_dim, dtype, gen)
+    # NOTE: q is a strided view (as split from a fused qkv projection), never copied.
+    fused = torch.randn(sum(qlens), heads * head_dim + 7, generator=gen).to(dtype)
+    q = fused[:, :heads * head_dim].view(-1, heads, head_dim)
+    starts = torch.tensor([0] + qlens).cumsum(0)
+    got = ops.paged_attention(q, k_cache, v_cache, tables, torch.tensor(lens), starts, head_dim**-0.5, window)
+    for s, (k, v) in enumerate(dense):
+        rows = slice(int(starts[s]), int(starts[s + 1]))
+        assert_close(got[rows], reference_attention(q[rows], k, v, window), dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_across_block_boundaries(block_size: int, dtype: torch.dtype) -> None:
+    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
+    run_attention(lens, [1] * len(lens), block_size, heads=9, kv_heads=3, head_dim=64, dtype=dtype)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2)])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+def test_decode_gqa_ratios_and_head_dims(heads: int, kv_heads: int, head_dim: int) -> None:
+    run_attention([5, 40, 77], [1, 1, 1], 16, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 1, 7, 33])
+def test_several_query_rows_causal_and_window(dtype: torch.dtype, window: int) -> None:
+    # NOTE: query lengths 1 (decode), 4 (a verified draft), 17 and 40 (prefill chunks that
+    # continue a cached context, crossing the 16-row query tile).
+    run_attention([9, 30, 17, 100], [1, 4, 17, 40], 16, 6, 2, 64, dtype, window)
+
+
+def test_single_long_sequence_uses_every_row() -> None:
+    run_attention([1000], [1], 32, 9, 3, 64, torch.bfloat16, window=0, seed=3)
+
+
+# ---------------------------------------------------------------- K/V write, rotary
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_writes_slots(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    kv_heads, head_dim, tokens = 3, 64, 70
+    qkv = torch.randn(tokens, (3 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    k = qkv[:, 3 * head_dim:(3 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (3 + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    k_cache = torch.zeros(20, 16, kv_heads, head_dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(320, generator=gen)[:tokens]
+    slots[5] = -1
+    ops.reshape_and_cache(k, v, k_cache, v_cache, slots)
+    keep = slots >= 0
+    want_k, want_v = torch.zeros_like(k_cache).view(-1, kv_heads, head_dim), torch.zeros_like(v_cache).view(-1, kv_heads, head_dim)
+    want_k[slots[keep]], want_v[slots[keep]] = k[keep], v[keep]
+    assert torch.equal(k_cache.view_as(want_k), want_k) and torch.equal(v_cache.view_as(want_v), want_v)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_rounds_like_hf(dtype: torch.dtype) -> None:
+    from pagoda.layers.rotary import RotaryEmbedding, apply_rotary
+
+    gen = torch.Generator().manual_seed(2)
+    head_dim, heads = 64, 5
+    rope = RotaryEmbedding(1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)), 1.0, 512)
+    positions = torch.randint(0, 512, (13,), generator=gen)
+    fused = torch.randn(13, heads * head_dim + 3, generator=gen).to(dtype)
+    x = fused[:, :heads * head_dim].view(13, heads, head_dim)
+    cos, sin = rope.cos[positions].to(dtype)[:, None], rope.sin[positions].to(dtype)[:, None]
+    want = apply_rotary(x.clone(), cos, sin)
+    ops.rotary_inplace(x, positions, rope.cos, rope.sin)
+    assert torch.equal(x, want)
+
+
+# ---------------------------------------------------------------- norms, activation, GEMV
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 576), (3, 64), (37, 200)])
+def test_rms_norm_and_fused_add(dtype: torch.dtype, rows: int, n: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, n, generator=gen).to(dtype)
+    residual = torch.randn(rows, n, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype)
+    assert_close(ops.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5), dtype)
+    want_residual = x + residual
+    want = hf_rms_norm(want_residual, weight, 1e-5)
+    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(residual, want_residual)
+    assert_close(x, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = (3 * torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(4))).to(dtype)
+    gate, up = x.chunk(2, -1)
+    assert_close(ops.silu_and_mul(x), F.silu(gate) * up, dtype)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11])
+@pytest.mark.parametrize("n,k,bias", [(576, 576, False), (963, 1536, True), (40, 70, False)])
+def test_gemv_matches_fp32_linear(m: int, n: int, k: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(m * n)
+    base = torch.randn(m, k + 5, generator=gen).to(torch.bfloat16)
+    x = base[:, :k]
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    want = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+    assert_close(ops.gemv(x, w, b), want, torch.bfloat16)
