@@ -198,3 +198,22 @@ def test_sweep_writes_csv_json_png_and_names_the_sweet_spot(server_url: str,
     point = json.loads((tmp_path / "point-max_concurrency-2.json").read_text())
     assert point["completed"] == 4 and "itls" not in point
     assert (tmp_path / "sweep.csv").read_text().count("\n") == 3
+
+
+def test_sweep_with_a_preset_and_no_slo_names_the_knee(server_url: str, tmp_path: Path) -> None:
+    # the rag preset, scaled down to the tiny model's 512-token context
+    args = bench_args("sweep", "--base-url", server_url, "--preset", "rag",
+                      "--concurrencies", "1,2", "--num-prompts", "4",
+                      "--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "8",
+                      "--prefix-repetition-output-len", "6", "--disable-tqdm",
+                      "--price-per-hour", "1.0", "--api-price-per-mtok", "10",
+                      "--result-dir", str(tmp_path))
+    summary = run_command(args)
+    assert summary["preset"] == "rag" and summary["slo_metric"] == "ttft"
+    assert summary["sweet_spot_rule"] == "knee" and summary["sweet_spot"] is summary["knee"]
+    assert summary["sweet_spot"]["max_concurrency"] in (1, 2)
+    assert all(r["completed"] == 4 for r in summary["points"])
+    # the preset's ignore_eos: every reply has exactly the 6 tokens asked for
+    point = json.loads((tmp_path / "point-max_concurrency-1.json").read_text())
+    assert point["total_output_tokens"] == 4 * 6 and point["preset"] == "rag"
+    assert summary["break_even"]["break_even_tokens_per_month"] == pytest.approx(730 / 10 * 1e6)

@@ -43,8 +43,7 @@ async def stats(request: Request) -> dict[str, Any]:
     if live is None:
         raise APIError(404, "This server records no live stats.")
     ctx = request.app.state.ctx
-    return {"model": ctx.model_name, "max_model_len": ctx.max_model_len,
-            "num_http_requests_in_flight": ctx.num_active_requests, **live.snapshot()}
+    return {"model": ctx.model_name, "max_model_len": ctx.max_model_len, **live.snapshot()}
 
 
 class WebUIAssets:
