@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pagoda.bench.cli import add_bench_parser
 from pagoda.bench.datasets import (
+    PRESETS,
     allowed_token_ids,
     jsonl_requests,
     length_range,
@@ -16,6 +19,7 @@ from pagoda.bench.datasets import (
     random_requests,
     shared_prefix_requests,
 )
+from pagoda.bench.serve_command import apply_preset, build_requests
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +73,39 @@ def test_length_range_is_vllms_range_ratio() -> None:
     assert length_range(144, 0.5) == (72, 216)
     with pytest.raises(ValueError):
         length_range(100, 1.0)
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    return apply_preset(parser.parse_args(["bench", "serve", *argv]))
+
+
+def test_a_preset_sets_the_workload_and_flags_override_it() -> None:
+    plain = serve_args()
+    assert (plain.random_input_len, plain.random_output_len, plain.num_prompts) == (1024, 128, 1000)
+    assert plain.ignore_eos is False and plain.max_concurrency is None
+    chat = serve_args("--preset", "chatbot", "--random-output-len", "8")
+    assert (chat.random_input_len, chat.random_range_ratio) == (500, 0.5)
+    assert chat.random_output_len == 8  # the command line wins
+    assert (chat.num_prompts, chat.max_concurrency, chat.ignore_eos) == (400, 100, True)
+    assert serve_args("--preset", "rag", "--no-ignore-eos").ignore_eos is False
+    assert serve_args("--preset", "rag").dataset_name == "prefix_repetition"
+    assert {p.slo_metric for p in PRESETS.values()} == {"e2el", "ttft", "itl"}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_workloads_have_the_lengths_they_describe(tok: Any, name: str) -> None:
+    args = serve_args("--preset", name)
+    requests = build_requests(args, tok, num_prompts=8)
+    preset = PRESETS[name].dataset
+    if name == "rag":
+        prefix = preset["prefix_repetition_prefix_len"] + preset["prefix_repetition_suffix_len"]
+        assert all(abs(r.prompt_len - prefix) <= 2 for r in requests)  # text round trip
+        assert {r.expected_output_len for r in requests} == {128}
+        return
+    low, high = length_range(preset["random_input_len"], preset["random_range_ratio"])
+    prefix = preset.get("random_prefix_len", 0)
+    assert all(low + prefix - 2 <= r.prompt_len <= high + prefix + 2 for r in requests)
+    low, high = length_range(preset["random_output_len"], preset["random_range_ratio"])
+    assert all(low <= r.expected_output_len <= high for r in requests)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda.bench.endpoints import RequestFuncOutput, chunk_text
-from pagoda.bench.report import calculate_metrics, format_result_block
+from pagoda.bench.report import PER_REQUEST_KEYS, calculate_metrics, format_result_block, summarize
 
 
 def ok(start: float, ttft: float, itl: list[float], tokens: int, prompt: int = 10
@@ -80,3 +80,14 @@ def test_chunk_text_of_completions_and_chat() -> None:
                       chat=True) == ""
     assert chunk_text({"choices": [{"delta": {"content": "yo"}}]}, chat=True) == "yo"
     assert chunk_text({"choices": [], "usage": {"completion_tokens": 3}}, chat=False) is None
+
+
+def test_summary_drops_per_request_arrays_and_keeps_distinct_errors() -> None:
+    outputs = [*OUTPUTS, RequestFuncOutput(success=False, prompt_len=5, start_time=0.7,
+                                           latency=0.1, error="RuntimeError: HTTP 400: too long")]
+    result = calculate_metrics(outputs, duration_s=2.0, percentiles=[99])
+    summary = summarize(result)
+    assert not set(PER_REQUEST_KEYS) & set(summary)
+    assert summary["error_samples"] == ["RuntimeError: HTTP 400: too long"]
+    assert summary["p99_itl_ms"] == result["p99_itl_ms"] and summary["failed"] == 2
+    assert set(result) - set(summary) == set(PER_REQUEST_KEYS)

@@ -112,6 +112,9 @@ def test_serve_counts_match_usage_and_lengths(server_url: str, tiny_llama: Path,
     saved = json.loads((tmp_path / "serve.json").read_text())
     assert saved["p99_itl_ms"] == result["p99_itl_ms"]
     assert saved["mean_ttft_ms"] == result["mean_ttft_ms"]
+    # a saved result is a summary; per-request arrays only with --save-detailed (as vLLM)
+    assert not {"ttfts", "itls", "generated_texts", "errors"} & set(saved)
+    assert saved["error_samples"] == [] and saved["preset"] is None
 
 
 def test_serve_chat_endpoint_with_request_rate(server_url: str) -> None:
@@ -135,8 +138,11 @@ def test_failed_requests_are_counted_not_dropped(server_url: str, tmp_path: Path
     prompts.write_text("\n".join(json.dumps(r) for r in rows))
     args = bench_args("serve", "--base-url", server_url, "--dataset-name", "custom",
                       "--dataset-path", str(prompts), "--num-prompts", "3", "--ignore-eos",
-                      "--disable-tqdm")
+                      "--disable-tqdm", "--save-detailed", "--result-filename",
+                      str(tmp_path / "detailed.json"))
     result = run_command(args)
+    detailed = json.loads((tmp_path / "detailed.json").read_text())
+    assert detailed["errors"] == result["errors"] and len(detailed["itls"]) == 3
     assert (result["completed"], result["failed"]) == (2, 1)
     assert result["errors"][0] == "" and result["errors"][2] == ""
     assert "400" in result["errors"][1]
@@ -178,7 +184,7 @@ def test_sweep_writes_csv_json_png_and_names_the_sweet_spot(server_url: str,
                       "--num-prompts", "4", "--random-input-len", "16",
                       "--random-output-len", "8", "--ignore-eos", "--disable-tqdm",
                       "--slo-metric", "itl", "--slo-ms", "60000", "--price-per-hour", "1.0",
-                      "--output-dir", str(tmp_path))
+                      "--result-dir", str(tmp_path))
     summary = run_command(args)
     rows = summary["points"]
     assert [r["max_concurrency"] for r in rows] == [1, 2]
@@ -189,4 +195,25 @@ def test_sweep_writes_csv_json_png_and_names_the_sweet_spot(server_url: str,
     assert all(r["cost_per_million_output_tokens"] > 0 for r in rows)
     for name in ("sweep.csv", "sweep.json", "sweep.png", "point-max_concurrency-1.json"):
         assert (tmp_path / name).stat().st_size > 0
+    point = json.loads((tmp_path / "point-max_concurrency-2.json").read_text())
+    assert point["completed"] == 4 and "itls" not in point
     assert (tmp_path / "sweep.csv").read_text().count("\n") == 3
+
+
+def test_sweep_with_a_preset_and_no_slo_names_the_knee(server_url: str, tmp_path: Path) -> None:
+    # the rag preset, scaled down to the tiny model's 512-token context
+    args = bench_args("sweep", "--base-url", server_url, "--preset", "rag",
+                      "--concurrencies", "1,2", "--num-prompts", "4",
+                      "--prefix-repetition-prefix-len", "48", "--prefix-repetition-suffix-len", "8",
+                      "--prefix-repetition-output-len", "6", "--disable-tqdm",
+                      "--price-per-hour", "1.0", "--api-price-per-mtok", "10",
+                      "--result-dir", str(tmp_path))
+    summary = run_command(args)
+    assert summary["preset"] == "rag" and summary["slo_metric"] == "ttft"
+    assert summary["sweet_spot_rule"] == "knee" and summary["sweet_spot"] is summary["knee"]
+    assert summary["sweet_spot"]["max_concurrency"] in (1, 2)
+    assert all(r["completed"] == 4 for r in summary["points"])
+    # the preset's ignore_eos: every reply has exactly the 6 tokens asked for
+    point = json.loads((tmp_path / "point-max_concurrency-1.json").read_text())
+    assert point["total_output_tokens"] == 4 * 6 and point["preset"] == "rag"
+    assert summary["break_even"]["break_even_tokens_per_month"] == pytest.approx(730 / 10 * 1e6)

@@ -3,6 +3,9 @@
 Every generator is deterministic for a given seed. A `SampleRequest` carries the prompt
 (text for servers, token ids for the offline engines), its length in tokens as the local
 tokenizer counts it, and the number of output tokens to ask for.
+
+`PRESETS` names the workloads of the project's brief (`bench serve --preset` and `bench sweep
+--preset`): the dataset flags that shape the prompts, the load, and the latency to judge by.
 """
 
 from __future__ import annotations
@@ -18,6 +21,56 @@ import numpy as np
 # NOTE: decoding random ids and re-encoding the text rarely gives the same ids back (BPE
 # merges across the joins); a few rounds of trim-and-pad converge on the target length.
 _ROUNDTRIP_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class WorkloadPreset:
+    """A named workload: what it models, its prompts and load, and how it is judged.
+
+    Attributes:
+        models: one line on the traffic it stands for.
+        dataset: `bench serve` dataset flags (argparse dests) and their values.
+        num_prompts: requests of one `bench serve` run.
+        max_concurrency: the concurrency of one `bench serve` run.
+        concurrencies: what `bench sweep` tries, comma-separated.
+        slo_metric: the latency whose P99 judges it ('ttft', 'tpot', 'itl' or 'e2el').
+    """
+
+    models: str
+    dataset: dict[str, Any]
+    num_prompts: int
+    max_concurrency: int
+    concurrencies: str
+    slo_metric: str
+
+
+# NOTE: random prompts rarely end on EOS the way real ones do, so every preset sets ignore_eos:
+# each reply has the length the workload asks for.
+PRESETS = {
+    "chatbot": WorkloadPreset(
+        models="a customer-support chatbot as in production: prompts of ~500 tokens (250-750), "
+               "replies of ~800 (400-1,200), 50-200 users at once; judged on P99 end-to-end "
+               "latency, the wait for a whole answer",
+        dataset={"dataset_name": "random", "random_input_len": 500, "random_output_len": 800,
+                 "random_range_ratio": 0.5},
+        num_prompts=400, max_concurrency=100, concurrencies="50,100,150,200", slo_metric="e2el"),
+    "rag": WorkloadPreset(
+        models="retrieval-augmented answers: 8 retrieved documents of 1,536 tokens, each shared "
+               "by many requests (the prefix cache's case), a 64-token question, a 128-token "
+               "answer; judged on P99 time to first token",
+        dataset={"dataset_name": "prefix_repetition", "prefix_repetition_prefix_len": 1536,
+                 "prefix_repetition_suffix_len": 64, "prefix_repetition_num_prefixes": 8,
+                 "prefix_repetition_output_len": 128},
+        num_prompts=128, max_concurrency=16, concurrencies="1,2,4,8,16,32", slo_metric="ttft"),
+    "code": WorkloadPreset(
+        models="a coding assistant: 256 tokens of instructions shared by every request, then "
+               "the code at hand (~1,024 tokens, 716-1,331), an answer of ~256 tokens (179-332) "
+               "read as it streams; long prefills interrupt running streams, so it is judged on "
+               "P99 inter-token latency",
+        dataset={"dataset_name": "random", "random_input_len": 1024, "random_output_len": 256,
+                 "random_range_ratio": 0.3, "random_prefix_len": 256},
+        num_prompts=64, max_concurrency=8, concurrencies="1,2,4,8,16,32", slo_metric="itl"),
+}
 
 
 @dataclass

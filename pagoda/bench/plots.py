@@ -1,6 +1,8 @@
 """PNG figures for the benchmarks (matplotlib, headless Agg backend).
 
-Only this module imports matplotlib, and only when a figure is drawn.
+Only this module imports matplotlib, and only when a figure is drawn. matplotlib comes with
+the `bench` extra (`pip install 'pagoda[bench]'`); without it, drawing raises ImportError
+with that advice, and the benchmarks still write their CSV and JSON.
 """
 
 from __future__ import annotations
@@ -11,7 +13,10 @@ from typing import Any
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plots need matplotlib: pip install 'pagoda[bench]'") from exc
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -54,15 +59,18 @@ def plot_memory(traces: Sequence[Any], bytes_per_token: int, path: str | Path) -
 
 
 def plot_sweep(rows: Sequence[dict[str, Any]], x_key: str, slo_metric: str | None,
-               slo_ms: float | None, best: dict[str, Any] | None, path: str | Path) -> Path:
+               slo_ms: float | None, best: dict[str, Any] | None, path: str | Path,
+               rule: str = "slo") -> Path:
     """Throughput and P50/P99 latency against concurrency (or request rate).
 
     Args:
-        rows: one dict per point with output_throughput and median/p99_{ttft,itl}_ms.
+        rows: one dict per point with output_throughput and median/p99_{ttft,itl,tpot}_ms.
         x_key: the swept column ('max_concurrency' or 'request_rate').
-        slo_metric: 'ttft', 'tpot', 'itl' or 'e2el', drawn as a line at slo_ms when given.
+        slo_metric: the judged latency ('ttft', 'tpot', 'itl' or 'e2el'), drawn as a line at
+            slo_ms when given; E2EL is drawn only when it is the judged one.
         best: the sweet-spot row, marked when given.
         path: where the PNG goes.
+        rule: what chose `best` ('slo' or 'knee'), for its label.
     """
     plt = _pyplot()
     xs = [float(r[x_key]) for r in rows]
@@ -70,7 +78,10 @@ def plot_sweep(rows: Sequence[dict[str, Any]], x_key: str, slo_metric: str | Non
     ax_tp.plot(xs, [r["output_throughput"] for r in rows], "o-", label="output tok/s")
     ax_tp.plot(xs, [r["total_token_throughput"] for r in rows], "s--", label="total tok/s")
     ax_tp.set_ylabel("tokens/s")
-    for metric, color in (("ttft", "tab:blue"), ("itl", "tab:orange"), ("tpot", "tab:green")):
+    metrics = [("ttft", "tab:blue"), ("itl", "tab:orange"), ("tpot", "tab:green")]
+    if slo_metric == "e2el":
+        metrics.append(("e2el", "tab:red"))
+    for metric, color in metrics:
         ax_lat.plot(xs, [r[f"median_{metric}_ms"] for r in rows], "o-", color=color,
                     label=f"P50 {metric.upper()}")
         ax_lat.plot(xs, [r[f"p99_{metric}_ms"] for r in rows], "^--", color=color,
@@ -82,7 +93,7 @@ def plot_sweep(rows: Sequence[dict[str, Any]], x_key: str, slo_metric: str | Non
     if best is not None:
         bx = float(best[x_key])
         ax_tp.plot([bx], [best["output_throughput"]], "*", color="red", markersize=16,
-                   label="sweet spot")
+                   label="sweet spot (knee)" if rule == "knee" else "sweet spot (SLO)")
         ax_lat.axvline(bx, color="red", linestyle=":", linewidth=1)
     _cost_axis(ax_tp, xs, rows)
     if x_key == "max_concurrency":

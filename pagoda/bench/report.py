@@ -4,6 +4,8 @@ Keys and definitions follow `vllm bench serve`: TTFT from send to the first stre
 TPOT = (latency - TTFT) / (output tokens - 1) per request with more than one token; ITL is
 every gap between streamed text chunks; E2EL is the whole request. Failed requests count in
 `failed` and keep their error text in `errors`; they add no tokens and no latencies.
+`summarize` drops the per-request arrays for saving (vLLM saves them only with
+`--save-detailed`), keeping a few distinct error texts.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ LATENCY_METRICS = {
     "itl": ("ITL", "Inter-token Latency"),
     "e2el": ("E2EL", "End-to-end Latency"),
 }
+
+
+# The result's per-request arrays: what `--save-detailed` keeps and a summary leaves out.
+PER_REQUEST_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "latencies", "start_times",
+                    "generated_texts", "errors")
+MAX_ERROR_SAMPLES = 5
 
 
 def percentile_key(p: float) -> str:
@@ -121,6 +129,14 @@ def calculate_metrics(
     for name, values in series.items():
         result.update(_stats(name, values, percentiles))
     return result
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    """The result without per-request arrays; up to 5 distinct errors in `error_samples`."""
+    summary = {k: v for k, v in result.items() if k not in PER_REQUEST_KEYS}
+    errors = list(dict.fromkeys(e for e in result.get("errors", []) if e))
+    summary["error_samples"] = errors[:MAX_ERROR_SAMPLES]
+    return summary
 
 
 def _latency_series(outputs: Sequence[RequestFuncOutput],

@@ -1,7 +1,11 @@
 """`pagoda bench serve` from the command line: vLLM's flags -> workload + settings -> result.
 
 The flags are `vllm bench serve`'s, so a vLLM user's scripts keep working; options vLLM has
-that pagoda does not (multimodal datasets, LoRA, profiling) are simply absent.
+that pagoda does not (multimodal datasets, LoRA, profiling) are simply absent. `--preset`
+picks one of the brief's workloads (`datasets.PRESETS`); a flag given on the command line wins
+over the preset, which wins over the defaults (`DEFAULTS`): workload flags parse to None
+until `apply_preset` fills them in. A saved result holds the summary figures; per-request
+arrays only with `--save-detailed` (as vLLM).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Any
 import httpx
 
 from pagoda.bench.datasets import (
+    PRESETS,
     SampleRequest,
     jsonl_requests,
     length_range,
@@ -21,6 +26,7 @@ from pagoda.bench.datasets import (
     shared_prefix_requests,
 )
 from pagoda.bench.endpoints import first_model_id
+from pagoda.bench.report import summarize
 from pagoda.bench.serving import (
     LoadSettings,
     benchmark_result,
@@ -33,6 +39,14 @@ from pagoda.bench.serving import (
 
 DATASET_ALIASES = {"random": "random", "prefix_repetition": "prefix_repetition",
                    "shared-prefix": "prefix_repetition", "custom": "custom", "jsonl": "custom"}
+# What a workload flag is when neither the command line nor a preset sets it (vLLM's defaults).
+DEFAULTS: dict[str, Any] = {
+    "dataset_name": "random", "num_prompts": 1000, "random_input_len": 1024,
+    "random_output_len": 128, "random_range_ratio": 0.0, "random_prefix_len": 0,
+    "prefix_repetition_prefix_len": 256, "prefix_repetition_suffix_len": 256,
+    "prefix_repetition_num_prefixes": 10, "prefix_repetition_output_len": 128,
+    "max_concurrency": None, "ignore_eos": False,
+}
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -50,28 +64,38 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add("--tokenizer", default=None, help="Tokenizer for prompts and counts (default: --model).")
     add("--label", default=None, help="Prefix of the result file name (default: --backend).")
     add("--seed", type=int, default=0)
+    add("--preset", choices=sorted(PRESETS), default=None,
+        help="a named workload: " + "; ".join(f"{name}: {p.models}" for name, p in PRESETS.items())
+             + ". Flags given here override it.")
     _add_dataset_args(parser)
     _add_load_args(parser)
     _add_output_args(parser)
 
 
 def _add_dataset_args(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--dataset-name", default="random", choices=sorted(DATASET_ALIASES))
-    add("--dataset-path", default=None, help="JSONL file of {\"prompt\": ...} (custom).")
-    add("--num-prompts", type=int, default=1000)
-    add("--input-len", type=int, default=None, help="Sets --random-input-len.")
-    add("--output-len", type=int, default=None,
-        help="Sets --random-output-len / --custom-output-len / --prefix-repetition-output-len.")
-    add("--random-input-len", type=int, default=1024)
-    add("--random-output-len", type=int, default=128)
-    add("--random-range-ratio", type=float, default=0.0)
-    add("--random-prefix-len", type=int, default=0)
-    add("--prefix-repetition-prefix-len", type=int, default=256)
-    add("--prefix-repetition-suffix-len", type=int, default=256)
-    add("--prefix-repetition-num-prefixes", type=int, default=10)
-    add("--prefix-repetition-output-len", type=int, default=128)
-    add("--custom-output-len", type=int, default=256)
+    def add(flag: str, **kwargs: Any) -> None:
+        dest = flag.lstrip("-").replace("-", "_")
+        kwargs.setdefault("help", "")
+        kwargs["help"] += f" (default {DEFAULTS[dest]})"
+        parser.add_argument(flag, default=None, **kwargs)
+
+    add("--dataset-name", choices=sorted(DATASET_ALIASES))
+    parser.add_argument("--dataset-path", default=None,
+                        help="JSONL file of {\"prompt\": ...} (custom).")
+    add("--num-prompts", type=int)
+    parser.add_argument("--input-len", type=int, default=None, help="Sets --random-input-len.")
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="Sets --random-output-len / --custom-output-len / "
+                             "--prefix-repetition-output-len.")
+    add("--random-input-len", type=int)
+    add("--random-output-len", type=int)
+    add("--random-range-ratio", type=float)
+    add("--random-prefix-len", type=int)
+    add("--prefix-repetition-prefix-len", type=int)
+    add("--prefix-repetition-suffix-len", type=int)
+    add("--prefix-repetition-num-prefixes", type=int)
+    add("--prefix-repetition-output-len", type=int)
+    parser.add_argument("--custom-output-len", type=int, default=256)
 
 
 def _add_load_args(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +104,8 @@ def _add_load_args(parser: argparse.ArgumentParser) -> None:
         help="Requests per second (Poisson arrivals); inf sends all at once.")
     add("--burstiness", type=float, default=1.0)
     add("--max-concurrency", type=int, default=None)
-    add("--ignore-eos", action="store_true")
+    add("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+        help="Generate exactly the asked length (default: off, on with --preset).")
     add("--num-warmups", type=int, default=0)
     add("--ready-check-timeout-sec", type=int, default=600)
     add("--temperature", type=float, default=None, help="Default: greedy.")
@@ -97,10 +122,23 @@ def _add_output_args(parser: argparse.ArgumentParser) -> None:
     add("--goodput", nargs="+", default=None, metavar="KEY:MS",
         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000.")
     add("--save-result", action="store_true")
+    add("--save-detailed", action="store_true",
+        help="Also save per-request arrays (latencies, ITLs, texts, errors).")
     add("--result-dir", default=None)
     add("--result-filename", default=None)
     add("--metadata", metavar="KEY=VALUE", nargs="*", default=None)
     add("--disable-tqdm", action="store_true")
+
+
+def apply_preset(args: argparse.Namespace, keys: Any = DEFAULTS) -> argparse.Namespace:
+    """Fills each workload flag in `keys` left unset (None): from --preset, else `DEFAULTS`."""
+    preset = PRESETS[args.preset] if getattr(args, "preset", None) else None
+    chosen = {**preset.dataset, "num_prompts": preset.num_prompts,
+              "max_concurrency": preset.max_concurrency, "ignore_eos": True} if preset else {}
+    for dest in keys:
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, chosen.get(dest, DEFAULTS[dest]))
+    return args
 
 
 def _pairs(items: list[str] | None, sep: str) -> dict[str, str]:
@@ -130,7 +168,7 @@ def build_settings(args: argparse.Namespace, model: str) -> LoadSettings:
     return LoadSettings(
         api_url=base_url_of(args) + endpoint, model=model, chat=chat,
         request_rate=args.request_rate, burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
+        max_concurrency=args.max_concurrency, ignore_eos=bool(args.ignore_eos),
         num_warmups=args.num_warmups, ready_check_timeout_s=args.ready_check_timeout_sec,
         seed=args.seed, extra_body={k: v for k, v in sampling.items() if v is not None},
         headers=_pairs(args.header, "="), disable_tqdm=args.disable_tqdm)
@@ -200,6 +238,7 @@ def run_serve(args: argparse.Namespace, settings: LoadSettings, requests: list[S
     result = benchmark_result(settings, outputs, duration, percentiles, token_counter(tokenizer), goodput)
     result["tokenizer_id"] = args.tokenizer or settings.model
     result["label"] = args.label
+    result["preset"] = args.preset
     result.update(_pairs(args.metadata, "="))
     print_result(result, settings, metrics, percentiles)
     return result
@@ -212,6 +251,7 @@ def token_counter(tokenizer: Any) -> Any:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """The `bench serve` handler."""
+    apply_preset(args)
     model = resolve_model(args)
     tokenizer = tokenizer_for(args, model)
     settings = build_settings(args, model)
@@ -219,7 +259,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_result or args.result_filename:
         name = args.result_filename or default_result_filename(
             args.label or args.backend, settings, result["date"])
-        path = save_result(result, f"{args.result_dir}/{name}" if args.result_dir else name)
+        saved = result if args.save_detailed else summarize(result)
+        path = save_result(saved, f"{args.result_dir}/{name}" if args.result_dir else name)
         print(f"Saved result to {path}")
     return result
 

@@ -1,11 +1,16 @@
 """`pagoda bench sweep`: `bench serve` over concurrencies (or rates), and the sweet spot.
 
-Each point is one `bench serve` run against the same server with the same seeded workload.
-The sweet spot is the point with the highest output throughput whose P99 of the chosen
-latency (ITL by default) stays within the SLO and which had no failed request; its
-concurrency is the `--max-num-seqs` to give the server: at that batch size the server keeps
-every running stream within the SLO and queues the rest. With a price per hour, each point
-also gets the cost of a million output tokens.
+Each point is one `bench serve` run against the same server with the same seeded workload
+(`--preset` or the dataset flags). The verdict (`sweet_spot.py`): with `--slo-ms`, the fastest
+point within the SLO; without, the knee of the curve; its concurrency is the `--max-num-seqs`
+to give the server. With `--price-per-hour`, each point gets the cost of a million output
+tokens, and with `--api-price-per-mtok` too, the monthly volume above which the machine is
+cheaper than the API. `--from-json` redoes the verdict from a saved `sweep.json` (new prices,
+another SLO) without sending a request.
+
+Files (in `--result-dir`, alias `--output-dir`; default `results/sweep-<date>`): sweep.csv,
+sweep.json (the points and the verdict), sweep.png, and one summary JSON per point
+(per-request arrays only with `--save-detailed`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from pagoda.bench.datasets import PRESETS
+from pagoda.bench.report import summarize
 from pagoda.bench.serve_command import (
+    DEFAULTS,
+    apply_preset,
     build_requests,
     build_settings,
     percentile_args,
@@ -29,11 +38,13 @@ from pagoda.bench.serve_command import (
     tokenizer_for,
 )
 from pagoda.bench.serving import benchmark_result, print_result, run_benchmark, save_result
+from pagoda.bench.sweet_spot import analyze, cost_per_million_tokens, describe
 
 ROW_KEYS = ["completed", "failed", "duration", "request_throughput", "output_throughput",
             "total_token_throughput", "max_concurrent_requests",
             "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
             "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms"]
+DEFAULT_CONCURRENCIES = "1,2,4,8,16"
 
 
 def summary_row(x_key: str, x: float, result: dict[str, Any],
@@ -44,35 +55,6 @@ def summary_row(x_key: str, x: float, result: dict[str, Any],
     row["cost_per_million_output_tokens"] = cost_per_million_tokens(
         result["output_throughput"], price_per_hour)
     return row
-
-
-def cost_per_million_tokens(tokens_per_s: float, price_per_hour: float | None) -> float | None:
-    """What a million tokens cost at `tokens_per_s` on a machine billed `price_per_hour`."""
-    if price_per_hour is None or tokens_per_s <= 0:
-        return None
-    return price_per_hour / (tokens_per_s * 3600.0) * 1e6
-
-
-def choose_sweet_spot(rows: Sequence[dict[str, Any]], slo_metric: str, slo_ms: float,
-                      x_key: str = "max_concurrency", percentile: str = "p99"
-                      ) -> dict[str, Any] | None:
-    """The highest-throughput row whose `{percentile}_{slo_metric}_ms` is within `slo_ms`.
-
-    Rows with a failed request never qualify; ties go to the smaller swept value. Returns
-    None when no row meets the SLO.
-    """
-    key = f"{percentile}_{slo_metric}_ms"
-    ok = [r for r in rows if not r.get("failed") and r.get(key) is not None and r[key] <= slo_ms]
-    if not ok:
-        return None
-    return max(ok, key=lambda r: (r["output_throughput"], -float(r[x_key])))
-
-
-def recommended_max_num_seqs(best: dict[str, Any], x_key: str) -> int:
-    """The server batch limit that reproduces the sweet spot."""
-    if x_key == "max_concurrency":
-        return int(best[x_key])
-    return max(1, int(best.get("max_concurrent_requests") or 1))
 
 
 def parse_values(text: str) -> list[float]:
@@ -96,26 +78,41 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--concurrencies", default=None,
-                       help="Comma-separated max concurrencies (default 1,2,4,8,16).")
+                       help=f"Comma-separated max concurrencies (default {DEFAULT_CONCURRENCIES}, "
+                            "or the preset's).")
     group.add_argument("--request-rates", default=None,
                        help="Comma-separated request rates (req/s) instead of concurrencies.")
-    add("--slo-metric", default="itl", choices=["ttft", "tpot", "itl", "e2el"])
-    add("--slo-ms", type=float, default=None, help="P99 latency target in ms.")
+    add("--slo-metric", default=None, choices=["ttft", "tpot", "itl", "e2el"],
+        help="The latency the sweep is judged on (default itl, or the preset's).")
+    add("--slo-ms", type=float, default=None,
+        help="P99 latency target in ms; without it the sweet spot is the knee.")
     add("--price-per-hour", type=float, default=None, help="Machine price per hour (USD).")
-    add("--output-dir", default=None, help="Default results/sweep-<date>.")
-    parser.set_defaults(num_prompts=None)
+    add("--api-price-per-mtok", type=float, default=None,
+        help="An API's price per million output tokens (USD), for the break-even.")
+    add("--output-dir", default=None, help="Same as --result-dir.")
+    add("--from-json", default=None, metavar="SWEEP_JSON",
+        help="Recompute the verdict and costs from a saved sweep.json; sends no request.")
 
 
 def _sweep_points(args: argparse.Namespace) -> tuple[str, list[float]]:
     if args.request_rates:
         return "request_rate", parse_values(args.request_rates)
-    return "max_concurrency", parse_values(args.concurrencies or "1,2,4,8,16")
+    preset = PRESETS[args.preset].concurrencies if args.preset else DEFAULT_CONCURRENCIES
+    return "max_concurrency", parse_values(args.concurrencies or preset)
 
 
 def _num_prompts(args: argparse.Namespace, x_key: str, x: float) -> int:
     if args.num_prompts is not None:
         return int(args.num_prompts)
     return max(16, 4 * int(x)) if x_key == "max_concurrency" else 64
+
+
+def result_dir(args: argparse.Namespace, date: str) -> Path:
+    """--result-dir (vLLM's flag) or --output-dir; both only when they agree."""
+    given = {d for d in (args.result_dir, args.output_dir) if d}
+    if len(given) > 1:
+        raise SystemExit(f"--result-dir and --output-dir disagree: {sorted(given)}; give one.")
+    return Path(given.pop() if given else f"results/sweep-{date}")
 
 
 async def _run_point(args: argparse.Namespace, settings: Any, x_key: str, x: float,
@@ -130,61 +127,91 @@ async def _run_point(args: argparse.Namespace, settings: Any, x_key: str, x: flo
     percentiles = sorted({*percentiles, 50.0, 99.0})
 
     result = benchmark_result(point, outputs, duration, percentiles, token_counter(tokenizer))
+    result["preset"] = args.preset
     print_result(result, point, metrics, percentiles)
     return result
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """The `bench sweep` handler: runs every point, writes CSV/JSON/PNG, names the sweet spot."""
-    from pagoda.bench.plots import plot_sweep
-
+    if args.from_json:
+        return reanalyze(args)
+    apply_preset(args, [k for k in DEFAULTS if k not in ("num_prompts", "max_concurrency")])
+    args.slo_metric = args.slo_metric or (PRESETS[args.preset].slo_metric if args.preset
+                                          else "itl")
     model = resolve_model(args)
     tokenizer = tokenizer_for(args, model)
     settings = build_settings(args, model)
     x_key, values = _sweep_points(args)
     date = datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.output_dir or f"results/sweep-{date}")
+    out_dir = result_dir(args, date)
     rows = []
     for i, x in enumerate(values):
         print(f"\n### sweep point {i + 1}/{len(values)}: {x_key} = {x}")
         result = asyncio.run(_run_point(args, settings, x_key, x, tokenizer, first=i == 0))
-        save_result(result, out_dir / f"point-{x_key}-{x:g}.json")
+        save_result(result if args.save_detailed else summarize(result),
+                    out_dir / f"point-{x_key}-{x:g}.json")
         rows.append(summary_row(x_key, x, result, args.price_per_hour))
-    best = choose_sweet_spot(rows, args.slo_metric, args.slo_ms, x_key) if args.slo_ms else None
-    summary = {"date": date, "model": model, "api_url": settings.api_url, "swept": x_key,
-               "slo_metric": args.slo_metric, "slo_ms": args.slo_ms,
-               "price_per_hour": args.price_per_hour, "points": rows, "sweet_spot": best,
-               "recommended_max_num_seqs":
-                   recommended_max_num_seqs(best, x_key) if best else None}
+    summary = {"date": date, "model": model, "api_url": settings.api_url,
+               "preset": args.preset, "swept": x_key, "slo_metric": args.slo_metric,
+               "slo_ms": args.slo_ms, "price_per_hour": args.price_per_hour,
+               "api_price_per_mtok": args.api_price_per_mtok, "points": rows}
+    return report(summary, out_dir)
+
+
+def reanalyze(args: argparse.Namespace) -> dict[str, Any]:
+    """--from-json: the saved points under this command's SLO and prices (the file's if unset)."""
+    summary = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+    for key in ("slo_metric", "slo_ms", "price_per_hour", "api_price_per_mtok"):
+        if getattr(args, key) is not None:
+            summary[key] = getattr(args, key)
+    summary["slo_metric"] = summary.get("slo_metric") or "itl"
+    summary["analyzed_from"] = args.from_json
+    for row in summary["points"]:
+        row["cost_per_million_output_tokens"] = cost_per_million_tokens(
+            row["output_throughput"], summary.get("price_per_hour"))
+    out_dir = args.result_dir or args.output_dir
+    return report(summary, Path(out_dir) if out_dir else None)
+
+
+def report(summary: dict[str, Any], out_dir: Path | None) -> dict[str, Any]:
+    """Adds the verdict to `summary`, prints it, and writes the files when `out_dir` is set."""
+    rows, x_key = summary["points"], summary["swept"]
+    summary.update(analyze(rows, x_key, summary["slo_metric"], summary.get("slo_ms"),
+                           summary.get("price_per_hour"), summary.get("api_price_per_mtok")))
+    print(format_sweep_table(rows, x_key))
+    print(describe(summary, x_key))
+    if out_dir is None:
+        return summary
     write_csv(rows, out_dir / "sweep.csv")
     (out_dir / "sweep.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
-    plot_sweep(rows, x_key, args.slo_metric, args.slo_ms, best, out_dir / "sweep.png")
-    print(format_sweep_table(rows, x_key))
-    print(describe_sweet_spot(summary, x_key))
-    print(f"Wrote {out_dir}/sweep.csv, sweep.json and sweep.png")
+    plotted = _plot(summary, out_dir / "sweep.png")
+    print(f"Wrote {out_dir}/sweep.csv, sweep.json{' and sweep.png' if plotted else ''}")
     return summary
+
+
+def _plot(summary: dict[str, Any], path: Path) -> bool:
+    try:
+        from pagoda.bench.plots import plot_sweep
+
+        plot_sweep(summary["points"], summary["swept"], summary["slo_metric"],
+                   summary.get("slo_ms"), summary["sweet_spot"], path,
+                   rule=summary["sweet_spot_rule"])
+    except ImportError as exc:
+        print(f"No sweep.png: {exc}")
+        return False
+    return True
 
 
 def format_sweep_table(rows: Sequence[dict[str, Any]], x_key: str) -> str:
     head = (f"{x_key:>16} {'out tok/s':>10} {'P50 TTFT':>10} {'P99 TTFT':>10} "
-            f"{'P50 ITL':>9} {'P99 ITL':>9} {'failed':>7} {'$/Mtok':>8}")
+            f"{'P50 ITL':>9} {'P99 ITL':>9} {'P99 E2EL':>10} {'failed':>7} {'$/Mtok':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         cost = r["cost_per_million_output_tokens"]
         lines.append(f"{r[x_key]:>16g} {r['output_throughput']:>10.1f} "
                      f"{r['median_ttft_ms']:>10.1f} {r['p99_ttft_ms']:>10.1f} "
-                     f"{r['median_itl_ms']:>9.1f} {r['p99_itl_ms']:>9.1f} {r['failed']:>7} "
+                     f"{r['median_itl_ms']:>9.1f} {r['p99_itl_ms']:>9.1f} "
+                     f"{r['p99_e2el_ms']:>10.1f} {r['failed']:>7} "
                      f"{'-' if cost is None else f'{cost:.3f}':>8}")
     return "\n".join(lines)
-
-
-def describe_sweet_spot(summary: dict[str, Any], x_key: str) -> str:
-    if summary["slo_ms"] is None:
-        return "No --slo-ms given: no sweet spot chosen."
-    metric = f"P99 {summary['slo_metric'].upper()} <= {summary['slo_ms']:g} ms"
-    best = summary["sweet_spot"]
-    if best is None:
-        return f"No point meets {metric}: lower the load or relax the SLO."
-    return (f"Sweet spot ({metric}): {x_key} = {best[x_key]:g}, "
-            f"{best['output_throughput']:.1f} output tok/s -> serve with "
-            f"--max-num-seqs {summary['recommended_max_num_seqs']}")

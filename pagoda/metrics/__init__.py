@@ -6,7 +6,7 @@ The engine calls `record(scheduler_stats, iteration_stats)` on every logger afte
 
 Modules: `base` (the contract), `prometheus` (vLLM's metrics plus `pagoda:*`; the only module
 that imports prometheus_client), `log_line` (vLLM's periodic stats line), `kv_report` (the KV
-memory report text).
+memory report text), `live` (rolling windows for the server's `GET /stats` and web page).
 """
 
 from __future__ import annotations
@@ -14,17 +14,21 @@ from __future__ import annotations
 from pagoda.config import EngineConfig
 from pagoda.metrics.base import StatLoggerBase
 from pagoda.metrics.kv_report import format_kv_memory_report
+from pagoda.metrics.live import LiveStatLogger
 from pagoda.metrics.log_line import LoggingStatLogger
 from pagoda.metrics.prometheus import DEFAULT_REGISTRY, PrometheusStatLogger, render_metrics
 
 __all__ = [
-    "DEFAULT_REGISTRY", "LoggingStatLogger", "PrometheusStatLogger", "StatLoggerBase",
+    "DEFAULT_REGISTRY", "LiveStatLogger", "LoggingStatLogger", "PrometheusStatLogger",
+    "StatLoggerBase",
     "default_stat_loggers", "format_kv_memory_report", "render_metrics",
 ]
 
 
-def default_stat_loggers(model_name: str, config: EngineConfig) -> list[StatLoggerBase]:
-    """The engine's loggers: Prometheus always (so /metrics works), the log line if log_stats.
+def default_stat_loggers(model_name: str, config: EngineConfig,
+                         live: LiveStatLogger | None = None) -> list[StatLoggerBase]:
+    """The engine's loggers: Prometheus always (so /metrics works), the log line if log_stats,
+    and `live` when given (the server passes the one its `GET /stats` reads).
 
     NOTE: vLLM's --disable-log-stats also silences /metrics; an operator who turns the log
     line off still wants the dashboard.
@@ -32,4 +36,6 @@ def default_stat_loggers(model_name: str, config: EngineConfig) -> list[StatLogg
     loggers: list[StatLoggerBase] = [PrometheusStatLogger(model_name, config)]
     if config.log_stats:
         loggers.append(LoggingStatLogger())
+    if live is not None:
+        loggers.append(live)
     return loggers

@@ -5,7 +5,8 @@ leaves in the OpenAI shape (`errors.py`); the gate middleware handles keys and d
 The engine runs in its own thread, so these handlers only wait on it and /health or
 /v1/models answer at once even when it is saturated. /health answers 503 with the reason when
 the engine loop died or stalls; /kv_cache reports the KV pool (bytes, blocks, tokens held,
-slots reserved, and what contiguous reservation would need).
+slots reserved, and what contiguous reservation would need). The web page (`/`) and its live
+stats route (`/stats`) live in `webui/`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from starlette.responses import Response
 
-from pagoda.metrics import format_kv_memory_report, render_metrics
+from pagoda.metrics import LiveStatLogger, format_kv_memory_report, render_metrics
 from pagoda.server.chat import create_chat_completion, render_chat
 from pagoda.server.completions import create_completion
 from pagoda.server.errors import APIError, bad_request, error_response, install_error_handlers
@@ -33,6 +34,8 @@ from pagoda.server.protocol import (
     TokenizeResponse,
 )
 from pagoda.server.serving import ServerContext, invalid_input, tokenize_text
+from pagoda.server.webui import WebUIAssets
+from pagoda.server.webui import router as webui_router
 
 
 def get_ctx(request: Request) -> ServerContext:
@@ -140,12 +143,24 @@ async def kv_cache(ctx: Ctx) -> dict[str, Any]:
     return {**report, "text": format_kv_memory_report(report)}
 
 
-def build_app(ctx: ServerContext) -> FastAPI:
-    """The app serving `ctx.engine`; `ctx` is shared with the launcher (draining, counts)."""
+def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
+              web_ui: bool = True) -> FastAPI:
+    """The app serving `ctx.engine`; `ctx` is shared with the launcher (draining, counts).
+
+    Args:
+        live_stats: the engine's live stat logger, read by `GET /stats` (404 without one).
+        web_ui: serve the web page at `/` (`--disable-web-ui` turns it off).
+    """
     app = FastAPI(title="pagoda", version=pagoda_version(),
                   description="OpenAI-compatible LLM server (vLLM-style).")
     app.state.ctx = ctx
+    app.state.live_stats = live_stats
+    app.state.web_ui = web_ui
     install_error_handlers(app)
     app.add_middleware(GateMiddleware, ctx=ctx)
+    if web_ui:
+        # NOTE: added last, so outermost: the page's static files are answered before the gate.
+        app.add_middleware(WebUIAssets)
     app.include_router(router)
+    app.include_router(webui_router)
     return app

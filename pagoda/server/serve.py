@@ -28,7 +28,7 @@ from typing import Any
 import uvicorn
 
 from pagoda.config import BLOCK_SIZES, DEFAULT_MODEL, DTYPES, EngineConfig, parse_bytes
-from pagoda.metrics import default_stat_loggers, format_kv_memory_report
+from pagoda.metrics import LiveStatLogger, default_stat_loggers, format_kv_memory_report
 from pagoda.server.api import build_app
 from pagoda.server.serving import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -114,6 +114,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-log-stats", action="store_true",
                      help="turn off the periodic engine stats log")
+    net.add_argument("--disable-web-ui", action="store_true",
+                     help="do not serve the web page (chat and live stats) at /")
     net.add_argument("--engine-stall-timeout", type=positive_seconds, default=60.0,
                      metavar="SECONDS",
                      help="/health answers 503 when the engine has pending requests but has "
@@ -204,10 +206,11 @@ def run_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args, model, config))
 
 
-def _load_engine(model: str, config: EngineConfig, name: str, args: argparse.Namespace) -> Any:
+def _load_engine(model: str, config: EngineConfig, name: str, args: argparse.Namespace,
+                 live: LiveStatLogger | None = None) -> Any:
     from pagoda.async_engine import AsyncLLM
 
-    loggers = default_stat_loggers(name, config)
+    loggers = default_stat_loggers(name, config, live)
     return AsyncLLM.from_engine_args(model=model, stat_loggers=loggers,
                                      stall_timeout=args.engine_stall_timeout,
                                      **engine_kwargs(args))
@@ -216,8 +219,9 @@ def _load_engine(model: str, config: EngineConfig, name: str, args: argparse.Nam
 async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> int:
     names = args.served_model_name or [model]
     started = time.perf_counter()
+    live = LiveStatLogger()
     try:
-        engine = _load_engine(model, config, names[0], args)
+        engine = _load_engine(model, config, names[0], args, live)
     except (ValueError, OSError) as e:
         print(f"pagoda serve: error: cannot load {model!r}: {e}", file=sys.stderr)
         return 1
@@ -230,7 +234,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
         logger.info("engine ready in %.1f s (max_model_len %d)", time.perf_counter() - started,
                     ctx.max_model_len)
         logger.info("%s", format_kv_memory_report(engine.kv_report()))
-        uv_config = uvicorn.Config(build_app(ctx), host=args.host, port=args.port,
+        app = build_app(ctx, live, web_ui=not args.disable_web_ui)
+        uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
                                    timeout_graceful_shutdown=2)
         server = DrainingServer(uv_config, ctx, args.drain_timeout)
@@ -283,15 +288,17 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
-            print(banner(self.config.host, self.config.port, self.ctx), flush=True)
+            web_ui = bool(getattr(getattr(self.config.app, "state", None), "web_ui", False))
+            print(banner(self.config.host, self.config.port, self.ctx, web_ui), flush=True)
 
 
-def banner(host: str, port: int, ctx: ServerContext) -> str:
+def banner(host: str, port: int, ctx: ServerContext, web_ui: bool = False) -> str:
     shown = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
     url = f"http://{shown}:{port}"
     auth = " -H 'Authorization: Bearer $PAGODA_API_KEY'" if ctx.api_keys else ""
     body = json.dumps({"model": ctx.model_name, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Hello!"}]})
-    return (f"pagoda is serving {ctx.model_name!r} at {url}/v1 (docs: {url}/docs)\n"
+    page = f"web page: {url}/, " if web_ui else ""
+    return (f"pagoda is serving {ctx.model_name!r} at {url}/v1 ({page}docs: {url}/docs)\n"
             f"Try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'")
