@@ -47,11 +47,13 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: ExtraKeys 
 class Block:
     """One KV block; `prefix_id` is 0 until its content is named (full and scheduled)."""
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prefix_id", "parent_prefix_id")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prefix_id", "parent_prefix_id",
+                 "touched")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        self.touched = False
         self.block_hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
         self.prefix_id = 0
@@ -75,6 +77,9 @@ class BlockManager:
         self.cached: dict[bytes, Block] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # NOTE: blocks ever handed out; on CPU only their pages are resident, so RSS grows with
+        # this count (up to the pool) without any leak.
+        self.num_blocks_touched = 0
         self._prefix_ids = itertools.count(1)
         # request key -> how many of its leading blocks are named (each step names only new ones)
         self._num_named_blocks: dict[tuple[str, int], int] = {}
@@ -194,6 +199,9 @@ class BlockManager:
             del self.cached[block.block_hash]
         block.forget()
         block.ref_cnt = 1
+        if not block.touched:
+            block.touched = True
+            self.num_blocks_touched += 1
         return block
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -219,6 +219,7 @@ class LLMEngine:
             num_blocks_cached=len(bm.cached), num_tokens_held=sum(r.num_computed_tokens for r in running),
             num_slots_reserved=sum(len(r.block_ids) for r in running) * bm.block_size,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+            num_blocks_touched=bm.num_blocks_touched,
         )
 
     def _record(self, stats: IterationStats) -> None:
@@ -246,6 +247,7 @@ class LLMEngine:
             "slots_reserved": s.num_slots_reserved, "slots_unused": s.num_slots_reserved - s.num_tokens_held,
             "contiguous_reservation_tokens": contiguous_tokens,
             "contiguous_reservation_bytes": contiguous_tokens * block_bytes // self.block_manager.block_size,
+            "pool_bytes_touched": s.num_blocks_touched * block_bytes,
         }
 
     def check_integrity(self) -> None:

@@ -23,6 +23,7 @@ class SchedulerStats:
     num_slots_reserved: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_blocks_touched: int = 0
 
 
 @dataclass

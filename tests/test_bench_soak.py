@@ -12,9 +12,10 @@ from pagoda.bench.cli import main
 from pagoda.bench.soak import parse_duration, verdict
 
 
-def line(ok: int = 5, failures: int = 0, held: int = 0, rss: float = 800.0) -> dict:
+def line(ok: int = 5, failures: int = 0, held: int = 0, rss: float = 800.0,
+         kv: float = 100.0) -> dict:
     return {"ok": ok, "num_failures": failures, "failures": ["x"] * failures,
-            "kv_blocks_held_idle": held, "rss_mb": rss}
+            "kv_blocks_held_idle": held, "rss_mb": rss, "kv_touched_mb": kv}
 
 
 def test_verdict_rules():
@@ -22,6 +23,7 @@ def test_verdict_rules():
     assert "failed requests" in verdict([line(), line(failures=2)], 0.10)[0]
     assert "held while idle" in verdict([line(held=3)], 0.10)[0]
     assert "RSS rose from 800.0 MB to 900.0 MB" in verdict([line(), line(rss=900.0)], 0.10)[0]
+    assert verdict([line(), line(rss=1300.0, kv=600.0)], 0.10) == []  # the KV pool filling
     assert parse_duration("10m") == 600 and parse_duration("2h") == 7200
     assert parse_duration("90") == 90
 
