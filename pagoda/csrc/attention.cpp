@@ -5,9 +5,10 @@
 // already in the pool. Row i of n sits at position seq_lens[s] - n + i and attends causally
 // to positions [p - window + 1, p] (window > 0) or [0, p]. One pass, online softmax, fp32
 // accumulation whatever the storage dtype.
-// Work items are (sequence, KV head, tile of up to 16 query rows): every query head of a GQA
-// group, and every row of the tile, is scored against one read of each K/V row. A decode
-// batch of B sequences is B x num_kv_heads items, so two cores share even a single sequence.
+// Work items are (sequence, tile of up to 16 query rows, KV heads): every query head of a GQA
+// group, and every row of the tile, is scored against one read of each K/V row. A small batch
+// takes one KV head per item, so two cores share even a single sequence; a large batch takes
+// all KV heads per item, so that each item reads whole pool blocks.
 #include <type_traits>
 #include <vector>
 
@@ -20,6 +21,7 @@ namespace {
 constexpr int kQueryTile = 16;
 constexpr int kKeyTile = 16;
 constexpr int kPrefetchTiles = 2;
+constexpr int kItemsPerThread = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct AttnArgs {
@@ -41,7 +43,6 @@ struct KeyTile {
 
 struct Scratch {
   std::vector<float> qf, acc, m, l, kf, vf, s;
-  std::vector<KeyTile> tiles;
   void resize(int rows, int d) {
     qf.resize(size_t(rows) * d);
     acc.assign(size_t(rows) * d, 0.f);
@@ -53,11 +54,14 @@ struct Scratch {
   }
 };
 
+// Loads one byte of every cache line of `rows` rows of `bytes` bytes, `stride` elements apart.
+// NOTE: plain loads, not prefetch instructions: on this machine (Zen 4 under KVM) prefetcht0
+// ahead of the tile changed nothing, while touching the lines cut cold decode attention by
+// ~25% (docs/performance.md, Kernels).
 template <typename T>
-inline void prefetch_rows(const T* p, int rows, int64_t stride, int d) {
-  const int bytes = d * static_cast<int>(sizeof(T));
+inline void touch_rows(const T* p, int rows, int64_t stride, int bytes) {
   for (int r = 0; r < rows; ++r)
-    for (int b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p + r * stride) + b);
+    for (int b = 0; b < bytes; b += 64) (void)*(reinterpret_cast<const volatile char*>(p + r * stride) + b);
 }
 
 template <typename T>
@@ -179,59 +183,81 @@ void attend_keys(const Tile<T>& t, const AttnArgs& a, Scratch& w, int64_t key0, 
   accumulate<DC>(w, t.rows * t.group, t.n, d);
 }
 
-template <int DC, typename T>
-void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const AttnArgs& a,
-                 int64_t seq, int kvh, int64_t row0) {
-  const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
-  const int64_t q_begin = a.query_start_loc[seq], qlen = a.query_start_loc[seq + 1] - q_begin;
-  const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, qlen - row0));
-  const int64_t pos0 = a.seq_lens[seq] - qlen + row0;
-  thread_local Scratch w;
+// Loads query rows of head `kvh` (scaled, fp32) into w.qf and clears its running state.
+template <typename T>
+void start_head(const T* q, const AttnArgs& a, Scratch& w, int rows, int group) {
+  const int d = a.head_dim;
   w.resize(rows * group, d);
-  Tile<T> t{q + (q_begin + row0) * a.q_stride + int64_t(kvh) * group * d, nullptr, nullptr,
-            int64_t(a.num_kv_heads) * d, rows, group, 0};
   for (int r = 0; r < rows * group; ++r) {
-    const T* src = t.q + (r / group) * a.q_stride + (r % group) * d;
+    const T* src = q + (r / group) * a.q_stride + (r % group) * d;
     for (int i = 0; i < d; ++i) w.qf[r * d + i] = to_float(src[i]) * a.scale;
   }
-  const int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0;
-  const int64_t hi = pos0 + rows;
-  const int64_t* table = a.block_tables + seq * a.max_blocks;
-  const int bs = a.block_size;
-  // Key tiles of this item (start, length, element offset of the head's first row), listed
-  // first so that K/V can be prefetched kPrefetchTiles ahead.
-  // NOTE: blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every
-  // block edge; explicit prefetches keep DRAM busy while the current tile is computed.
-  w.tiles.clear();
-  for (int64_t key0 = lo; key0 < hi;) {
-    const int64_t blk = key0 / bs, in_blk = key0 % bs;
-    const int n = static_cast<int>(std::min<int64_t>({kKeyTile, bs - in_blk, hi - key0}));
-    w.tiles.push_back({key0, n, ((table[blk] * bs + in_blk) * a.num_kv_heads + kvh) * d});
-    key0 += n;
-  }
-  const int num_tiles = static_cast<int>(w.tiles.size());
-  auto prefetch_tile = [&](int i) {
-    if (i < num_tiles) {
-      prefetch_rows(k_cache + w.tiles[i].offset, w.tiles[i].n, t.kv_stride, d);
-      prefetch_rows(v_cache + w.tiles[i].offset, w.tiles[i].n, t.kv_stride, d);
-    }
-  };
-  for (int i = 0; i < kPrefetchTiles; ++i) prefetch_tile(i);
-  for (int i = 0; i < num_tiles; ++i) {
-    prefetch_tile(i + kPrefetchTiles);
-    t.n = w.tiles[i].n;
-    t.k = k_cache + w.tiles[i].offset;
-    t.v = v_cache + w.tiles[i].offset;
-    attend_keys<DC>(t, a, w, w.tiles[i].key0, pos0);
-  }
+}
+
+template <typename T>
+void finish_head(T* out, const AttnArgs& a, const Scratch& w, int rows, int group) {
+  const int d = a.head_dim;
   for (int r = 0; r < rows * group; ++r) {
-    T* dst = out + (q_begin + row0 + r / group) * a.out_stride + (int64_t(kvh) * group + r % group) * d;
+    T* dst = out + (r / group) * a.out_stride + (r % group) * d;
     const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
     for (int i = 0; i < d; i += kLanes) {
       const Mask m = tail_mask(d - i);
       store(dst + i, load(&w.acc[r * d + i], m) * vset1(inv), m);
     }
   }
+}
+
+// Key tiles [lo, hi) of a sequence: start, length, element offset of KV head 0's first row.
+void list_tiles(const AttnArgs& a, int64_t seq, int64_t lo, int64_t hi, std::vector<KeyTile>& tiles) {
+  const int64_t* table = a.block_tables + seq * a.max_blocks;
+  const int bs = a.block_size;
+  tiles.clear();
+  for (int64_t key0 = lo; key0 < hi;) {
+    const int64_t blk = key0 / bs, in_blk = key0 % bs;
+    const int n = static_cast<int>(std::min<int64_t>({kKeyTile, bs - in_blk, hi - key0}));
+    tiles.push_back({key0, n, (table[blk] * bs + in_blk) * a.num_kv_heads * a.head_dim});
+    key0 += n;
+  }
+}
+
+// One work item: query rows [row0, row0 + 16) of `seq` for KV heads [h0, h0 + nh), every
+// head's rows scored and accumulated tile by tile over the key tiles read once.
+// NOTE: blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every
+// block edge; the tile kPrefetchTiles ahead is touched while this one is computed.
+template <int DC, typename T>
+void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const AttnArgs& a,
+                 int64_t seq, int h0, int nh, int64_t row0) {
+  const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
+  const int64_t q_begin = a.query_start_loc[seq], qlen = a.query_start_loc[seq + 1] - q_begin;
+  const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, qlen - row0));
+  const int64_t pos0 = a.seq_lens[seq] - qlen + row0;
+  const int64_t kv_stride = int64_t(a.num_kv_heads) * d;
+  thread_local std::vector<Scratch> heads;
+  thread_local std::vector<KeyTile> tiles;
+  if (static_cast<int>(heads.size()) < nh) heads.resize(nh);
+  const T* q_rows = q + (q_begin + row0) * a.q_stride;
+  for (int h = 0; h < nh; ++h) start_head(q_rows + int64_t(h0 + h) * group * d, a, heads[h], rows, group);
+  list_tiles(a, seq, a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0, pos0 + rows, tiles);
+  const int num_tiles = static_cast<int>(tiles.size());
+  const int row_bytes = nh * d * static_cast<int>(sizeof(T));
+  auto touch = [&](int i) {
+    if (i >= num_tiles) return;
+    const int64_t offset = tiles[i].offset + int64_t(h0) * d;
+    touch_rows(k_cache + offset, tiles[i].n, kv_stride, row_bytes);
+    touch_rows(v_cache + offset, tiles[i].n, kv_stride, row_bytes);
+  };
+  for (int i = 0; i < kPrefetchTiles; ++i) touch(i);
+  for (int i = 0; i < num_tiles; ++i) {
+    touch(i + kPrefetchTiles);
+    for (int h = 0; h < nh; ++h) {
+      const int64_t offset = tiles[i].offset + int64_t(h0 + h) * d;
+      const Tile<T> t{q_rows + int64_t(h0 + h) * group * d, k_cache + offset, v_cache + offset,
+                      kv_stride, rows, group, tiles[i].n};
+      attend_keys<DC>(t, a, heads[h], tiles[i].key0, pos0);
+    }
+  }
+  T* out_rows = out + (q_begin + row0) * a.out_stride;
+  for (int h = 0; h < nh; ++h) finish_head(out_rows + int64_t(h0 + h) * group * d, a, heads[h], rows, group);
 }
 
 template <typename T>
@@ -242,18 +268,23 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
   std::vector<std::pair<int64_t, int64_t>> tiles;
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t r = 0; r < a.query_start_loc[s + 1] - a.query_start_loc[s]; r += kQueryTile) tiles.emplace_back(s, r);
+  // NOTE: a small batch splits over KV heads too, so that two cores share one sequence; a
+  // large one keeps each token's K/V row (all heads, contiguous) in one item, which reads the
+  // pool as whole blocks.
   const int kv = a.num_kv_heads;
-  parallel_items(int64_t(tiles.size()) * kv, [&](int64_t i) {
-    const auto [seq, row0] = tiles[i / kv];
+  const int nh = int64_t(tiles.size()) * kv >= kItemsPerThread * num_threads() ? kv : 1;
+  const int groups = kv / nh;
+  parallel_items(int64_t(tiles.size()) * groups, [&](int64_t i) {
+    const auto [seq, row0] = tiles[i / groups];
     const auto* qt = static_cast<const T*>(q);
     const auto* kt = static_cast<const T*>(k_cache);
     const auto* vt = static_cast<const T*>(v_cache);
     auto* ot = static_cast<T*>(out);
-    const int kvh = static_cast<int>(i % kv);
+    const int h0 = static_cast<int>(i % groups) * nh;
     switch (a.head_dim) {
-      case 64: attend_item<4>(qt, kt, vt, ot, a, seq, kvh, row0); break;
-      case 128: attend_item<8>(qt, kt, vt, ot, a, seq, kvh, row0); break;
-      default: attend_item<0>(qt, kt, vt, ot, a, seq, kvh, row0); break;
+      case 64: attend_item<4>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;
+      case 128: attend_item<8>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;
+      default: attend_item<0>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;
     }
   });
 }
