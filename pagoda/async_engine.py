@@ -23,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 from pagoda import heap
 from pagoda.engine import LLMEngine
@@ -267,17 +268,32 @@ class AsyncLLM:
             self._deliver(req.request_id, exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hands a step's outputs over with one wake-up per event loop, not one per request."""
         now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for out in outputs:
             if out.finished:
                 self._finish_times.append(now)
-            self._deliver(out.request_id, out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                batches.setdefault(stream[0], []).append((stream[1], out))
+        for loop, items in batches.items():
+            self._call_soon(loop, _put_all, items)
 
     def _deliver(self, request_id: str, item: object) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            loop, queue = stream
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # NOTE: the stream's event loop has closed; nobody listens.
-                self._streams.pop(request_id, None)
+            self._call_soon(stream[0], _put_all, [(stream[1], item)])
+
+    def _call_soon(self, loop: asyncio.AbstractEventLoop, fn: Any, items: list) -> None:
+        try:
+            loop.call_soon_threadsafe(fn, items)
+        except RuntimeError:  # NOTE: the streams' event loop has closed; nobody listens.
+            for request_id, (stream_loop, _) in list(self._streams.items()):
+                if stream_loop is loop:
+                    self._streams.pop(request_id, None)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

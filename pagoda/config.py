@@ -8,6 +8,7 @@ an unknown keyword is an error naming the known ones.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass, field
 
@@ -150,6 +151,60 @@ class LimitsConfig:
             max_prompt_chars=self.max_prompt_chars or 32 * max_model_len)
 
 
+SPEC_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's keys (`--speculative-config '<json>'`).
+
+    Attributes:
+        method: "ngram" (prompt lookup) or "draft_model" (implied by `model`).
+        num_speculative_tokens: drafted tokens per request and step (k).
+        prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first.
+        model: the draft model (a directory, .gguf or alias) for "draft_model".
+        disable_by_batch_size: no drafting in steps with at least this many running requests.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None and self.method == "ngram":
+            object.__setattr__(self, "method", "draft_model")
+        _check(self.method in SPEC_METHODS, "method", self.method, f"must be one of {SPEC_METHODS}")
+        _check(self.method != "draft_model" or self.model is not None, "model", self.model,
+               "must name the draft model for method 'draft_model'")
+        _check(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens",
+               self.num_speculative_tokens, "must be in [1, 16]")
+        _check(1 <= self.prompt_lookup_min <= self.prompt_lookup_max, "prompt_lookup_min",
+               self.prompt_lookup_min, f"must be in [1, prompt_lookup_max={self.prompt_lookup_max}]")
+        _check(self.disable_by_batch_size is None or self.disable_by_batch_size > 0,
+               "disable_by_batch_size", self.disable_by_batch_size, "must be positive")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """From a dict, a JSON string (the CLI's form) or None; unknown keys are an error."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be JSON, got {value!r}: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be an object, got {value!r}.")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"Unknown speculative_config key(s) {unknown}; known: {sorted(known)}.")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism (not built yet: only a size of 1 is accepted)."""
@@ -168,6 +223,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    speculative: SpeculativeConfig | None = None
     log_stats: bool = True
 
     @classmethod
@@ -187,12 +243,14 @@ class EngineConfig:
         for key, value in kwargs.items():
             if key == "log_stats":
                 top[key] = value
+            elif key == "speculative_config":
+                top["speculative"] = SpeculativeConfig.parse(value)  # type: ignore[arg-type]
             elif key in known and key != "max_model_len":
                 parts.setdefault(known[key], {})[key] = value
             elif key == "max_model_len":
                 parts.setdefault("model", {})[key] = value
             else:
-                names = sorted([*known, "log_stats", "kv_cache_memory"])
+                names = sorted([*known, "log_stats", "kv_cache_memory", "speculative_config"])
                 raise ValueError(f"Unknown engine argument {key!r}; known arguments: {names}.")
         parts.setdefault("model", {})["model"] = model
         built = {part: owners[part](**values) for part, values in parts.items()}  # type: ignore[arg-type]

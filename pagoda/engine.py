@@ -21,14 +21,15 @@ from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
 from pagoda.engine_setup import EngineParts, build_engine_parts
 from pagoda.input_processor import EngineRequest, InputProcessor, PromptTooLongError
-from pagoda.isolation import execute_isolating, untrusted_blocks, uses_any
+from pagoda.isolation import StepResult, execute_isolating, untrusted_blocks, uses_any
 from pagoda.metrics.base import StatLoggerBase
 from pagoda.output_processor import RequestState, finished_stats, record_token_timing
 from pagoda.outputs import RequestOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler import Scheduler, SchedulerOutput
-from pagoda.stats import IterationStats, SchedulerStats
+from pagoda.spec_decode import build_proposer
+from pagoda.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger("pagoda")
 
@@ -51,6 +52,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self.states: dict[str, RequestState] = {}
         self.stat_loggers = list(stat_loggers)
+        self.proposer = build_proposer(self.config.speculative, self.config,
+                                       self.runner.model.dims.vocab_size)
         self._ids = itertools.count()
         self._pending_stats = IterationStats()
         self.last_scheduler_stats = self.scheduler_stats()
@@ -128,6 +131,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = time.time()
         stats, self._pending_stats = self._pending_stats, IterationStats()
+        self._propose()
         sched = self.scheduler.schedule()
         stats.num_preemptions = len(sched.preempted)
         stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
@@ -137,6 +141,21 @@ class LLMEngine:
         stats.step_duration = time.time() - start
         self._record(stats)
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts tokens for the running requests, unless the batch is too large to gain."""
+        spec = self.config.speculative
+        running = self.scheduler.running
+        if self.proposer is None or not running or spec is None:
+            return
+        if spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size:
+            return
+        try:
+            self.proposer.propose(running)
+        except Exception:  # noqa: BLE001 - without drafts every request still decodes
+            logger.exception("Drafting failed; this step runs without speculation")
+            for request in running:
+                request.spec_token_ids = []
 
     def _run(self, sched: SchedulerOutput, stats: IterationStats) -> None:
         result = execute_isolating(self.runner, sched)
@@ -150,14 +169,35 @@ class LLMEngine:
                 stats.num_preemptions += 1
                 result.samples.pop(request, None)
             else:
-                ran.add(request, num_tokens)
+                ran.add(request, num_tokens - self._rejected_drafts(request, result, stats))
         self.scheduler.update_from_output(ran)
         now = time.time()
-        for request, (token, logprobs) in result.samples.items():
+        for request, (tokens, logprobs) in result.samples.items():
             try:
-                self._append(request, token, logprobs, now, stats)
+                for token in tokens:
+                    self._append(request, token, logprobs, now, stats)
+                    if request.is_finished:
+                        break
             except Exception as exc:  # noqa: BLE001 - e.g. a detokenizer error: fail only it
                 self._fail(request, exc, stats)
+        for request, _ in result.executed:
+            request.spec_token_ids = []
+
+    def _rejected_drafts(self, request: Request, result: StepResult,
+                         stats: IterationStats) -> int:
+        """How many of the request's scheduled drafts its verification rejected.
+
+        NOTE: their KV slots hold rejected tokens; not counting them as computed rolls them
+        back (the next steps overwrite them), and blocks are named only from real tokens.
+        """
+        drafts = len(request.spec_token_ids)
+        if not drafts or request not in result.samples:
+            return 0
+        accepted = len(result.samples[request][0]) - 1
+        if stats.spec_decoding is None:
+            stats.spec_decoding = SpecDecodingStats()
+        stats.spec_decoding.observe(drafts, accepted)
+        return drafts - accepted
 
     def _append(self, request: Request, token: int, logprobs: dict | None, now: float,
                 stats: IterationStats) -> None:

@@ -32,16 +32,15 @@ class StepResult:
     """What a step did: requests that ran (with their token counts), samples, failures."""
 
     executed: list[tuple[Request, int]] = field(default_factory=list)
-    samples: dict[Request, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    samples: dict[Request, tuple[list[int], TokenLogprobs | None]] = field(default_factory=dict)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     def add_run(self, out: SchedulerOutput, sampled: list[Request],
                 result: SamplerOutput | None) -> None:
         self.executed.extend(zip(out.requests, out.num_scheduled_tokens, strict=True))
         if result is not None:
-            for request, token, logprobs in zip(sampled, result.token_ids, result.logprobs,
-                                                strict=True):
-                self.samples[request] = (token, logprobs)
+            for i, (request, logprobs) in enumerate(zip(sampled, result.logprobs, strict=True)):
+                self.samples[request] = (result.emitted(i), logprobs)
 
 
 def execute_isolating(runner: StepRunner, out: SchedulerOutput) -> StepResult:

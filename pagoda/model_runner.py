@@ -7,6 +7,8 @@ the model, takes logits only at the rows that sample, and calls the sampler.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from pagoda.layers import cpu_kernels
@@ -16,6 +18,7 @@ from pagoda.models.llama import LlamaForCausalLM
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
 from pagoda.scheduler import SchedulerOutput
+from pagoda.spec_decode.rejection import verify
 
 SMALL_STEP_TOKENS = 12
 
@@ -45,17 +48,49 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         """Runs one step; returns the requests that sampled and their tokens."""
         self._set_threads(out.total_num_scheduled_tokens)
-        order = sorted(range(len(out.requests)), key=lambda i: out.num_scheduled_tokens[i] != 1)
+        order = sorted(range(len(out.requests)),
+                       key=lambda i: not self._in_decode_group(out.requests[i],
+                                                               out.num_scheduled_tokens[i]))
         reqs = [out.requests[i] for i in order]
         counts = [out.num_scheduled_tokens[i] for i in order]
         input_ids, positions, meta, sample_rows = self._prepare(reqs, counts)
         hidden = self.model(input_ids, positions, meta)
-        sampling = [reqs[i] for i, _ in sample_rows]
+        sampling = [reqs[i] for i, _, _ in sample_rows]
         if not sampling:
             return [], None
-        rows = torch.tensor([row for _, row in sample_rows], device=self.device)
+        rows = torch.tensor([r for _, first, last in sample_rows for r in range(first, last + 1)],
+                            device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        return sampling, self.sampler(logits.cpu() if self.device.type != "cpu" else logits, sampling)
+        return sampling, self._sample(logits.cpu() if self.device.type != "cpu" else logits,
+                                      sampling)
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Plain rows through the sampler; a request with drafts verifies them on its rows."""
+        if not any(r.spec_token_ids for r in requests):
+            return self.sampler(logits, requests)
+        plain = [i for i, r in enumerate(requests) if not r.spec_token_ids]
+        starts, row = [], 0
+        for r in requests:
+            starts.append(row)
+            row += 1 + len(r.spec_token_ids)
+        result = self.sampler(logits[[starts[i] for i in plain]], [requests[i] for i in plain])
+        tokens: list[list[int]] = [[] for _ in requests]
+        for i, token in zip(plain, result.token_ids, strict=True):
+            tokens[i] = [token]
+        for i, r in enumerate(requests):
+            if r.spec_token_ids:
+                rows = logits[starts[i]:starts[i] + 1 + len(r.spec_token_ids)].float()
+                tokens[i] = verify(rows, r.spec_token_ids, r, self.sampler)
+        logprobs: list = [None] * len(requests)
+        for i, entry in zip(plain, result.logprobs, strict=True):
+            logprobs[i] = entry
+        return SamplerOutput([t[0] for t in tokens], logprobs, tokens)
+
+    def _in_decode_group(self, request: Request, num_tokens: int) -> bool:
+        """One new token, or (with the native kernel, which takes several query rows per
+        sequence) a verification of drafts: attended in the batched decode call."""
+        return num_tokens == 1 or (self.use_cpu_kernel and bool(request.spec_token_ids)
+                                   and num_tokens == 1 + len(request.spec_token_ids))
 
     def _set_threads(self, num_tokens: int) -> None:
         # NOTE: with passive OpenMP waits, waking a second thread for each of a small step's
@@ -79,24 +114,31 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_rows: list[tuple[int, int]] = []
+        sample_rows: list[tuple[int, int, int]] = []  # (request, first row, last row)
         for i, (r, n) in enumerate(zip(reqs, counts, strict=True)):
             c = r.num_computed_tokens
-            input_ids.extend(r.all_token_ids[c:c + n])
+            tokens = r.all_token_ids[c:c + n]
+            if len(tokens) < n:  # NOTE: the drafts follow the real tokens
+                tokens = tokens + r.spec_token_ids[:n - len(tokens)]
+            input_ids.extend(tokens)
             positions.extend(range(c, c + n))
             slots.extend(self._slot(r, p) for p in range(c, c + n))
-            if c + n == r.num_tokens:
-                sample_rows.append((i, len(input_ids) - 1))
-        num_decodes = sum(1 for n in counts if n == 1)
+            if c + n >= r.num_tokens:
+                last = len(input_ids) - 1
+                sample_rows.append((i, last - len(r.spec_token_ids), last))
+        num_decode_reqs = sum(1 for r, n in zip(reqs, counts, strict=True)
+                              if self._in_decode_group(r, n))
+        num_decodes = sum(counts[:num_decode_reqs])
         meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes,
                                  sliding_window=self.sliding_window or 0)
+        group, group_counts = reqs[:num_decode_reqs], counts[:num_decode_reqs]
         if num_decodes and self.use_cpu_kernel:
-            meta.decode_block_tables, meta.decode_seq_lens = self._kernel_tables(reqs[:num_decodes])
-            meta.decode_query_start_loc = torch.arange(num_decodes + 1)
+            meta.decode_block_tables, meta.decode_seq_lens = self._kernel_tables(group, group_counts)
+            meta.decode_query_start_loc = torch.tensor([0, *itertools.accumulate(group_counts)])
         elif num_decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_tables(reqs[:num_decodes])
+            meta.decode_slots, meta.decode_mask = self._decode_tables(group)
         start = num_decodes
-        for r, n in zip(reqs[num_decodes:], counts[num_decodes:], strict=True):
+        for r, n in zip(reqs[num_decode_reqs:], counts[num_decode_reqs:], strict=True):
             meta.prefills.append(self._prefill_chunk(r, start, n))
             start += n
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
@@ -112,8 +154,9 @@ class ModelRunner:
         pos = torch.arange(length)
         return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _kernel_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        lens = [r.num_computed_tokens + 1 for r in reqs]
+    def _kernel_tables(self, reqs: list[Request], counts: list[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        lens = [r.num_computed_tokens + n for r, n in zip(reqs, counts, strict=True)]
         table = self._block_table(reqs, -(-max(lens) // self.block_size))
         return table, torch.tensor(lens, dtype=torch.long)
 

@@ -64,6 +64,8 @@ class Request:
         self.logprobs: list[dict[int, tuple[float, int]]] = []
         self.cumulative_logprob = 0.0
         self.grammar = grammar
+        # NOTE: tokens drafted for this step (speculative decoding); verified, then cleared.
+        self.spec_token_ids: list[int] = []
 
     def _max_tokens(self, max_model_len: int | None) -> int:
         limit = self.sampling_params.max_tokens

@@ -22,8 +22,17 @@ TokenLogprobs = dict[int, tuple[float, int]]
 
 @dataclass
 class SamplerOutput:
+    """Per sampling request: its token, logprobs, and (speculative decoding) every token it
+    emits this step, the first being `token_ids[i]`."""
+
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    spec_token_ids: list[list[int]] | None = None
+
+    def emitted(self, index: int) -> list[int]:
+        if self.spec_token_ids is not None:
+            return self.spec_token_ids[index]
+        return [self.token_ids[index]]
 
 
 def _needs_full_path(requests: list[Request]) -> bool:
@@ -108,8 +117,7 @@ class Sampler:
         if not rows:
             return tokens
         sampled = [requests[i] for i in rows]
-        temps = torch.tensor([r.sampling_params.temperature for r in sampled])
-        probs = self._filter(logits[rows] / temps[:, None], sampled).softmax(dim=-1)
+        probs = self.distributions(logits[rows], sampled)
         unseeded = [j for j, r in enumerate(sampled) if r.generator is None]
         if unseeded:
             q = torch.empty_like(probs[unseeded]).exponential_()
@@ -120,6 +128,11 @@ class Sampler:
                 q = torch.empty_like(probs[j]).exponential_(generator=r.generator)
                 tokens[rows[j]] = int((probs[j] / q).argmax())
         return tokens
+
+    def distributions(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's sampling distribution: temperature, then top-k / top-p / min-p."""
+        temps = torch.tensor([r.sampling_params.temperature for r in requests])
+        return self._filter(logits / temps[:, None], requests).softmax(dim=-1)
 
     def _filter(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]

@@ -4,6 +4,8 @@ Each request only has `num_computed_tokens` and `num_tokens`; a step gives each 
 request, then each waiting one in arrival order, as many of its uncomputed tokens as the
 budget allows, so long prompts are chunked and prefills share steps with decodes. When the
 pool runs dry the newest running request is preempted (its blocks freed, to be recomputed).
+A running request's drafted tokens (`spec_token_ids`) are scheduled with it as extra tokens
+when the budget has room; drafts that do not fit are dropped, never the real tokens.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_tokens = min(self._num_new_tokens(request, budget), budget)
             if num_tokens <= 0:
                 continue
             if not self._allocate_or_preempt(request, num_tokens, out):
@@ -71,6 +73,16 @@ class Scheduler:
             out.add(request, num_tokens)
             budget -= num_tokens
         return budget
+
+    @staticmethod
+    def _num_new_tokens(request: Request, budget: int) -> int:
+        """Uncomputed tokens plus the drafts that fit the budget (the rest are dropped)."""
+        num_new = request.num_tokens - request.num_computed_tokens
+        if request.spec_token_ids:
+            room = max(budget - num_new, 0)
+            del request.spec_token_ids[room:]
+            num_new += len(request.spec_token_ids)
+        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_tokens):
@@ -90,6 +102,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
         request.metrics.num_preemptions += 1
         self.waiting.appendleft(request)
         self.num_preemptions += 1

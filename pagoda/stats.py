@@ -57,3 +57,24 @@ class IterationStats:
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
     failed_requests: dict[str, int] = field(default_factory=dict)
     rejected_requests: dict[str, int] = field(default_factory=dict)
+    spec_decoding: SpecDecodingStats | None = None
+
+
+@dataclass
+class SpecDecodingStats:
+    """One step's speculative decoding: drafts proposed and how many tokens were accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos += [0] * (
+                num_draft_tokens - len(self.num_accepted_tokens_per_pos))
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1

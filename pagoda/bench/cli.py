@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # subcommand -> the module whose main(args) runs it
 MODULES = {"serve": "serve_command", "sweep": "sweep", "throughput": "throughput",
            "latency": "latency", "memory": "memory", "prefix-caching": "prefix_caching",
-           "soak": "soak", "structured": "structured"}
+           "soak": "soak", "structured": "structured", "spec-decode": "spec_decode"}
 
 
 def run_command(args: argparse.Namespace) -> Any:
@@ -51,6 +51,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagoda.bench.prefix_caching import add_prefix_caching_args
     from pagoda.bench.serve_command import add_serve_args
     from pagoda.bench.soak import add_soak_args
+    from pagoda.bench.spec_decode import add_spec_decode_args
     from pagoda.bench.structured import add_structured_args
     from pagoda.bench.sweep import add_sweep_args
     from pagoda.bench.throughput import add_throughput_args
@@ -61,7 +62,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     bench = subparsers.add_parser("bench", help="Benchmark pagoda (or any OpenAI server).",
                                   description="Benchmarks: serve, sweep, throughput, latency, memory.")
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,throughput,latency,memory,prefix-caching,soak,structured}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,throughput,latency,memory,prefix-caching,soak,structured,"
+                                "spec-decode}")
     sub.required = True
     _add(sub, "serve", "Load-test an OpenAI-compatible server (vllm bench serve's flags).",
          add_serve_args)
@@ -77,6 +79,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
          add_prefix_caching_args)
     _add(sub, "soak", "Hours of mixed, aborted and malformed traffic against a pagoda server it "
          "starts; fails on any failed request, KV leak or rising RSS.", add_soak_args)
+    _add(sub, "spec-decode", "Speculative decoding's speed-up on answers that copy their "
+         "input (single stream), and its cost on random prompts (batched).", add_spec_decode_args)
     _add(sub, "structured", "Output tok/s with every request JSON-constrained vs free, and "
          "grammar compile latency.", add_structured_args)
     return bench

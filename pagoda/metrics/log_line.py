@@ -45,6 +45,8 @@ class LoggingStatLogger(StatLoggerBase):
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:
@@ -52,6 +54,10 @@ class LoggingStatLogger(StatLoggerBase):
             self.num_prompt_tokens += iteration_stats.num_prompt_tokens
             self.num_generation_tokens += iteration_stats.num_generation_tokens
             self.num_preemptions += iteration_stats.num_preemptions
+            spec = iteration_stats.spec_decoding
+            if spec is not None:
+                self.num_draft_tokens += spec.num_draft_tokens
+                self.num_accepted_tokens += spec.num_accepted_tokens
         if scheduler_stats is not None:
             # NOTE: the prefix cache figures are running totals; the interval wants the increase.
             last_queries, last_hits = self._last_prefix_totals
@@ -73,7 +79,11 @@ class LoggingStatLogger(StatLoggerBase):
         sched = self._last_scheduler_stats
         busy = (self.num_prompt_tokens or self.num_generation_tokens or self.num_preemptions
                 or sched.num_running_reqs or sched.num_waiting_reqs)
-        logger.log(logging.INFO if busy else logging.DEBUG, LOG_FORMAT, self.engine_index,
-                   prompt_tps, generation_tps, sched.num_running_reqs, sched.num_waiting_reqs,
-                   self.num_preemptions, sched.kv_cache_usage * 100, self._prefix_hit_rate * 100)
+        line = LOG_FORMAT % (self.engine_index, prompt_tps, generation_tps,
+                             sched.num_running_reqs, sched.num_waiting_reqs, self.num_preemptions,
+                             sched.kv_cache_usage * 100, self._prefix_hit_rate * 100)
+        if self.num_draft_tokens:
+            line += (f", Draft acceptance rate: "
+                     f"{100 * self.num_accepted_tokens / self.num_draft_tokens:.1f}%")
+        logger.log(logging.INFO if busy else logging.DEBUG, "%s", line)
         self._reset(now)

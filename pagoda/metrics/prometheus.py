@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from pagoda.config import EngineConfig
 from pagoda.metrics.base import StatLoggerBase, increase
-from pagoda.stats import FinishedRequestStats, IterationStats, SchedulerStats
+from pagoda.stats import FinishedRequestStats, IterationStats, SchedulerStats, SpecDecodingStats
 
 DEFAULT_REGISTRY: CollectorRegistry = prometheus_client.REGISTRY
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -142,6 +142,15 @@ class PrometheusStatLogger(StatLoggerBase):
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
             iteration_tokens_buckets(config.scheduler.max_num_batched_tokens))
 
+        self.spec_drafts = c("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = c("vllm:spec_decode_num_draft_tokens",
+                                   "Number of draft tokens.")
+        self.spec_accepted = c("vllm:spec_decode_num_accepted_tokens",
+                               "Number of accepted tokens.")
+        self._spec_per_pos = self._register(Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.", [*LABEL_NAMES, "position"], registry=None))
+
         self.blocks_total = g("pagoda:kv_blocks", "KV blocks in the pool.")
         self.blocks_free = g("pagoda:kv_blocks_free", "KV blocks not held by any running request.")
         self.blocks_cached = g("pagoda:kv_blocks_cached",
@@ -211,8 +220,17 @@ class PrometheusStatLogger(StatLoggerBase):
             self._failures.labels(**self.labels, reason=reason).inc(count)
         for reason, count in stats.rejected_requests.items():
             self._rejections.labels(**self.labels, reason=reason).inc(count)
+        if stats.spec_decoding is not None:
+            self._record_spec(stats.spec_decoding)
         for finished in stats.finished_requests:
             self._record_finished(finished)
+
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted.inc(spec.num_accepted_tokens)
+        for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+            self._spec_per_pos.labels(**self.labels, position=str(position)).inc(count)
 
     def _record_finished(self, req: FinishedRequestStats) -> None:
         self._success.labels(**self.labels, finished_reason=req.finish_reason).inc()

@@ -49,6 +49,7 @@ ENGINE_FLAGS = {
     "max_n": "max_n", "max_prompt_chars": "max_prompt_chars",
     "max_stop_sequences": "max_stop_sequences", "max_stop_str_chars": "max_stop_str_chars",
     "max_logit_bias": "max_logit_bias", "max_queued_requests": "max_queued_requests",
+    "speculative_config": "speculative_config",
 }
 
 
@@ -137,6 +138,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None)
     cache.add_argument("-tp", "--tensor-parallel-size", type=int, default=None)
+    cache.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, as vLLM: \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4}\' or \'{"model": "PATH", '
+                            '"num_speculative_tokens": 3}\'')
     add_limit_arguments(parser)
 
 

@@ -1,0 +1,33 @@
+"""Speculative decoding: proposers draft tokens, the target verifies them in one step.
+
+Modules: `ngram` (prompt lookup: drafts copied from the request's own context),
+`draft_model` (a smaller model drafts greedily), `rejection` (accepts the longest prefix the
+target agrees with, exactly preserving the target's distribution).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pagoda.config import EngineConfig, SpeculativeConfig
+from pagoda.request import Request
+
+
+class Proposer(Protocol):
+    def propose(self, requests: list[Request]) -> None:
+        """Sets each request's `spec_token_ids` for this step."""
+
+
+def build_proposer(spec: SpeculativeConfig | None, config: EngineConfig,
+                   vocab_size: int) -> Proposer | None:
+    """The proposer `spec` asks for (None: no speculative decoding)."""
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        from pagoda.spec_decode.ngram import NgramProposer
+
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                             spec.prompt_lookup_max)
+    from pagoda.spec_decode.draft_model import DraftModelProposer
+
+    return DraftModelProposer(spec, config, vocab_size)

@@ -1,0 +1,24 @@
+"""Which requests may draft this step, and how many tokens.
+
+Verification compares the target's rows with the drafts as plain sampling would see them, so
+a request drafts only when nothing changes its logits position by position: no grammar,
+logit_bias or allowed_token_ids, no penalties, no logprobs to report, min_tokens reached. It
+must be decoding (one token to compute) and keep room for the drafts plus the token the
+verification adds, inside max_tokens and the context.
+"""
+
+from __future__ import annotations
+
+from pagoda.request import Request, RequestStatus
+
+
+def draft_limit(request: Request, num_tokens: int) -> int:
+    """How many tokens `request` may draft now (0: none)."""
+    p = request.sampling_params
+    if (request.status is not RequestStatus.RUNNING or p.constrains_tokens or p.needs_penalties
+            or p.logprobs is not None or request.num_output_tokens < p.min_tokens
+            or request.num_tokens - request.num_computed_tokens != 1):
+        return 0
+    # NOTE: max_tokens already stops at the context length (Request._max_tokens).
+    room = request.max_tokens - request.num_output_tokens - 1
+    return max(0, min(num_tokens, room))
