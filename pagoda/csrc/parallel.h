@@ -5,8 +5,11 @@
 // (libgomp re-forms the team), and even a warm passive team costs ~8 us to wake per region,
 // with ~150 regions a decode step. This pool's workers spin briefly between calls (a decode
 // step issues them microseconds apart), then sleep on a futex, so an idle engine costs nothing.
-// Invariants: one job runs at a time (callers are serialized by a mutex); the calling thread
-// is worker 0; a job over one thread runs inline, without touching the pool.
+// Every job is a list of items handed out dynamically, and a worker joins a job only while it
+// is open: the caller closes it once no item is left and waits only for workers still inside,
+// so a worker the OS has descheduled (a busy machine) never holds a step up unless it holds an
+// item. Invariants: one job runs at a time (callers are serialized by a mutex); the caller
+// works too; a job of one item, or with one thread allowed, runs inline without the pool.
 #pragma once
 
 #include <algorithm>
@@ -16,9 +19,11 @@
 
 namespace pagoda {
 
-using JobFn = void (*)(void* ctx, int worker, int workers);
+using JobFn = void (*)(void* ctx);
 
-// Runs fn(ctx, w, n) for w in [0, n) on n threads (the caller is w = 0) and waits for all.
+// Runs fn(ctx) on the calling thread and on every pool worker that joins before the caller's
+// own fn(ctx) returns; returns when all who joined are done. fn must share its work out
+// dynamically (any number of callers, each taking items until none is left).
 void run_on_workers(int n, JobFn fn, void* ctx);
 
 // Threads a kernel may use (set from Python to torch's thread count at load).
@@ -38,7 +43,7 @@ void parallel_items(int64_t n, F&& fn) {
     int64_t n;
     std::atomic<int64_t> next{0};
   } ctx{&fn, n};
-  run_on_workers(threads, [](void* p, int, int) {
+  run_on_workers(threads, [](void* p) {
     auto* c = static_cast<Ctx*>(p);
     for (int64_t i = c->next.fetch_add(1); i < c->n; i = c->next.fetch_add(1)) (*c->fn)(i);
   }, &ctx);
@@ -48,7 +53,7 @@ void parallel_items(int64_t n, F&& fn) {
 // the last), about kChunksPerThread per thread, handed out in order.
 // NOTE: dynamic, not one range per thread: on a shared machine a descheduled worker would
 // otherwise hold the whole call up for its range; now the others take its chunks.
-constexpr int64_t kChunksPerThread = 4;
+constexpr int64_t kChunksPerThread = 8;
 
 template <typename F>
 void parallel_ranges(int64_t n, int64_t grain, F&& fn) {

@@ -4,10 +4,10 @@
 // (PAGODA_KERNEL_SPIN_US, default 50 us), then sleeps on it with a futex. `sleepers_` counts
 // the sleeping workers so that publishing costs a wake-up syscall only when one sleeps (both
 // sides use sequentially consistent atomics, so a worker either sees the new generation before
-// it sleeps or is counted and woken). Every pool thread counts itself out of every job through
-// `pending_` (those beyond the job's width without running it), and the caller waits for that
-// after doing its own share (spinning 20 us, then on a futex, woken by the last worker): so no
-// thread can still be reading a job when the next is set.
+// it sleeps or is counted and woken). `state_` holds the job's closed bit and the number of
+// workers inside it: a worker joins by incrementing it (and backs out if the job is closed);
+// the caller closes the job when its own share is done and waits (spinning 20 us, then on a
+// futex, woken by the last worker out) only while someone is still inside.
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
@@ -62,32 +62,35 @@ class Pool {
     grow(n - 1);
     fn_ = fn;
     ctx_ = ctx;
-    workers_ = n;
-    pending_.store(static_cast<uint32_t>(threads_.size()));
+    state_.store(0);
     generation_.fetch_add(1);
     if (sleepers_.load() > 0) futex_wake_all(&generation_);
-    fn(ctx, 0, n);
-    wait_for_workers();
+    fn(ctx);
+    const uint32_t inside = state_.fetch_or(kClosed) & ~kClosed;
+    if (inside != 0) wait_for_workers();
   }
 
  private:
+  static constexpr uint32_t kClosed = 1u << 31;
+
   void grow(int wanted) {
     while (static_cast<int>(threads_.size()) < wanted) {
-      const int id = static_cast<int>(threads_.size()) + 1;
       // NOTE: the generation is read here, not by the thread: its first job may be published
       // before it starts.
       const uint32_t seen = generation_.load();
-      threads_.emplace_back([this, id, seen] { loop(id, seen); });
+      threads_.emplace_back([this, seen] { loop(seen); });
       threads_.back().detach();
     }
   }
 
-  void loop(int id, uint32_t seen) {
+  void loop(uint32_t seen) {
     const auto spin = spin_time();
     for (;;) {
       seen = wait_for_job(seen, spin);
-      if (id < workers_) fn_(ctx_, id, workers_);
-      if (pending_.fetch_sub(1) == 1 && caller_sleeps_.load()) futex_wake_all(&pending_);
+      // Join only an open job; fn_ and ctx_ are read after joining, and stay valid until the
+      // count of workers inside drops to zero.
+      if ((state_.fetch_add(1) & kClosed) == 0) fn_(ctx_);
+      if (state_.fetch_sub(1) == (kClosed | 1u) && caller_sleeps_.load()) futex_wake_all(&state_);
     }
   }
 
@@ -109,18 +112,16 @@ class Pool {
     return g;
   }
 
-  // NOTE: spin briefly (the workers' share ends about when ours does), then sleep: a worker
-  // that the OS descheduled, or that shares this core on a busy machine, must not be waited
-  // for by spinning (measured: a pausing waiter cost 230 us a call there).
+  // Waits until no worker is inside the (closed) job: a short spin, then a futex sleep.
   void wait_for_workers() {
     const auto deadline = Clock::now() + std::chrono::microseconds(20);
     for (int i = 0;; ++i) {
-      if (pending_.load(std::memory_order_acquire) == 0) return;
+      if (state_.load(std::memory_order_acquire) == kClosed) return;
       if ((i & 63) == 63 && Clock::now() > deadline) break;
       PAGODA_PAUSE();
     }
     caller_sleeps_.store(true);
-    for (uint32_t left = pending_.load(); left != 0; left = pending_.load()) futex_wait(&pending_, left);
+    for (uint32_t s = state_.load(); s != kClosed; s = state_.load()) futex_wait(&state_, s);
     caller_sleeps_.store(false);
   }
 
@@ -128,11 +129,10 @@ class Pool {
   std::vector<std::thread> threads_;
   alignas(64) std::atomic<uint32_t> generation_{0};
   alignas(64) std::atomic<int> sleepers_{0};
-  alignas(64) std::atomic<uint32_t> pending_{0};
+  alignas(64) std::atomic<uint32_t> state_{kClosed};  // kClosed | workers inside the job
   std::atomic<bool> caller_sleeps_{false};
   JobFn fn_ = nullptr;
   void* ctx_ = nullptr;
-  int workers_ = 0;
 };
 
 // NOTE: never destroyed: detached workers may still be waiting on it when the process exits.
