@@ -122,6 +122,18 @@ def test_single_long_sequence_uses_every_row() -> None:
     run_attention([1000], [1], 32, 9, 3, 64, torch.bfloat16, window=0, seed=3)
 
 
+@pytest.mark.parametrize("lens", [[2100, 1900], [600] * 9])
+def test_work_split_over_threads(lens: list[int]) -> None:
+    # NOTE: enough K/V rows to leave the calling thread: two long sequences split over KV
+    # heads; nine sequences take all KV heads per item.
+    ops.set_num_threads(2)
+    try:
+        run_attention(lens, [1] * len(lens), 16, 9, 3, 64, torch.bfloat16, seed=len(lens))
+        run_attention(lens, [3] * len(lens), 16, 9, 3, 64, torch.float32, window=300, seed=1)
+    finally:
+        ops.set_num_threads(torch.get_num_threads())
+
+
 # ---------------------------------------------------------------- K/V write, rotary
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -22,6 +22,7 @@ constexpr int kQueryTile = 16;
 constexpr int kKeyTile = 16;
 constexpr int kPrefetchTiles = 2;
 constexpr int kItemsPerThread = 8;
+constexpr int64_t kMinParallelKeyRows = 4096;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct AttnArgs {
@@ -266,13 +267,21 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
   // NOTE: items are (sequence, query tile) x KV head, listed once per call so that a long
   // prefill's tiles spread over threads like separate sequences.
   std::vector<std::pair<int64_t, int64_t>> tiles;
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t r = 0; r < a.query_start_loc[s + 1] - a.query_start_loc[s]; r += kQueryTile) tiles.emplace_back(s, r);
+  int64_t key_rows = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t r = 0; r < a.query_start_loc[s + 1] - a.query_start_loc[s]; r += kQueryTile) {
+      tiles.emplace_back(s, r);
+      key_rows += a.window > 0 ? std::min(a.seq_lens[s], a.window + kQueryTile) : a.seq_lens[s];
+    }
+  }
+  // NOTE: a call reading fewer K/V rows than this runs on the calling thread: waking a worker
+  // cost more than it saved for one short sequence, and lost badly on a busy machine.
+  const int max_threads = key_rows * a.num_kv_heads < kMinParallelKeyRows ? 1 : num_threads();
   // NOTE: a small batch splits over KV heads too, so that two cores share one sequence; a
   // large one keeps each token's K/V row (all heads, contiguous) in one item, which reads the
   // pool as whole blocks.
   const int kv = a.num_kv_heads;
-  const int nh = int64_t(tiles.size()) * kv >= kItemsPerThread * num_threads() ? kv : 1;
+  const int nh = int64_t(tiles.size()) * kv >= kItemsPerThread * max_threads ? kv : 1;
   const int groups = kv / nh;
   parallel_items(int64_t(tiles.size()) * groups, [&](int64_t i) {
     const auto [seq, row0] = tiles[i / groups];
@@ -286,7 +295,7 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
       case 128: attend_item<8>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;
       default: attend_item<0>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;
     }
-  });
+  }, max_threads);
 }
 
 }  // namespace

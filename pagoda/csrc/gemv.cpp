@@ -2,7 +2,7 @@
 //
 // Decoding a few sequences is a matrix-vector product that streams every weight once per
 // step, so the kernel is built around the weight stream: each thread owns a contiguous range of
-// output rows (W stays in its checkpoint layout, row-major), reads R rows side by side, and
+// output rows (W stays in its checkpoint layout, row-major), reads them one after another, and
 // applies each 32-element weight load to all M input rows (M <= 8 per pass) with vdpbf16ps,
 // which multiplies bf16 pairs exactly and sums in fp32. Without AVX512_BF16 the same loop
 // widens to fp32 and uses FMAs. Each output is the fp32 sum rounded once to bf16.
@@ -32,8 +32,6 @@ void gemv_block(const bf16* x, int64_t x_stride, const bf16* w, int64_t K, float
     __m512bh wv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) wv[r] = load_pairs(w + r * K + k, K - k);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (r + R) * K + k), _MM_HINT_T0);
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m512bh xv = load_pairs(x + m * x_stride + k, K - k);
@@ -94,10 +92,15 @@ void gemv_range(const bf16* x, int64_t x_stride, const bf16* w, const bf16* bias
 template <int M>
 void gemv_pass(const bf16* x, int64_t x_stride, const bf16* w, const bf16* bias, bf16* y, int64_t y_stride,
                int64_t N, int64_t K) {
-  constexpr int R = M <= 4 ? 4 : 2;
+  // NOTE: one weight row at a time, so each thread reads one strictly sequential stream: with
+  // 4 rows interleaved the hardware prefetcher lost track and one thread streamed 11 GB/s
+  // instead of 19-21 (30 layers' distinct weights, docs/performance.md, Kernels).
+  constexpr int R = 1;
+  // NOTE: half the threads: one core streamed 19-22 GB/s here, all the DRAM gives (two
+  // threads read no faster), and a second thread only lost time when the other core was busy.
   parallel_ranges(N, kRowGrain, [&](int64_t n0, int64_t n1) {
     gemv_range<M, R>(x, x_stride, w, bias, y, y_stride, K, n0, n1);
-  });
+  }, std::max(1, num_threads() / 2));
 }
 
 void gemv(const bf16* x, int64_t x_stride, const bf16* w, const bf16* bias, bf16* y, int64_t y_stride,

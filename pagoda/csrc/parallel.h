@@ -30,10 +30,11 @@ void run_on_workers(int n, JobFn fn, void* ctx);
 int num_threads();
 void set_num_threads(int n);
 
-// Calls fn(i) for every i in [0, n), items handed out one at a time (uneven work).
+// Calls fn(i) for every i in [0, n), items handed out one at a time (uneven work), on at most
+// max_threads threads.
 template <typename F>
-void parallel_items(int64_t n, F&& fn) {
-  const int threads = static_cast<int>(std::min<int64_t>(num_threads(), n));
+void parallel_items(int64_t n, F&& fn, int max_threads = 1 << 30) {
+  const int threads = static_cast<int>(std::min<int64_t>(std::min(num_threads(), max_threads), n));
   if (threads <= 1) {
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
@@ -56,15 +57,15 @@ void parallel_items(int64_t n, F&& fn) {
 constexpr int64_t kChunksPerThread = 8;
 
 template <typename F>
-void parallel_ranges(int64_t n, int64_t grain, F&& fn) {
+void parallel_ranges(int64_t n, int64_t grain, F&& fn, int max_threads = 1 << 30) {
   const int64_t grains = (n + grain - 1) / grain;
-  const int threads = static_cast<int>(std::min<int64_t>(num_threads(), grains));
+  const int threads = static_cast<int>(std::min<int64_t>(std::min(num_threads(), max_threads), grains));
   if (threads <= 1) {
     fn(int64_t{0}, n);
     return;
   }
   const int64_t step = std::max<int64_t>(1, grains / (threads * kChunksPerThread)) * grain;
-  parallel_items((n + step - 1) / step, [&](int64_t i) { fn(i * step, std::min(n, (i + 1) * step)); });
+  parallel_items((n + step - 1) / step, [&](int64_t i) { fn(i * step, std::min(n, (i + 1) * step)); }, threads);
 }
 
 }  // namespace pagoda

@@ -18,9 +18,10 @@ from torch import nn
 
 from pagoda.layers import cpu_kernels
 
-# NOTE: measured (docs/performance.md, Kernels): the GEMV kernel streams SmolLM2's linears
-# 1.3x faster than oneDNN's prepacked bf16 path at 1 row, 1.25x at 2, even at 4, slower beyond.
-GEMV_MAX_ROWS = 4
+# NOTE: measured (docs/performance.md, Kernels), one thread each, SmolLM2's 30 layers of distinct
+# weights: the GEMV kernel streams them 1.4-1.6x faster than oneDNN's prepacked bf16 path at 1
+# row, 1.4-1.8x at 2, 0.9x at 3-4.
+GEMV_MAX_ROWS = 2
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
