@@ -1,19 +1,17 @@
 """ModelRunner: a SchedulerOutput in, sampled tokens out.
 
-It flattens the batch (decodes first, then prefill chunks; no padding to the longest
-sequence), builds `input_ids`, `positions`, `slot_mapping` and the `AttentionMetadata`, runs
-the model, takes logits only at the rows that sample, and calls the sampler.
+`InputPreparer` (model_inputs.py) flattens the batch into `ModelInputs`; `forward` runs the
+model and takes logits only at the rows that sample; `sample` calls the sampler (and verifies
+drafts). The parallel executor uses the same three pieces across processes.
 """
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from pagoda.layers import cpu_kernels
-from pagoda.layers.attention import AttentionMetadata, PrefillChunk
 from pagoda.layers.cpu_kernels.memory import advise_huge_pages
+from pagoda.model_inputs import InputPreparer, ModelInputs
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
@@ -32,6 +30,7 @@ class ModelRunner:
         self.sliding_window = sliding_window
         self.sampler = Sampler()
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
+        self.preparer = InputPreparer(block_size, device, sliding_window, self.use_cpu_kernel)
         self.max_threads = torch.get_num_threads()
         cpu_kernels.enable(model, self.use_cpu_kernel)
         if self.use_cpu_kernel:
@@ -47,24 +46,23 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         """Runs one step; returns the requests that sampled and their tokens."""
-        self._set_threads(out.total_num_scheduled_tokens)
-        order = sorted(range(len(out.requests)),
-                       key=lambda i: not self._in_decode_group(out.requests[i],
-                                                               out.num_scheduled_tokens[i]))
-        reqs = [out.requests[i] for i in order]
-        counts = [out.num_scheduled_tokens[i] for i in order]
-        input_ids, positions, meta, sample_rows = self._prepare(reqs, counts)
-        hidden = self.model(input_ids, positions, meta)
-        sampling = [reqs[i] for i, _, _ in sample_rows]
+        sampling, inputs = self.preparer.prepare(out)
+        logits = self.forward(inputs)
         if not sampling:
             return [], None
-        rows = torch.tensor([r for _, first, last in sample_rows for r in range(first, last + 1)],
-                            device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        return sampling, self._sample(logits.cpu() if self.device.type != "cpu" else logits,
-                                      sampling)
+        return sampling, self.sample(logits.cpu() if self.device.type != "cpu" else logits,
+                                     sampling)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """The model on one step's inputs; logits at `inputs.logits_rows`."""
+        self._set_threads(inputs.num_tokens)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.logits_rows.numel():
+            return hidden.new_empty(0, self.model.dims.vocab_size)
+        return self.model.compute_logits(hidden[inputs.logits_rows])
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """Plain rows through the sampler; a request with drafts verifies them on its rows."""
         if not any(r.spec_token_ids for r in requests):
             return self.sampler(logits, requests)
@@ -86,12 +84,6 @@ class ModelRunner:
             logprobs[i] = entry
         return SamplerOutput([t[0] for t in tokens], logprobs, tokens)
 
-    def _in_decode_group(self, request: Request, num_tokens: int) -> bool:
-        """One new token, or (with the native kernel, which takes several query rows per
-        sequence) a verification of drafts: attended in the batched decode call."""
-        return num_tokens == 1 or (self.use_cpu_kernel and bool(request.spec_token_ids)
-                                   and num_tokens == 1 + len(request.spec_token_ids))
-
     def _set_threads(self, num_tokens: int) -> None:
         # NOTE: with passive OpenMP waits, waking a second thread for each of a small step's
         # ~150 operations costs more than it saves: one thread decoded a single stream 26%
@@ -106,83 +98,3 @@ class ModelRunner:
         """Gives torch back its full thread count (an offline run ends; others may follow)."""
         if torch.get_num_threads() != self.max_threads:
             torch.set_num_threads(self.max_threads)
-
-    def _slot(self, request: Request, pos: int) -> int:
-        return request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def _prepare(self, reqs: list[Request], counts: list[int]):
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[tuple[int, int, int]] = []  # (request, first row, last row)
-        for i, (r, n) in enumerate(zip(reqs, counts, strict=True)):
-            c = r.num_computed_tokens
-            tokens = r.all_token_ids[c:c + n]
-            if len(tokens) < n:  # NOTE: the drafts follow the real tokens
-                tokens = tokens + r.spec_token_ids[:n - len(tokens)]
-            input_ids.extend(tokens)
-            positions.extend(range(c, c + n))
-            slots.extend(self._slot(r, p) for p in range(c, c + n))
-            if c + n >= r.num_tokens:
-                last = len(input_ids) - 1
-                sample_rows.append((i, last - len(r.spec_token_ids), last))
-        num_decode_reqs = sum(1 for r, n in zip(reqs, counts, strict=True)
-                              if self._in_decode_group(r, n))
-        num_decodes = sum(counts[:num_decode_reqs])
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes,
-                                 sliding_window=self.sliding_window or 0)
-        group, group_counts = reqs[:num_decode_reqs], counts[:num_decode_reqs]
-        if num_decodes and self.use_cpu_kernel:
-            meta.decode_block_tables, meta.decode_seq_lens = self._kernel_tables(group, group_counts)
-            meta.decode_query_start_loc = torch.tensor([0, *itertools.accumulate(group_counts)])
-        elif num_decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_tables(group)
-        start = num_decodes
-        for r, n in zip(reqs[num_decode_reqs:], counts[num_decode_reqs:], strict=True):
-            meta.prefills.append(self._prefill_chunk(r, start, n))
-            start += n
-        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
-
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
-    def _block_table(self, reqs: list[Request], num_blocks: int) -> torch.Tensor:
-        rows = [r.block_ids[:num_blocks] + [0] * (num_blocks - len(r.block_ids[:num_blocks])) for r in reqs]
-        return torch.tensor(rows, dtype=torch.long)
-
-    def _gather_index(self, table: torch.Tensor, length: int) -> torch.Tensor:
-        pos = torch.arange(length)
-        return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
-
-    def _kernel_tables(self, reqs: list[Request], counts: list[int]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        lens = [r.num_computed_tokens + n for r, n in zip(reqs, counts, strict=True)]
-        table = self._block_table(reqs, -(-max(lens) // self.block_size))
-        return table, torch.tensor(lens, dtype=torch.long)
-
-    def _decode_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs])
-        length = int(ctx.max())
-        table = self._block_table(reqs, -(-length // self.block_size))
-        index = self._gather_index(table, length)
-        pos = torch.arange(length)[None, :]
-        mask = pos < ctx[:, None]
-        if self.sliding_window is not None:
-            mask &= pos > (ctx[:, None] - 1 - self.sliding_window)
-        return index.to(self.device), mask[:, None, None, :].to(self.device)
-
-    def _prefill_chunk(self, r: Request, start: int, n: int) -> PrefillChunk:
-        c = r.num_computed_tokens
-        if c == 0 and self.sliding_window is None:
-            return PrefillChunk(query_start=start, query_len=n)
-        length = c + n
-        q_pos = torch.arange(c, length)[:, None]
-        k_pos = torch.arange(length)[None, :]
-        mask = k_pos <= q_pos
-        if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
-        chunk = PrefillChunk(query_start=start, query_len=n, mask=mask.to(self.device))
-        if c > 0:
-            table = self._block_table([r], -(-length // self.block_size))
-            chunk.slots = self._gather_index(table, length)[0].to(self.device)
-        return chunk

@@ -43,9 +43,11 @@ def last_token_logits(path: str, dtype: str, batch: list[list[int]]) -> torch.Te
     runner.execute(sched)
     for r, p in zip(reqs, batch, strict=True):
         r.num_computed_tokens = len(p) - 1
-    with torch.inference_mode():
-        input_ids, positions, meta, _ = runner._prepare(reqs, [1] * len(reqs))
-        return runner.model.compute_logits(runner.model(input_ids, positions, meta)).float()
+    decode = SchedulerOutput()
+    for r in reqs:
+        decode.add(r, 1)
+    _, inputs = runner.preparer.prepare(decode)
+    return runner.forward(inputs).float()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_swa"])
