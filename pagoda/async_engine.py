@@ -206,6 +206,7 @@ class AsyncLLM:
         self._thread.join(timeout)
         self._dead_reason = self._dead_reason or "the engine was shut down"
         self._fail_streams()
+        self.engine.shutdown()
 
     # ---- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:

@@ -207,13 +207,40 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism (not built yet: only a size of 1 is accepted)."""
+    """Tensor and pipeline parallelism over torch.distributed, on one machine or several.
+
+    Attributes:
+        tensor_parallel_size: ranks sharing each layer (heads, MLP columns, vocabulary).
+        pipeline_parallel_size: stages, each running a contiguous share of the layers.
+        nnodes: machines the T x P ranks spread over (equally).
+        node_rank: this machine's index; node 0 runs the engine and the server.
+        dist_init_addr: host:port of the rendezvous (node 0's address; any free port).
+    """
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
 
     def __post_init__(self) -> None:
-        _check(self.tensor_parallel_size == 1, "tensor_parallel_size", self.tensor_parallel_size,
-               "must be 1: tensor parallelism is not implemented yet in pagoda (roadmap item 'Scale: tensor parallelism on torch.distributed'; no issue filed yet)")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            value = getattr(self, name)
+            _check(isinstance(value, int) and value >= 1, name, value, "must be at least 1")
+        _check(0 <= self.node_rank < self.nnodes, "node_rank", self.node_rank,
+               f"must be in [0, nnodes={self.nnodes})")
+        _check(self.world_size % self.nnodes == 0, "nnodes", self.nnodes,
+               f"must divide tensor_parallel_size x pipeline_parallel_size = {self.world_size}")
+        _check(self.nnodes == 1 or self.dist_init_addr is not None, "dist_init_addr",
+               self.dist_init_addr, "must be set (host:port of node 0) when nnodes > 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
 
 @dataclass(frozen=True)

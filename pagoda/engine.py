@@ -45,15 +45,14 @@ class LLMEngine:
         self.max_model_len = parts.config.scheduler.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.block_bytes = parts.block_bytes
-        self.processor = InputProcessor(parts.tokenizer, self.runner.model.dims.vocab_size,
+        self.processor = InputProcessor(parts.tokenizer, parts.vocab_size,
                                         self.max_model_len, parts.config.limits)
         self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self.states: dict[str, RequestState] = {}
         self.stat_loggers = list(stat_loggers)
-        self.proposer = build_proposer(self.config.speculative, self.config,
-                                       self.runner.model.dims.vocab_size)
+        self.proposer = build_proposer(self.config.speculative, self.config, parts.vocab_size)
         self._ids = itertools.count()
         self._pending_stats = IterationStats()
         self.last_scheduler_stats = self.scheduler_stats()
@@ -289,6 +288,12 @@ class LLMEngine:
             "contiguous_reservation_bytes": contiguous_tokens * block_bytes // self.block_manager.block_size,
             "pool_bytes_touched": s.num_blocks_touched * block_bytes,
         }
+
+    def shutdown(self) -> None:
+        """Stops what runs beside the engine (parallel workers); idempotent."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def check_integrity(self) -> None:
         """Asserts the block pool's invariants (tests and idle engines call it)."""

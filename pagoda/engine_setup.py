@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
 from pagoda.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
@@ -33,12 +35,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class EngineParts:
+    """What the engine is built from. `runner` executes steps: the in-process `ModelRunner`,
+    or a `MultiprocExecutor` driving parallel workers; `block_bytes` is one rank's."""
+
     config: EngineConfig
     tokenizer: Any
-    runner: ModelRunner
+    runner: Any
     num_blocks: int
     block_bytes: int
     eos_token_ids: set[int]
+    vocab_size: int
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -78,6 +84,22 @@ def _eos_ids(hf_config: object, tokenizer: object | None) -> set[int]:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
+    """The tokenizer and, in this process or in parallel workers, the model and its KV pool."""
+    if config.parallel.world_size > 1:
+        from pagoda.executor import start_parallel_engine_parts
+
+        return start_parallel_engine_parts(config)
+    return build_model_parts(config)
+
+
+def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
+                      stage: PipelineStage = WHOLE,
+                      agree: Callable[[int], int] | None = None) -> EngineParts:
+    """Loads the model (this rank's shard and stage) and allocates its KV pool.
+
+    Args:
+        agree: parallel ranks agree on one block count (the smallest) through it.
+    """
     start = time.time()
     path = resolve_model_path(config.model.model)
     hf_config = load_hf_config(path)
@@ -87,20 +109,23 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device, hf_config)
     torch.manual_seed(config.model.seed)
-    model = load_model(path, hf_config, dtype, device, max_model_len)
+    model = load_model(path, hf_config, dtype, device, max_model_len, tp, stage)
     if device.type == "cpu" and not os.environ.get("PAGODA_DISABLE_CPU_KERNELS"):
-        prepack_for_cpu(model, keep={id(model.embed_tokens.weight)})
+        prepack_for_cpu(model, keep={id(model.embed_tokens.weight)} if model.embed_tokens else set())
     d = model.dims
-    spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, dtype)
+    layers = model.attention_layers()
+    spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, d.head_dim, dtype)
     runner = ModelRunner(model, config.cache.block_size, device, d.sliding_window)
     num_blocks = num_blocks_for(spec, config.cache, device, _available_cuda_bytes(config, runner, spec, device))
+    if agree is not None:
+        num_blocks = agree(num_blocks)
     check_capacity(num_blocks, config.cache.block_size, max_model_len)
     runner.bind_kv_cache(allocate_kv_cache(spec, num_blocks, config.cache.block_size, device,
                                            zero=not runner.use_cpu_kernel))
     log_capacity(spec, num_blocks, config.cache.block_size, max_model_len)
     logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
     return EngineParts(config, tokenizer, runner, num_blocks, spec.block_bytes(config.cache.block_size),
-                       _eos_ids(hf_config, tokenizer))
+                       _eos_ids(hf_config, tokenizer), d.vocab_size)
 
 
 def _available_cuda_bytes(config: EngineConfig, runner: ModelRunner, spec: KVCacheSpec,

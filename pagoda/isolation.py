@@ -51,6 +51,8 @@ def execute_isolating(runner: StepRunner, out: SchedulerOutput) -> StepResult:
         result.add_run(out, *runner.execute(out))
         return result
     except Exception as exc:  # noqa: BLE001 - one request must not fail its whole batch
+        if getattr(exc, "fatal", False):
+            raise  # NOTE: e.g. a dead parallel worker: no request can run any more
         if len(out.requests) == 1:
             result.failed.append((out.requests[0], exc))
             return result

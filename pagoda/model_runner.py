@@ -16,7 +16,7 @@ from pagoda.models.llama import LlamaForCausalLM
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
 from pagoda.scheduler import SchedulerOutput
-from pagoda.spec_decode.rejection import verify
+from pagoda.spec_decode.rejection import sample_with_drafts
 
 SMALL_STEP_TOKENS = 12
 
@@ -63,26 +63,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[inputs.logits_rows])
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """Plain rows through the sampler; a request with drafts verifies them on its rows."""
-        if not any(r.spec_token_ids for r in requests):
-            return self.sampler(logits, requests)
-        plain = [i for i, r in enumerate(requests) if not r.spec_token_ids]
-        starts, row = [], 0
-        for r in requests:
-            starts.append(row)
-            row += 1 + len(r.spec_token_ids)
-        result = self.sampler(logits[[starts[i] for i in plain]], [requests[i] for i in plain])
-        tokens: list[list[int]] = [[] for _ in requests]
-        for i, token in zip(plain, result.token_ids, strict=True):
-            tokens[i] = [token]
-        for i, r in enumerate(requests):
-            if r.spec_token_ids:
-                rows = logits[starts[i]:starts[i] + 1 + len(r.spec_token_ids)].float()
-                tokens[i] = verify(rows, r.spec_token_ids, r, self.sampler)
-        logprobs: list = [None] * len(requests)
-        for i, entry in zip(plain, result.logprobs, strict=True):
-            logprobs[i] = entry
-        return SamplerOutput([t[0] for t in tokens], logprobs, tokens)
+        return sample_with_drafts(self.sampler, logits, requests)
 
     def _set_threads(self, num_tokens: int) -> None:
         # NOTE: with passive OpenMP waits, waking a second thread for each of a small step's

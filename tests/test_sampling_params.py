@@ -46,8 +46,13 @@ def test_engine_config_errors():
         CacheConfig(block_size=12)
     with pytest.raises(ValueError, match="Unknown engine argument 'blok_size'"):
         EngineConfig.from_kwargs("smollm2", blok_size=16)
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig.from_kwargs("smollm2", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        EngineConfig.from_kwargs("smollm2", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="nnodes"):
+        EngineConfig.from_kwargs("smollm2", tensor_parallel_size=3, nnodes=2,
+                                 dist_init_addr="127.0.0.1:1")
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        EngineConfig.from_kwargs("smollm2", tensor_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig.from_kwargs("smollm2", dtype="int3")
     cfg = EngineConfig.from_kwargs("m", kv_cache_memory="2GiB", max_num_seqs=8, max_model_len=512)

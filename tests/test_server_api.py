@@ -192,7 +192,8 @@ def test_bad_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureF
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tensor-parallel-size", "2"], "tensor parallelism is not implemented"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be at least 1"),
+    (["--nnodes", "2", "-tp", "2"], "dist_init_addr"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization must be in (0, 1]"),
     (["m1", "--model", "m2"], "two models given"),
 ])

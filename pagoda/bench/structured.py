@@ -93,7 +93,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "free_output_tok_s": round(statistics.median(rates["free"]), 1),
         "json_output_tok_s": round(statistics.median(rates["json"]), 1),
         **{k: round(v, 2) for k, v in compile_times(llm.tokenizer,
-                                                     llm.engine.runner.model.dims.vocab_size).items()},
+                                                     llm.engine.processor.vocab_size).items()},
     }
     result["json_vs_free"] = round(result["json_output_tok_s"] / result["free_output_tok_s"], 3)
     print(json.dumps(result))

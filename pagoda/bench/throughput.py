@@ -68,6 +68,8 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-cache-memory", default=None, help="e.g. 2GiB")
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=None)
+    engine.add_argument("-tp", "--tensor-parallel-size", type=int, default=None)
+    engine.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None)
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
@@ -86,7 +88,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as LLM(...) keyword arguments."""
     names = ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-             "kv_cache_memory", "enable_prefix_caching"]
+             "kv_cache_memory", "enable_prefix_caching", "tensor_parallel_size",
+             "pipeline_parallel_size"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

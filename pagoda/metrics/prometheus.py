@@ -91,6 +91,7 @@ class PrometheusStatLogger(StatLoggerBase):
         _OWNED[self.registry] = self._collectors
         self.labels = {"model_name": model_name, "engine": str(engine_index)}
         self._cache_config = config.cache
+        self._parallel = config.parallel
         self._num_gpu_blocks = config.cache.num_kv_blocks
         self._last_prefix_totals = (0, 0)
         token_buckets = build_1_2_5_buckets(config.scheduler.max_model_len)
@@ -255,6 +256,10 @@ class PrometheusStatLogger(StatLoggerBase):
     def _cache_info_labels(self) -> dict[str, str]:
         info = {k: str(v) for k, v in dataclasses.asdict(self._cache_config).items()}
         info["num_gpu_blocks"] = str(self._num_gpu_blocks)
+        # NOTE: the parallel layout too, so a dashboard sees that each rank's pool holds a
+        # share of the heads (and layers) of every block.
+        info["tensor_parallel_size"] = str(self._parallel.tensor_parallel_size)
+        info["pipeline_parallel_size"] = str(self._parallel.pipeline_parallel_size)
         return info
 
     def _set_cache_info(self) -> None:

@@ -1,8 +1,12 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as one model with flags.
 
 Flags come from the architecture and its config: q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), a sliding window (Mistral), tied embeddings. The model is free of parallelism,
-quantization and cache-management code: it reads the `AttentionMetadata` it is given.
+(Qwen3), a sliding window (Mistral), tied embeddings. The model is free of quantization and
+cache-management code: it reads the `AttentionMetadata` it is given. Tensor parallelism
+hides in its layers (layers/tensor_parallel.py: each holds its rank's shard, given an explicit
+`ParallelGroup`); a pipeline stage (`PipelineStage`) builds only its own decoder layers, the
+first the embedding, the last the final norm and LM head. With the defaults it is the whole
+model on one process.
 Layers carry the residual stream separately (vLLM's layout), so that "add the residual, then
 normalize" is one step (`RMSNorm.forward_with_residual`); the sums are those of Hugging Face's
 `h = h + f(norm(h))`.
@@ -15,11 +19,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.attention import AttentionMetadata, PagedAttention
-from pagoda.layers.linear import Linear, MergedLinear
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, RotaryInputs, inv_freq_for
+from pagoda.layers.tensor_parallel import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass(frozen=True)
@@ -63,23 +73,27 @@ class LlamaDims:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, d: LlamaDims, flags: LlamaFlags) -> None:
+    def __init__(self, d: LlamaDims, flags: LlamaFlags, tp: ParallelGroup) -> None:
         super().__init__()
-        self.q_size = d.num_heads * d.head_dim
-        self.kv_size = d.num_kv_heads * d.head_dim
+        self.num_heads = tp.shard(d.num_heads, "num_attention_heads")[1]
+        self.num_kv_heads = tp.shard(d.num_kv_heads, "num_key_value_heads")[1]
+        self.q_size = self.num_heads * d.head_dim
+        self.kv_size = self.num_kv_heads * d.head_dim
         self.dims = d
-        self.qkv_proj = MergedLinear(d.hidden_size, [self.q_size, self.kv_size, self.kv_size], flags.qkv_bias)
-        self.o_proj = Linear(self.q_size, d.hidden_size, flags.o_bias)
+        q_total, kv_total = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        self.qkv_proj = MergedColumnParallelLinear(d.hidden_size, [q_total, kv_total, kv_total],
+                                                   flags.qkv_bias, tp)
+        self.o_proj = RowParallelLinear(q_total, d.hidden_size, flags.o_bias, tp)
         self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps) if flags.qk_norm else None
-        self.attn = PagedAttention(d.num_heads, d.num_kv_heads, d.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d.head_dim)
 
     def forward(self, x: torch.Tensor, rope: RotaryInputs, meta: AttentionMetadata) -> torch.Tensor:
         d = self.dims
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, d.num_heads, d.head_dim)
-        k = k.view(-1, d.num_kv_heads, d.head_dim)
-        v = v.view(-1, d.num_kv_heads, d.head_dim)
+        q = q.view(-1, self.num_heads, d.head_dim)
+        k = k.view(-1, self.num_kv_heads, d.head_dim)
+        v = v.view(-1, self.num_kv_heads, d.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, k)
@@ -87,10 +101,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, d: LlamaDims, flags: LlamaFlags) -> None:
+    def __init__(self, d: LlamaDims, flags: LlamaFlags, tp: ParallelGroup) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(d.hidden_size, [d.intermediate_size] * 2, flags.mlp_bias)
-        self.down_proj = Linear(d.intermediate_size, d.hidden_size, flags.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(d.hidden_size, [d.intermediate_size] * 2,
+                                                       flags.mlp_bias, tp)
+        self.down_proj = RowParallelLinear(d.intermediate_size, d.hidden_size, flags.mlp_bias, tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,12 +113,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, d: LlamaDims, flags: LlamaFlags) -> None:
+    def __init__(self, d: LlamaDims, flags: LlamaFlags, tp: ParallelGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.self_attn = LlamaAttention(d, flags)
+        self.self_attn = LlamaAttention(d, flags, tp)
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.mlp = LlamaMLP(d, flags)
+        self.mlp = LlamaMLP(d, flags, tp)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryInputs,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,6 +132,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage runs (no parameters here)."""
+
+
+# (hidden states, residual stream) between pipeline stages
+Intermediate = tuple[torch.Tensor, torch.Tensor | None]
+
+
 class LlamaForCausalLM(nn.Module):
     """Token ids and positions of a flattened batch in, hidden states out; logits on demand."""
 
@@ -126,33 +149,59 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: object, flags: LlamaFlags, max_positions: int) -> None:
+    def __init__(self, config: object, flags: LlamaFlags, max_positions: int,
+                 tp: ParallelGroup = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
         d = LlamaDims.from_hf(config, flags)
         self.dims = d
-        self.embed_tokens = nn.Embedding(d.vocab_size, d.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(d, flags) for _ in range(d.num_layers)])
-        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.lm_head = Linear(d.hidden_size, d.vocab_size)
-        if d.tie_word_embeddings:
+        self.stage = stage
+        self.embed_tokens = VocabParallelEmbedding(d.vocab_size, d.hidden_size, tp) \
+            if stage.is_first else None
+        self.layers = nn.ModuleList([
+            LlamaDecoderLayer(d, flags, tp) if stage.owns_layer(i, d.num_layers) else MissingLayer()
+            for i in range(d.num_layers)])
+        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps) if stage.is_last else None
+        self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, tp) if stage.is_last else None
+        if d.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
         inv_freq, scaling = inv_freq_for(config, d.head_dim)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        """The final hidden states; a stage that is not the last returns its `Intermediate`,
+        and one that is not the first takes the previous stage's instead of `input_ids`."""
+        if intermediate is None:
+            assert self.embed_tokens is not None
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = intermediate
         rope = self.rotary(positions, h.dtype)
-        residual: torch.Tensor | None = None
         for layer in self.layers:
-            h, residual = layer(h, residual, rope, meta)
+            if not isinstance(layer, MissingLayer):
+                h, residual = layer(h, residual, rope, meta)
+        if self.norm is None:
+            return h, residual
         if residual is None:
             return self.norm(h)
         return self.norm.forward_with_residual(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "only the last pipeline stage has the LM head"
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.layers]  # type: ignore[union-attr,misc]
+        return [layer.self_attn.attn for layer in self.layers  # type: ignore[union-attr,misc]
+                if not isinstance(layer, MissingLayer)]
+
+    def has_checkpoint_tensor(self, name: str) -> bool:
+        """Whether this stage holds the checkpoint tensor `name` (layers of other stages and
+        the ends it lacks are skipped at load time)."""
+        if name.startswith("layers."):
+            return not isinstance(self.layers[int(name.split(".")[1])], MissingLayer)
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is not None or (
+                self.dims.tie_word_embeddings and self.lm_head is not None)
+        if name.startswith(("norm.", "lm_head.")):
+            return self.norm is not None
+        return True

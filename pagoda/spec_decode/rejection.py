@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.request import Request
-from pagoda.sampler import Sampler
+from pagoda.sampler import Sampler, SamplerOutput
 
 
 def verify(logits: torch.Tensor, draft: list[int], request: Request,
@@ -54,3 +54,30 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     """One token from (unnormalized) probabilities, by an exponential race."""
     q = torch.empty_like(probs).exponential_(generator=gen)
     return int((probs / q).argmax())
+
+
+def sample_with_drafts(sampler: Sampler, logits: torch.Tensor,
+                       requests: list[Request]) -> SamplerOutput:
+    """A step's tokens: plain rows through the sampler, drafting requests verify their rows.
+
+    `logits` holds one row per plain request and 1 + len(drafts) per drafting one, in order.
+    """
+    if not any(r.spec_token_ids for r in requests):
+        return sampler(logits, requests)
+    plain = [i for i, r in enumerate(requests) if not r.spec_token_ids]
+    starts, row = [], 0
+    for r in requests:
+        starts.append(row)
+        row += 1 + len(r.spec_token_ids)
+    result = sampler(logits[[starts[i] for i in plain]], [requests[i] for i in plain])
+    tokens: list[list[int]] = [[] for _ in requests]
+    for i, token in zip(plain, result.token_ids, strict=True):
+        tokens[i] = [token]
+    for i, r in enumerate(requests):
+        if r.spec_token_ids:
+            rows = logits[starts[i]:starts[i] + 1 + len(r.spec_token_ids)].float()
+            tokens[i] = verify(rows, r.spec_token_ids, r, sampler)
+    logprobs: list = [None] * len(requests)
+    for i, entry in zip(plain, result.logprobs, strict=True):
+        logprobs[i] = entry
+    return SamplerOutput([t[0] for t in tokens], logprobs, tokens)

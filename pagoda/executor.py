@@ -1,0 +1,253 @@
+"""The parallel executor: the engine's side of tensor and pipeline parallelism.
+
+`start_parallel_engine_parts` starts this node's worker processes (pagoda/worker.py), waits
+until every rank has loaded its shard and agreed on the KV block count, and returns the
+engine's parts with a `MultiprocExecutor` in the runner's seat. Each step the executor
+prepares the model inputs here (the same `InputPreparer` as in-process), sends them to world
+rank 0, waits for the logits of the sampling rows, and samples here: every request's state
+(seeds, penalties, grammars, drafts) stays in the engine.
+
+Failing loudly: a worker that dies, or does not answer within the step timeout, raises
+`WorkerDiedError`, which the engine does not retry (`fatal`); the server then exits 1.
+`shutdown` stops every local worker and leaves no orphan (workers also die with their parent).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.engine_setup import EngineParts, resolve_max_model_len
+from pagoda.model_inputs import InputPreparer
+from pagoda.models.loader import load_hf_config, load_tokenizer, resolve_model_path
+from pagoda.request import Request
+from pagoda.sampler import Sampler, SamplerOutput
+from pagoda.scheduler import SchedulerOutput
+from pagoda.spec_decode.rejection import sample_with_drafts
+from pagoda.worker import WorkerSpec, receive, send
+
+logger = logging.getLogger("pagoda")
+
+START_TIMEOUT_S = 600.0
+STEP_TIMEOUT_S = 600.0
+
+
+class WorkerDiedError(RuntimeError):
+    """A parallel worker died or stopped answering; the engine cannot go on."""
+
+    fatal = True
+
+
+def free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+class WorkerProcess:
+    """One worker: a `python -m pagoda.worker` subprocess (no fork, no re-import of the
+    caller's main module), and for world rank 0 the connection the steps travel on."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+        self.rank = rank
+        self.proc = proc
+        self.conn: Connection | None = None
+
+    @property
+    def name(self) -> str:
+        return f"rank {self.rank} (pid {self.proc.pid})"
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.is_alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_workers(config: EngineConfig, init_addr: str) -> list[WorkerProcess]:
+    """Starts this node's ranks and hands each its `WorkerSpec`; world rank 0 keeps its
+    connection to the engine."""
+    par = config.parallel
+    key = secrets.token_bytes(16)
+    listener = Listener(("127.0.0.1", 0), authkey=key)
+    host, port = listener.address
+    first = par.node_rank * par.ranks_per_node
+    threads = max(1, (os.cpu_count() or 1) // par.ranks_per_node)
+    env = {**os.environ, "PAGODA_WORKER_ADDR": f"{host}:{port}", "PAGODA_WORKER_KEY": key.hex()}
+    workers = {rank: WorkerProcess(rank, subprocess.Popen(
+        [sys.executable, "-m", "pagoda.worker", str(rank)], env=env))
+        for rank in range(first, first + par.ranks_per_node)}
+    try:
+        for _ in workers:
+            conn = _accept(listener, list(workers.values()))
+            rank = receive(conn)
+            send(conn, WorkerSpec(config, rank, init_addr, threads))
+            if rank == 0:
+                workers[rank].conn = conn
+            else:
+                conn.close()
+    except BaseException:
+        for worker in workers.values():
+            worker.stop()
+        raise
+    finally:
+        listener.close()
+    return list(workers.values())
+
+
+def _accept(listener: Listener, workers: list[WorkerProcess]) -> Connection:
+    """The next worker's connection; fails if a worker dies first or none comes in time."""
+    box: list[Connection] = []
+    thread = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while thread.is_alive():
+        thread.join(0.2)
+        dead = [w.name for w in workers if not w.is_alive()]
+        if dead or time.monotonic() > deadline:
+            raise WorkerDiedError(f"parallel workers failed to start: {', '.join(dead) or 'timeout'}")
+    return box[0]
+
+
+class MultiprocExecutor:
+    """Runs each step on the parallel workers; samples in the engine."""
+
+    def __init__(self, config: EngineConfig, workers: list[WorkerProcess],
+                 info: dict[str, Any]) -> None:
+        self.workers = workers
+        conn = workers[0].conn
+        assert conn is not None
+        self.conn = conn
+        self.sampler = Sampler()
+        self.preparer = InputPreparer(config.cache.block_size, torch.device("cpu"),
+                                      info["sliding_window"], info["native"])
+        self.use_cpu_kernel = info["native"]
+
+    def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
+        sampling, inputs = self.preparer.prepare(out)
+        send(self.conn, inputs)
+        logits = self._wait()
+        if not sampling:
+            return [], None
+        return sampling, sample_with_drafts(self.sampler, logits.float(), sampling)
+
+    def _wait(self) -> torch.Tensor:
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not self.conn.poll(0.2):
+            self.check_workers()
+            if time.monotonic() > deadline:
+                raise WorkerDiedError(f"the workers did not answer within {STEP_TIMEOUT_S:g} s")
+        try:
+            reply: torch.Tensor = receive(self.conn)
+        except (EOFError, OSError) as e:
+            # NOTE: rank 0 usually falls because another rank did; name every dead one.
+            deadline = time.monotonic() + 3
+            while all(w.is_alive() for w in self.workers) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.check_workers()
+            raise WorkerDiedError(f"lost the connection to rank 0 ({e!r})") from e
+        return reply
+
+    def check_workers(self) -> None:
+        dead = [w for w in self.workers if not w.is_alive()]
+        if dead:
+            raise WorkerDiedError(", ".join(f"{w.name} exited with {w.proc.returncode}"
+                                            for w in dead))
+
+    def restore_threads(self) -> None:
+        """Nothing to restore here: the workers own their threads."""
+
+    def shutdown(self) -> None:
+        try:
+            send(self.conn, None)
+        except (OSError, BrokenPipeError):
+            pass
+        deadline = time.monotonic() + 10
+        for worker in self.workers:
+            try:
+                worker.proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            worker.stop()
+
+
+def _await_ready(workers: list[WorkerProcess]) -> dict[str, Any]:
+    conn = workers[0].conn
+    assert conn is not None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not conn.poll(0.5):
+        dead = [w for w in workers if not w.is_alive()]
+        if dead or time.monotonic() > deadline:
+            for w in workers:
+                w.stop()
+            why = ", ".join(f"{w.name} exited with {w.proc.returncode}" for w in dead) or "timeout"
+            raise WorkerDiedError(f"parallel workers failed to start ({why}); see their log")
+    kind, info = receive(conn)
+    assert kind == "ready"
+    return info
+
+
+def check_parallel_sizes(hf_config: object, tp_size: int, pp_size: int) -> None:
+    """Refuses, before any worker starts, a layout the model cannot be split into."""
+    c: Any = hf_config
+    sizes = {"num_attention_heads": c.num_attention_heads,
+             "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+             "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size}
+    valid = [t for t in range(1, sizes["num_attention_heads"] + 1)
+             if all(v % t == 0 for v in sizes.values())]
+    if tp_size not in valid:
+        shape = ", ".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"tensor_parallel_size={tp_size} does not divide this model ({shape}); "
+                         f"valid sizes: {valid}.")
+    if pp_size > c.num_hidden_layers:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's "
+                         f"{c.num_hidden_layers} layers.")
+
+
+def start_parallel_engine_parts(config: EngineConfig) -> EngineParts:
+    """Node 0's engine parts, with this node's workers started and ready."""
+    from pagoda.engine_setup import _eos_ids
+
+    path = resolve_model_path(config.model.model)
+    hf_config = load_hf_config(path)
+    tokenizer = load_tokenizer(path, config.model.chat_template)
+    config = config.with_max_model_len(resolve_max_model_len(config.model.max_model_len,
+                                                             hf_config))
+    par = config.parallel
+    check_parallel_sizes(hf_config, par.tensor_parallel_size, par.pipeline_parallel_size)
+    workers = start_workers(config, par.dist_init_addr or free_address())
+    info = _await_ready(workers)
+    executor = MultiprocExecutor(config, workers, info)
+    logger.info("Parallel engine: tensor_parallel_size=%d, pipeline_parallel_size=%d, %d node(s); "
+                "%d KV blocks per rank", par.tensor_parallel_size, par.pipeline_parallel_size,
+                par.nnodes, info["num_blocks"])
+    return EngineParts(config, tokenizer, executor, info["num_blocks"], info["block_bytes"],
+                       _eos_ids(hf_config, tokenizer), info["vocab_size"])
+
+
+def run_headless(config: EngineConfig) -> int:
+    """A node other than 0: runs its ranks until they exit (the engine is on node 0)."""
+    assert config.parallel.dist_init_addr is not None
+    workers = start_workers(config, config.parallel.dist_init_addr)
+    try:
+        return max((w.proc.wait() for w in workers), default=0)
+    finally:
+        for worker in workers:
+            worker.stop()

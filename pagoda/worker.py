@@ -1,0 +1,171 @@
+"""A parallel worker: one rank's model shard and KV pool, driven step by step by the engine.
+
+World rank 0 receives each step's `ModelInputs` from the engine over a pipe and broadcasts
+them to every rank. Each rank runs its pipeline stage's layers on its tensor-parallel shard (a
+stage after the first receives the previous stage's hidden states and residual first, a stage
+before the last sends its own on). The last stage gathers the logits over its group; its rank
+0 sends them to world rank 0, which answers the engine. Sampling stays in the engine, where
+every request's state lives.
+
+A worker exits with its parent (PR_SET_PDEATHSIG), and on any error: the engine, which
+watches its workers, then fails loudly rather than waiting on a collective forever.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pagoda.config import EngineConfig
+from pagoda.distributed import launch
+from pagoda.model_inputs import ModelInputs
+
+logger = logging.getLogger("pagoda")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker process needs to start."""
+
+    config: EngineConfig
+    rank: int
+    init_addr: str
+    num_threads: int
+
+
+def send(conn: Connection, obj: object) -> None:
+    """Plain pickle: torch's own reductions would pass tensors by file descriptor, which
+    needs a multiprocessing parent's authkey these separately started processes lack."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def receive(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # NOTE: PR_SET_PDEATHSIG = 1
+    except OSError:
+        logger.warning("PR_SET_PDEATHSIG unavailable; a worker may outlive a killed engine")
+
+
+def _agree_min(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+class Shard:
+    """One rank's model shard, KV pool, and place in the pipeline."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        from pagoda.engine_setup import build_model_parts, resolve_device
+
+        config = spec.config
+        par = config.parallel
+        launch.join(spec.rank, par.world_size, spec.init_addr, resolve_device(config.model.device))
+        from pagoda.models.loader import load_hf_config, resolve_model_path
+
+        num_layers = int(load_hf_config(resolve_model_path(config.model.model)).num_hidden_layers)  # type: ignore[attr-defined]
+        self.tp, self.stage = launch.layout(spec.rank, par.tensor_parallel_size,
+                                            par.pipeline_parallel_size, num_layers)
+        self.parts = build_model_parts(config, self.tp, self.stage, agree=_agree_min)
+        self.runner = self.parts.runner
+        self.model = self.runner.model
+        self.hidden_size = self.model.dims.hidden_size
+        self.dtype = next(self.model.parameters()).dtype  # NOTE: hidden states and logits too
+        self.sampler_rank = spec.rank - self.tp.rank if self.stage.is_last else None
+
+    @torch.inference_mode()
+    def step(self, inputs: ModelInputs) -> torch.Tensor | None:
+        """Runs this stage; returns the logits on the rank that answers for them, else None."""
+        self.runner._set_threads(inputs.num_tokens)
+        intermediate = None if self.stage.is_first else self._receive(inputs.num_tokens)
+        out = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate)
+        if not self.stage.is_last:
+            h, residual = out
+            assert self.stage.next_rank is not None and residual is not None
+            dist.send(h.contiguous(), self.stage.next_rank)
+            dist.send(residual.contiguous(), self.stage.next_rank)
+            return None
+        assert isinstance(out, torch.Tensor)
+        if not inputs.logits_rows.numel():
+            return out.new_empty(0, self.model.dims.vocab_size)
+        logits = self.model.compute_logits(out[inputs.logits_rows])
+        return logits if self.tp.rank == 0 else None
+
+    def _receive(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.stage.prev_rank is not None
+        h = torch.empty(num_tokens, self.hidden_size, dtype=self.dtype)
+        residual = torch.empty_like(h)
+        dist.recv(h, self.stage.prev_rank)
+        dist.recv(residual, self.stage.prev_rank)
+        return h, residual
+
+
+def run_worker(spec: WorkerSpec, conn: Connection | None) -> None:
+    """A worker process's main: start, report, then serve steps until told to stop."""
+    _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {spec.rank}: %(message)s")
+    torch.set_num_threads(spec.num_threads)
+    shard = Shard(spec)
+    if conn is not None:
+        parts = shard.parts
+        send(conn, ("ready", {"num_blocks": parts.num_blocks, "block_bytes": parts.block_bytes,
+                             "vocab_size": parts.vocab_size, "native": shard.runner.use_cpu_kernel,
+                             "sliding_window": shard.model.dims.sliding_window}))
+    while True:
+        message: list[Any] = [receive(conn) if conn is not None else None]
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is None:
+            break
+        logits = shard.step(message[0])
+        _answer(shard, spec.rank, conn, logits, message[0])
+    launch.leave()
+
+
+def _answer(shard: Shard, rank: int, conn: Connection | None, logits: torch.Tensor | None,
+            inputs: ModelInputs) -> None:
+    """Brings the last stage's logits to world rank 0, and rank 0 hands them to the engine."""
+    sampler = shard.sampler_rank if shard.stage.is_last else _last_stage_rank(shard)
+    if rank == 0:
+        if sampler != 0:
+            logits = torch.empty(inputs.logits_rows.numel(), shard.model.dims.vocab_size,
+                                 dtype=shard.dtype)
+            dist.recv(logits, sampler)
+        assert conn is not None
+        send(conn, logits)
+    elif rank == sampler and logits is not None:
+        dist.send(logits.contiguous(), 0)
+
+
+def _last_stage_rank(shard: Shard) -> int:
+    return (shard.stage.size - 1) * shard.tp.size
+
+
+def main() -> None:
+    """`python -m pagoda.worker RANK`: fetch the spec from the engine, then run."""
+    rank = int(sys.argv[1])
+    host, port = os.environ["PAGODA_WORKER_ADDR"].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["PAGODA_WORKER_KEY"]))
+    send(conn, rank)
+    spec: WorkerSpec = receive(conn)
+    if rank != 0:
+        conn.close()
+    run_worker(spec, conn if rank == 0 else None)
+
+
+if __name__ == "__main__":
+    main()

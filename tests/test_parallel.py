@@ -1,0 +1,135 @@
+"""Tensor and pipeline parallelism over torch.distributed (gloo), on one machine.
+
+Greedy output with T=2, P=2 and T=2 x P=2 on the tiny model, and T=3 on the real SmolLM2,
+equals one process token for token in float32 (the shards sum the same products; on these
+models and prompts the reduction order has never changed a greedy token, and the tests say
+so if it does). Chunked prefill, preemption and prefix caching run under it; a bad layout is
+refused before any worker starts; a dead worker fails the engine loudly; two "nodes" on
+loopback serve like one process and stop together.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from test_server import REPO, free_port, start_server
+
+from pagoda import LLM, SamplingParams
+from pagoda.executor import WorkerDiedError
+
+ENGINE = dict(dtype="float32", max_model_len=256)
+
+
+def prompts(n: int = 6) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(100, 40000, (int(torch.randint(3, 70, (1,), generator=g)),),
+                          generator=g).tolist() for _ in range(n)]
+
+
+def greedy(max_tokens: int = 24) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def tokens(llm: LLM, ps: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama: Path) -> list[list[int]]:
+    ps = prompts() + [prompts()[0]]  # a repeated prompt hits the prefix cache
+    return tokens(LLM(str(tiny_llama), num_kv_blocks=256, **ENGINE), ps, greedy())
+
+
+@pytest.mark.parametrize("layout, engine", [
+    ({"tensor_parallel_size": 2}, {"num_kv_blocks": 256}),
+    ({"pipeline_parallel_size": 2}, {"num_kv_blocks": 256, "max_num_batched_tokens": 32}),
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+     {"num_kv_blocks": 20, "block_size": 16}),  # preemption
+])
+def test_parallel_greedy_equals_one_process(tiny_llama: Path, expected: list[list[int]],
+                                            layout: dict, engine: dict):
+    llm = LLM(str(tiny_llama), **ENGINE, **layout, **engine)
+    try:
+        got = tokens(llm, prompts() + [prompts()[0]], greedy())
+        if engine.get("num_kv_blocks", 256) < 64:
+            assert llm.engine.scheduler.num_preemptions > 0
+        assert got == expected
+        llm.engine.check_integrity()
+        assert llm.engine.block_manager.prefix_cache_hits > 0
+    finally:
+        llm.engine.shutdown()
+
+
+def test_smollm2_tensor_parallel_3_equals_one_process():
+    questions = ["What is the capital of France?", "Write a haiku about the sea."]
+    one = LLM("smollm2", max_model_len=512, kv_cache_memory="128MiB", dtype="float32")
+    ps = [one.tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                            add_generation_prompt=True, tokenize=True,
+                                            return_dict=False) for q in questions]
+    want = tokens(one, ps, greedy(32))
+    three = LLM("smollm2", max_model_len=512, kv_cache_memory="128MiB", dtype="float32",
+                tensor_parallel_size=3)
+    try:
+        assert tokens(three, ps, greedy(32)) == want
+    finally:
+        three.engine.shutdown()
+
+
+def test_layouts_the_model_cannot_take_are_refused(tiny_llama: Path):
+    with pytest.raises(ValueError, match=r"valid sizes: \[1, 2\]"):
+        LLM(str(tiny_llama), tensor_parallel_size=3, **ENGINE)  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        LLM(str(tiny_llama), pipeline_parallel_size=3, **ENGINE)
+
+
+def test_a_dead_worker_fails_the_engine(tiny_llama: Path):
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, num_kv_blocks=64, **ENGINE)
+    try:
+        tokens(llm, prompts(1), greedy(4))
+        llm.engine.runner.workers[1].proc.kill()
+        with pytest.raises(WorkerDiedError, match="rank 1"):
+            tokens(llm, prompts(2), greedy(4))
+    finally:
+        llm.engine.shutdown()
+    assert all(not w.is_alive() for w in llm.engine.runner.workers)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def test_two_nodes_on_loopback_serve_and_stop_together(tiny_llama: Path):
+    addr = f"127.0.0.1:{free_port()}"
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
+             "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64"]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    node1 = subprocess.Popen([sys.executable, "-m", "pagoda.cli", "serve", str(tiny_llama),
+                              *flags, "--node-rank", "1", "--headless"], cwd=REPO, env=env)
+    server = start_server(tiny_llama, *flags, "--node-rank", "0")
+    try:
+        body = {"prompt": prompts(1)[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        single = LLM(str(tiny_llama), num_kv_blocks=64, **ENGINE)
+        assert r.json()["choices"][0]["text"] == single.generate(
+            [prompts(1)[0]], greedy(12), use_tqdm=False)[0].outputs[0].text
+        workers = _children(server.proc.pid)
+        assert workers, "node 0 runs its rank as a child process"
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+        assert node1.wait(60) == 0  # its rank was told to stop
+        time.sleep(0.5)
+        assert not [p for p in workers if os.path.exists(f"/proc/{p}")], "orphaned workers"
+    finally:
+        server.stop()
+        if node1.poll() is None:
+            node1.kill()
