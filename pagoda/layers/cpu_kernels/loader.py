@@ -65,9 +65,11 @@ class KernelLibrary:
         self.variant = variant
         self._cdll = ctypes.CDLL(str(path))
         self.fns: dict[str, ctypes._CFuncPtr] = {}  # type: ignore[name-defined]
+        self._typed: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}  # type: ignore[name-defined]
         for base, argtypes in _DTYPED.items():
-            for suffix in SUFFIXES.values():
+            for dtype, suffix in SUFFIXES.items():
                 self._bind(f"{base}_{suffix}", argtypes)
+                self._typed[(base, dtype)] = self.fns[f"{base}_{suffix}"]
         for name, argtypes in _PLAIN.items():
             self._bind(name, argtypes)
         self.fns["set_num_threads"](torch.get_num_threads())
@@ -79,7 +81,7 @@ class KernelLibrary:
         self.fns[name] = fn
 
     def fn(self, name: str, dtype: torch.dtype | None = None) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-        return self.fns[name if dtype is None else f"{name}_{SUFFIXES[dtype]}"]
+        return self.fns[name] if dtype is None else self._typed[(name, dtype)]
 
 
 def _search_dirs() -> list[Path]:

@@ -85,7 +85,7 @@ def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's RMSNorm over the last dimension of a 2-D x (rows may be strided)."""
     _check_rows(x, x.shape[-1])
-    out = torch.empty(x.shape, dtype=x.dtype)
+    out = torch.empty_like(x)
     _lib().fn("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
                                    x.stride(0), out.stride(0), eps)
     return out
@@ -103,10 +103,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :n]) * x[:, n:] for a contiguous [rows, 2n] x."""
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
-    n = x.shape[-1] // 2
-    out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
-    _lib().fn("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // (2 * n), n)
-    return out
+    rows, n = x.numel() // x.shape[-1], x.shape[-1] // 2
+    out = torch.empty(rows, n, dtype=x.dtype)
+    _lib().fn("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), rows, n)
+    return out.view(x.shape[:-1] + (n,))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
