@@ -136,7 +136,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--gpu-memory-utilization", type=float, default=None)
     cache.add_argument("--num-kv-blocks", type=int, default=None)
     cache.add_argument("--max-num-seqs", type=int, default=None)
-    cache.add_argument("--max-num-batched-tokens", type=int, default=None)
+    cache.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step (default 512: sooner first tokens; raise it for throughput)")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None)
     parallel = parser.add_argument_group("parallelism (torch.distributed; docs/scaling.md)")
