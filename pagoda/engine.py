@@ -29,6 +29,7 @@ from pagoda.request import Request, RequestStatus
 from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler import Scheduler, SchedulerOutput
 from pagoda.spec_decode import build_proposer
+from pagoda.spec_decode.eligibility import trim_to_grammar
 from pagoda.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger("pagoda")
@@ -151,6 +152,7 @@ class LLMEngine:
             return
         try:
             self.proposer.propose(running)
+            trim_to_grammar(running)
         except Exception:  # noqa: BLE001 - without drafts every request still decodes
             logger.exception("Drafting failed; this step runs without speculation")
             for request in running:

@@ -103,6 +103,22 @@ class Grammar:
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens` the grammar would accept in turn from here (state unchanged)."""
+        return int(self._matcher.validate_tokens(tokens))
+
+    def fill_bitmasks_along(self, tokens: list[int], bitmask: torch.Tensor) -> None:
+        """Row j of `bitmask`: the allowed tokens after accepting `tokens[:j]`, for j = 0 ..
+        len(tokens) (a draft's verification rows); the state is left as it was.
+
+        `tokens` must be a valid prefix (`valid_prefix`)."""
+        self.fill_bitmask(bitmask[0])
+        for j, token in enumerate(tokens, start=1):
+            self._matcher.consume_token(token)
+            self.fill_bitmask(bitmask[j])
+        if tokens:
+            self._matcher.rollback(len(tokens))
+
     @property
     def terminated(self) -> bool:
         return bool(self._matcher.is_stopped())

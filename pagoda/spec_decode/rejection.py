@@ -19,6 +19,7 @@ import torch
 
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
+from pagoda.structured_output import apply_bitmask
 
 
 def verify(logits: torch.Tensor, draft: list[int], request: Request,
@@ -76,6 +77,11 @@ def sample_with_drafts(sampler: Sampler, logits: torch.Tensor,
     for i, r in enumerate(requests):
         if r.spec_token_ids:
             rows = logits[starts[i]:starts[i] + 1 + len(r.spec_token_ids)].float()
+            if r.grammar is not None:
+                bitmask = torch.full((rows.shape[0], -(-rows.shape[1] // 32)), -1,
+                                     dtype=torch.int32)
+                r.grammar.fill_bitmasks_along(r.spec_token_ids, bitmask)
+                apply_bitmask(rows, bitmask)
             tokens[i] = verify(rows, r.spec_token_ids, r, sampler)
     logprobs: list = [None] * len(requests)
     for i, entry in zip(plain, result.logprobs, strict=True):
