@@ -210,3 +210,78 @@ def test_gemv_matches_fp32_linear(m: int, n: int, k: int, bias: bool) -> None:
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     want = F.linear(x.float(), w.float(), b.float() if b is not None else None)
     assert_close(ops.gemv(x, w, b), want, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- small-M GEMM (packed weights)
+
+def gemm_case(m: int, n: int, k: int, bias: bool, seed: int):
+    """Strided bf16 rows (NaN just past each row's K), a scaled weight, and the fp32 reference."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.full((m, k + 3), float("nan")).to(torch.bfloat16)
+    base[:, :k] = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x = base[:, :k]
+    w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    want = F.linear(x.float(), w.float(), b.float() if b is not None else None)
+    return x, w, b, want
+
+
+# M covers one tile (1..12 rows, with and without prefetch), several tiles over K chunks, and
+# wide tiles (96+); N and K cover SmolLM2's shapes, partial panels and blocks, odd K.
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 11, 12, 13, 25, 64, 96, 101])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 70, False), (77, 129, True),
+                                      (16, 2, False), (33, 1, True)])
+def test_gemm_matches_fp32_linear(m: int, n: int, k: int, bias: bool) -> None:
+    x, w, b, want = gemm_case(m, n, k, bias, seed=m * 1000 + n + k)
+    assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
+
+
+def test_gemm_random_shapes() -> None:
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(40):
+        m, n, k = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (81, 300, 300))
+        x, w, b, want = gemm_case(m, n, k, trial % 2 == 1, seed=trial)
+        assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
+
+
+def test_gemm_more_rows_than_one_pass() -> None:
+    x, w, b, want = gemm_case(800, 48, 40, True, seed=3)
+    assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
+
+
+def test_gemm_refuses_mismatched_inputs() -> None:
+    w = ops.PackedWeight(torch.randn(32, 64).to(torch.bfloat16))
+    with pytest.raises(ValueError):
+        ops.gemm(torch.randn(4, 63).to(torch.bfloat16), w)
+    with pytest.raises(ValueError):
+        ops.gemm(torch.randn(4, 64), w)
+    with pytest.raises(ValueError):
+        ops.PackedWeight(torch.randn(32, 64))
+
+
+def test_linear_prepacked_for_its_kernel(variant: str) -> None:
+    """Native GEMM: one packed copy serves every row count; portable: oneDNN + the plain weight."""
+    from torch import nn
+
+    from pagoda.layers.linear import Linear, prepack_for_cpu
+
+    gen = torch.Generator().manual_seed(11)
+    model = nn.ModuleList([Linear(70, 45, bias=True), Linear(64, 96)]).to(torch.bfloat16)
+    for layer in model:
+        layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen) / 8)
+        if layer.bias is not None:
+            layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
+    plain = [layer.weight.detach().clone() for layer in model]
+    kept = model[1].weight
+    packed = prepack_for_cpu(model, keep={id(kept)})
+    cpu_kernels.enable(model, True)
+    native = ops.gemm_is_native()
+    assert native == (variant == "avx512bf16")
+    if native:
+        assert packed == 2 and all(layer.gemm_weight is not None for layer in model)
+        assert model[0].weight.numel() == 0 and kept.numel() == 96 * 64
+    for layer, w in zip(model, plain, strict=True):
+        for m in (1, 2, 4, 16, 100):
+            x = torch.randn(m, w.shape[1], generator=gen).to(torch.bfloat16)
+            b = layer.bias.float() if layer.bias is not None else None
+            assert_close(layer(x), F.linear(x.float(), w.float(), b), torch.bfloat16)

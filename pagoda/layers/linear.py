@@ -8,6 +8,9 @@ With the native kernels on (`native`, set by the model runner), a bf16 product o
 `GEMV_MAX_ROWS` rows (a decode step of a few sequences, the LM head of one) runs the GEMV
 kernel on the plain weight instead: fp32 sums of exact bf16 products, so it differs from
 F.linear only in summation order (within one bf16 rounding of the output).
+Where the kernels have native bf16 dot products (the `avx512bf16` build), `prepack_for_cpu`
+packs each bf16 weight for the small-M GEMM kernel instead (`gemm_weight`, the only copy kept),
+which then computes every product of the layer, with the same numerics as the GEMV.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Linear(nn.Module):
             self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
         self.packed: torch.Tensor | None = None
+        self.gemm_weight: cpu_kernels.ops.PackedWeight | None = None
         self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +54,8 @@ class Linear(nn.Module):
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias, by the fastest path this weight has."""
+        if self.gemm_weight is not None:
+            return cpu_kernels.ops.gemm(x, self.gemm_weight, bias)
         if self.native and x.shape[0] <= GEMV_MAX_ROWS and self._gemv_ready():
             return cpu_kernels.ops.gemv(x, self.weight, bias)
         if self.packed is not None:
@@ -80,21 +86,27 @@ class MergedLinear(Linear):
 
 
 def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # type: ignore[assignment]
-    """Prepacks every bf16 CPU `Linear` for oneDNN; frees the plain weights not in `keep` (ids).
+    """Packs every bf16 CPU `Linear` for its fastest kernel; frees the plain weights not in `keep` (ids).
 
-    Where the native kernels are available the plain weights stay too (the GEMV kernel reads
-    them for small steps), at the cost of a second copy of the linear weights.
-    Returns the number of layers packed (0 where oneDNN has no native bf16).
+    With the native GEMM (`cpu_kernels.ops.gemm_is_native()`) each weight is packed for it, and
+    that packed copy is the only one kept. Otherwise, on CPUs where oneDNN has native bf16, each
+    weight is prepacked for oneDNN; where the (portable) kernels are available the plain weights
+    stay too, for the GEMV kernel's small steps, at the cost of a second copy.
+    Returns the number of layers packed.
     """
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    native_gemm = cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()
+    if not native_gemm and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return 0
-    keep_all = cpu_kernels.available()
+    keep_all = cpu_kernels.available() and not native_gemm
     count = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
         if not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu":
             continue
-        module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        if native_gemm and w.numel():
+            module.gemm_weight = cpu_kernels.ops.PackedWeight(w.detach())
+        else:
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         if id(w) not in keep and not keep_all:
             w.data = torch.empty(0, dtype=w.dtype)
         count += 1

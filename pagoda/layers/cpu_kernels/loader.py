@@ -33,7 +33,12 @@ _DTYPED: dict[str, ArgTypes] = {
 }
 _PLAIN: dict[str, ArgTypes] = {
     "gemv_bf16": [_P, _L, _P, _P, _P, _L, _L, _L, _L],
+    "gemm_bf16": [_P, _L, _P, _P, _P, _L, _L, _L, _L],
+    "gemm_pack_bf16": [_P, _L, _P, _L, _L],
     "set_num_threads": [_I],
+}
+_RETURNING: dict[str, tuple[ArgTypes, type]] = {
+    "gemm_packed_size_bf16": ([_L, _L], _L),
 }
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 
@@ -72,12 +77,14 @@ class KernelLibrary:
                 self._typed[(base, dtype)] = self.fns[f"{base}_{suffix}"]
         for name, argtypes in _PLAIN.items():
             self._bind(name, argtypes)
+        for name, (argtypes, restype) in _RETURNING.items():
+            self._bind(name, argtypes, restype)
         self.fns["set_num_threads"](torch.get_num_threads())
 
-    def _bind(self, name: str, argtypes: ArgTypes) -> None:
+    def _bind(self, name: str, argtypes: ArgTypes, restype: type | None = None) -> None:
         fn = getattr(self._cdll, f"pagoda_{name}")
         fn.argtypes = argtypes
-        fn.restype = None
+        fn.restype = restype
         self.fns[name] = fn
 
     def fn(self, name: str, dtype: torch.dtype | None = None) -> ctypes._CFuncPtr:  # type: ignore[name-defined]

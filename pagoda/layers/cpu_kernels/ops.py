@@ -119,6 +119,37 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+class PackedWeight:
+    """A bf16 weight [n, k] in the small-M GEMM's panel layout (see pagoda/csrc/gemm.cpp)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.stride(-1) != 1 or not weight.numel():
+            raise ValueError(f"expected a non-empty 2-D bf16 weight with contiguous rows, got {weight.dtype} "
+                             f"{tuple(weight.shape)} strides {weight.stride()}")
+        lib = _lib()
+        self.n, self.k = weight.shape
+        self.data = torch.zeros(lib.fn("gemm_packed_size_bf16")(self.n, self.k), dtype=torch.bfloat16)
+        lib.fn("gemm_pack_bf16")(weight.data_ptr(), weight.stride(0), self.data.data_ptr(), self.n, self.k)
+
+
+def gemm_is_native() -> bool:
+    """Whether `gemm` runs on native bf16 dot products (faster than oneDNN); elsewhere it is a
+    plain fp32 loop, correct but slow, and layers keep their oneDNN/GEMV paths."""
+    return _lib().variant == "avx512bf16"
+
+
+def gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (rows may be strided) times the packed weight^T (+ bias): bf16, fp32 sums."""
+    _check_rows(x, x.shape[-1])
+    m, k = x.shape
+    if k != weight.k or x.dtype != torch.bfloat16:
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} against a packed bf16 weight [{weight.n}, {weight.k}]")
+    out = torch.empty(m, weight.n, dtype=x.dtype)
+    _lib().fn("gemm_bf16")(x.data_ptr(), x.stride(0), weight.data.data_ptr(),
+                           bias.data_ptr() if bias is not None else None, out.data_ptr(), weight.n, m, weight.n, k)
+    return out
+
+
 def set_num_threads(n: int) -> None:
     """Threads the kernels split their work over (independent of torch's current setting)."""
     _lib().fn("set_num_threads")(n)
