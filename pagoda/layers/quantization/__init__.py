@@ -157,10 +157,10 @@ def share_quantized_embedding(model: nn.Module) -> bool:
     head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
     if head is None or embed is None or head.weight is not getattr(embed, "weight", None):
         return False
-    if not isinstance(head.method, PackedLinearMethod):
+    if not isinstance(head.method, PackedLinearMethod | Fp8LinearMethod):
         return False
-    model.embed_tokens = QuantizedEmbedding(head.method, embed.weight.dtype, getattr(embed, "start", 0),
-                                            embed.tp)
+    model.embed_tokens = QuantizedEmbedding(head.method, embed.weight.dtype, head.out_features,
+                                            getattr(embed, "start", 0), embed.tp)
     return True
 
 

@@ -12,21 +12,22 @@ import torch
 from torch import nn
 
 from pagoda.distributed.group import SINGLE, ParallelGroup
-from pagoda.layers.quantization.methods import PackedLinearMethod
+from pagoda.layers.quantization.methods import Fp8LinearMethod, PackedLinearMethod
 
 
 class QuantizedEmbedding(nn.Module):
-    def __init__(self, method: PackedLinearMethod, dtype: torch.dtype, start: int = 0,
-                 tp: ParallelGroup = SINGLE) -> None:
+    def __init__(self, method: PackedLinearMethod | Fp8LinearMethod, dtype: torch.dtype, rows: int,
+                 start: int = 0, tp: ParallelGroup = SINGLE) -> None:
         super().__init__()
         self.method = method
         self.dtype = dtype
+        self.rows = rows
         self.start = start
         self.tp = tp
         self.native = False
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.method.packed.shape[0]
+        rows = self.rows
         if self.tp.size == 1:
             return self.method.dequantize(self.dtype, self.native, ids)
         local = ids - self.start

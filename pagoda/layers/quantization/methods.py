@@ -101,8 +101,14 @@ class Fp8LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
         xq = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale,
-                                bias=bias, out_dtype=x.dtype)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=x.dtype)
+        return y if bias is None else y + bias
+
+    def dequantize(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The dense weight (or its `rows`) in `dtype`."""
+        w, s = (self.weight, self.scale[0]) if rows is None else (self.weight[rows], self.scale[0][rows])
+        return (w.float() * s[:, None]).to(dtype)
 
     def weight_bytes(self) -> int:
         return self.weight.numel() + 4 * self.scale.numel()
