@@ -8,9 +8,15 @@ With the native kernels on (`native`, set by the model runner), a bf16 product o
 `GEMV_MAX_ROWS` rows (a decode step of a few sequences, the LM head of one) runs the GEMV
 kernel on the plain weight instead: fp32 sums of exact bf16 products, so it differs from
 F.linear only in summation order (within one bf16 rounding of the output).
+How the weight is stored and applied is the layer's linear method (`method`): unquantized
+(the paths above) by default; `pagoda.layers.quantization` swaps in packed int8/int4 or fp8
+methods after loading, or prepares GGUF-packed ones before it, without changing the layer's
+interface (`weight_loader`, `forward`, `project`).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +36,37 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+class LinearMethod(Protocol):
+    """How a `Linear` stores its weight and computes x W^T + bias."""
+
+    @property
+    def name(self) -> str: ...
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def weight_bytes(self) -> int: ...
+
+
+class UnquantizedLinearMethod:
+    """The float weight: the bf16 GEMV kernel for small native steps, oneDNN's prepacked copy,
+    or F.linear."""
+
+    name = "unquantized"
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.native and x.shape[0] <= GEMV_MAX_ROWS and layer._gemv_ready():
+            return cpu_kernels.ops.gemv(x, layer.weight, bias)
+        if layer.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")
+        return F.linear(x, layer.weight, bias)
+
+    def weight_bytes(self) -> int:
+        return 0  # NOTE: the layer's parameters hold it
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b)."""
 
@@ -42,19 +79,17 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
+        self.in_features, self.out_features = input_size, output_size
         self.packed: torch.Tensor | None = None
         self.native = False
+        self.method: LinearMethod = UNQUANTIZED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias, by the fastest path this weight has."""
-        if self.native and x.shape[0] <= GEMV_MAX_ROWS and self._gemv_ready():
-            return cpu_kernels.ops.gemv(x, self.weight, bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        return self.method.apply(self, x, bias)
 
     def _gemv_ready(self) -> bool:
         w = self.weight
@@ -92,7 +127,8 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # t
     count = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        if (not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu"
+                or module.method is not UNQUANTIZED or not w.numel()):
             continue
         module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         if id(w) not in keep and not keep_all:
