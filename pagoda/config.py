@@ -13,6 +13,9 @@ import re
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "int4", "gguf", "fp8")
+INT4_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 DEFAULT_MODEL = "smollm2"
 DEFAULT_KV_CACHE_MEMORY = 4 * 1024**3
@@ -46,6 +49,10 @@ class ModelConfig:
         seed: base seed for requests that give none.
         chat_template: a Jinja template (text or a file path) overriding the tokenizer's.
         device: 'auto', 'cpu' or 'cuda'.
+        quantization: None (weights in `dtype`; a quantized GGUF is dequantized), 'int8'
+            (per-channel), 'int4' (group-wise), 'gguf' (a GGUF's Q4_0/Q4_1/Q8_0 blocks kept
+            packed) or 'fp8' (e4m3, where the hardware has fp8 products).
+        quantization_group_size: inputs per int4 scale/offset group (32, 64 or 128).
     """
 
     model: str = DEFAULT_MODEL
@@ -54,9 +61,15 @@ class ModelConfig:
     seed: int = 0
     chat_template: str | None = None
     device: str = "auto"
+    quantization: str | None = None
+    quantization_group_size: int = 32
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
+        _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+               self.quantization, f"must be None or one of {QUANTIZATIONS}")
+        _check(self.quantization_group_size in INT4_GROUP_SIZES, "quantization_group_size",
+               self.quantization_group_size, f"must be one of {INT4_GROUP_SIZES}")
         _check(self.max_model_len is None or self.max_model_len > 0, "max_model_len",
                self.max_model_len, "must be positive")
         _check(self.device in ("auto", "cpu", "cuda"), "device", self.device,
@@ -73,6 +86,9 @@ class CacheConfig:
         gpu_memory_utilization: share of the GPU's memory this engine may use (CUDA).
         num_kv_blocks: a fixed number of blocks, overriding both of the above.
         enable_prefix_caching: share full blocks between requests by content hash.
+        cache_dtype: K/V storage: 'auto' (the model's dtype), or one byte a value with a
+            per-tensor scale: 'fp8' / 'fp8_e4m3' (e4m3fn) or 'fp8_e5m2' (engine argument
+            `kv_cache_dtype`, as vLLM).
     """
 
     block_size: int = 16
@@ -80,8 +96,11 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        _check(self.cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.cache_dtype,
+               f"must be one of {KV_CACHE_DTYPES}")
         _check(self.block_size in BLOCK_SIZES, "block_size", self.block_size,
                f"must be one of {BLOCK_SIZES}")
         _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
@@ -265,6 +284,8 @@ class EngineConfig:
         """
         if "kv_cache_memory" in kwargs:
             kwargs["kv_cache_memory_bytes"] = parse_bytes(kwargs.pop("kv_cache_memory"))  # type: ignore[arg-type]
+        if "kv_cache_dtype" in kwargs:
+            kwargs["cache_dtype"] = kwargs.pop("kv_cache_dtype")
         parts: dict[str, dict[str, object]] = {}
         owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                   "parallel": ParallelConfig, "limits": LimitsConfig}
@@ -280,7 +301,8 @@ class EngineConfig:
             elif key == "max_model_len":
                 parts.setdefault("model", {})[key] = value
             else:
-                names = sorted([*known, "log_stats", "kv_cache_memory", "speculative_config"])
+                names = sorted([*known, "log_stats", "kv_cache_memory", "kv_cache_dtype",
+                                "speculative_config"])
                 raise ValueError(f"Unknown engine argument {key!r}; known arguments: {names}.")
         parts.setdefault("model", {})["model"] = model
         built = {part: owners[part](**values) for part, values in parts.items()}  # type: ignore[arg-type]

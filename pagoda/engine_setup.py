@@ -23,6 +23,7 @@ from pagoda.kv_cache import (
     check_capacity,
     log_capacity,
     num_blocks_for,
+    resolve_kv_cache_dtype,
 )
 from pagoda.layers.linear import prepack_for_cpu
 from pagoda.model_runner import ModelRunner
@@ -109,12 +110,24 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device, hf_config)
     torch.manual_seed(config.model.seed)
-    model = load_model(path, hf_config, dtype, device, max_model_len, tp, stage)
+    quantization = config.model.quantization
+    if quantization == "fp8":
+        from pagoda.layers.quantization.methods import fp8_unsupported_reason
+
+        reason = fp8_unsupported_reason(device)
+        if reason:
+            raise ValueError(reason)
+    model = load_model(path, hf_config, dtype, device, max_model_len, tp, stage,
+                       gguf_packed=quantization == "gguf")
+    if quantization is not None:
+        quantize(model, quantization, config.model.quantization_group_size, device)
     if device.type == "cpu" and not os.environ.get("PAGODA_DISABLE_CPU_KERNELS"):
-        prepack_for_cpu(model, keep={id(model.embed_tokens.weight)} if model.embed_tokens else set())
+        embedding = getattr(model.embed_tokens, "weight", None)
+        prepack_for_cpu(model, keep={id(embedding)} if embedding is not None else set())
     d = model.dims
     layers = model.attention_layers()
-    spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, d.head_dim, dtype)
+    spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, d.head_dim,
+                       resolve_kv_cache_dtype(config.cache.cache_dtype, dtype))
     runner = ModelRunner(model, config.cache.block_size, device, d.sliding_window)
     num_blocks = num_blocks_for(spec, config.cache, device, _available_cuda_bytes(config, runner, spec, device))
     if agree is not None:
@@ -126,6 +139,15 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
     return EngineParts(config, tokenizer, runner, num_blocks, spec.block_bytes(config.cache.block_size),
                        _eos_ids(hf_config, tokenizer), d.vocab_size)
+
+
+def quantize(model: torch.nn.Module, scheme: str, group_size: int, device: torch.device) -> None:
+    """Applies `scheme` to the loaded model (GGUF-packed weights were packed while loading)
+    and logs the weight memory before and after."""
+    from pagoda.layers.quantization import finish_gguf, quantize_model
+
+    report = finish_gguf(model) if scheme == "gguf" else quantize_model(model, scheme, group_size, device)
+    logger.info("%s", report.describe())
 
 
 def _available_cuda_bytes(config: EngineConfig, runner: ModelRunner, spec: KVCacheSpec,

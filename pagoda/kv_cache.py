@@ -4,6 +4,10 @@ Per layer, K and V are each `[num_blocks, block_size, num_kv_heads, head_dim]`. 
 sized from `kv_cache_memory_bytes` (CPU, or CUDA when given), from `gpu_memory_utilization`
 after a profiling pass (CUDA), or fixed by `num_kv_blocks`. It must hold one sequence of
 `max_model_len`, or the engine refuses to start and says which settings to change.
+K/V are stored in the model's dtype, or with `kv_cache_dtype` fp8 in one byte a value
+(`float8_e4m3fn` or `float8_e5m2`) with a per-tensor scale per layer (`PagedAttention.k_scale`,
+`v_scale`, vLLM's static scales): a block then takes half the bytes of bf16, so the same
+memory holds twice the tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +20,15 @@ import torch
 from pagoda.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig
 
 logger = logging.getLogger("pagoda")
+
+
+KV_CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                         "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's storage dtype: the model's for 'auto', else the fp8 format named."""
+    return model_dtype if cache_dtype == "auto" else KV_CACHE_TORCH_DTYPES[cache_dtype]
 
 
 @dataclass(frozen=True)
@@ -57,7 +70,8 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
 def log_capacity(spec: KVCacheSpec, num_blocks: int, block_size: int, max_model_len: int) -> None:
     tokens = num_blocks * block_size
     gib = num_blocks * spec.block_bytes(block_size) / 1024**3
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB)", num_blocks, block_size, tokens, gib)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, %d bytes a token)", num_blocks,
+                block_size, tokens, gib, str(spec.dtype).removeprefix("torch."), spec.block_bytes(block_size) // block_size)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
 
 

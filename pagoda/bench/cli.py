@@ -22,7 +22,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # subcommand -> the module whose main(args) runs it
 MODULES = {"serve": "serve_command", "sweep": "sweep", "throughput": "throughput",
            "latency": "latency", "memory": "memory", "prefix-caching": "prefix_caching",
-           "soak": "soak", "structured": "structured", "spec-decode": "spec_decode"}
+           "soak": "soak", "structured": "structured", "spec-decode": "spec_decode",
+           "quality": "quality"}
 
 
 def run_command(args: argparse.Namespace) -> Any:
@@ -49,6 +50,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagoda.bench.latency import add_latency_args
     from pagoda.bench.memory import add_memory_args
     from pagoda.bench.prefix_caching import add_prefix_caching_args
+    from pagoda.bench.quality import add_quality_args
     from pagoda.bench.serve_command import add_serve_args
     from pagoda.bench.soak import add_soak_args
     from pagoda.bench.spec_decode import add_spec_decode_args
@@ -63,7 +65,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="Benchmark pagoda (or any OpenAI server).",
                                   description="Benchmarks: serve, sweep, throughput, latency, memory.")
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,throughput,latency,memory,prefix-caching,soak,structured,"
-                                "spec-decode}")
+                                "spec-decode,quality}")
     sub.required = True
     _add(sub, "serve", "Load-test an OpenAI-compatible server (vllm bench serve's flags).",
          add_serve_args)
@@ -83,6 +85,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
          "input (single stream), and its cost on random prompts (batched).", add_spec_decode_args)
     _add(sub, "structured", "Output tok/s with every request JSON-constrained vs free, and "
          "grammar compile latency.", add_structured_args)
+    _add(sub, "quality", "Perplexity on Python's own docs and greedy agreement with the "
+         "unquantized model, per quantization scheme and KV cache dtype.", add_quality_args)
     return bench
 
 

@@ -21,6 +21,7 @@ import torch
 
 from pagoda.bench.backends import Backend, make_backend, timed
 from pagoda.bench.datasets import SampleRequest, length_range, load_tokenizer, random_requests
+from pagoda.config import INT4_GROUP_SIZES, KV_CACHE_DTYPES, QUANTIZATIONS
 
 
 @dataclass
@@ -70,6 +71,9 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
                         default=None)
     engine.add_argument("-tp", "--tensor-parallel-size", type=int, default=None)
     engine.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None)
+    engine.add_argument("-q", "--quantization", choices=QUANTIZATIONS, default=None)
+    engine.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=None)
+    engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +93,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as LLM(...) keyword arguments."""
     names = ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
              "kv_cache_memory", "enable_prefix_caching", "tensor_parallel_size",
-             "pipeline_parallel_size"]
+             "pipeline_parallel_size", "quantization", "quantization_group_size", "kv_cache_dtype"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

@@ -4,7 +4,9 @@
 // last rows of its context of seq_lens[s] tokens, whose K/V (the new rows' included) are
 // already in the pool. Row i of n sits at position seq_lens[s] - n + i and attends causally
 // to positions [p - window + 1, p] (window > 0) or [0, p]. One pass, online softmax, fp32
-// accumulation whatever the storage dtype.
+// accumulation whatever the storage dtype. The pool may hold K/V in another dtype than q and
+// the output (fp8: one byte, with per-tensor scales `k_scale`/`v_scale` folded into the
+// query scale and the output).
 // Work items are (sequence, tile of up to 16 query rows, KV heads): every query head of a GQA
 // group, and every row of the tile, is scored against one read of each K/V row. A small batch
 // takes one KV head per item, so two cores share even a single sequence; a large batch takes
@@ -31,7 +33,8 @@ struct AttnArgs {
   const int64_t* query_start_loc;
   int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t q_stride, out_stride;
-  float scale;
+  float scale;  // softmax scale times k_scale
+  float v_scale;
   int64_t window;
 };
 
@@ -96,20 +99,20 @@ inline float dot_bf16(const bf16*, const bf16*, int) { return 0.f; }
 constexpr bool kNativeBf16Dot = false;
 #endif
 
-template <typename T>
+template <typename T, typename C>
 struct Tile {
   const T* q;        // first query row of the tile, head kvh * group
-  const T* k;        // first key of the key tile (row stride kv_stride)
-  const T* v;
+  const C* k;        // first key of the key tile (row stride kv_stride)
+  const C* v;
   int64_t kv_stride;
   int rows, group, n;  // query rows x heads in the group; keys in the tile
 };
 
 // Scores of every (row, key) of the tile into s[row * kKeyTile + t].
-template <typename T>
-void score_tile(const Tile<T>& t, const AttnArgs& a, Scratch& w) {
+template <typename T, typename C>
+void score_tile(const Tile<T, C>& t, const AttnArgs& a, Scratch& w) {
   const int d = a.head_dim;
-  if constexpr (std::is_same_v<T, bf16> && kNativeBf16Dot) {
+  if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && kNativeBf16Dot) {
     for (int r = 0; r < t.rows * t.group; ++r) {
       const bf16* qr = t.q + (r / t.group) * a.q_stride + (r % t.group) * d;
       for (int j = 0; j < t.n; ++j) w.s[r * kKeyTile + j] = dot_bf16(qr, t.k + j * t.kv_stride, d) * a.scale;
@@ -169,8 +172,8 @@ void accumulate(Scratch& w, int rows, int n, int d) {
   for (int r0 = 0; r0 < rows; r0 += RB) accumulate_rows<DC, RB>(w, r0, std::min(RB, rows - r0), n, d);
 }
 
-template <int DC, typename T>
-void attend_keys(const Tile<T>& t, const AttnArgs& a, Scratch& w, int64_t key0, int64_t pos0) {
+template <int DC, typename T, typename C>
+void attend_keys(const Tile<T, C>& t, const AttnArgs& a, Scratch& w, int64_t key0, int64_t pos0) {
   score_tile(t, a, w);
   const int d = a.head_dim;
   for (int j = 0; j < t.n; ++j) widen_row(t.v + j * t.kv_stride, &w.vf[j * d], d);
@@ -200,7 +203,7 @@ void finish_head(T* out, const AttnArgs& a, const Scratch& w, int rows, int grou
   const int d = a.head_dim;
   for (int r = 0; r < rows * group; ++r) {
     T* dst = out + (r / group) * a.out_stride + (r % group) * d;
-    const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f;
+    const float inv = w.l[r] > 0.f ? a.v_scale / w.l[r] : 0.f;
     for (int i = 0; i < d; i += kLanes) {
       const Mask m = tail_mask(d - i);
       store(dst + i, load(&w.acc[r * d + i], m) * vset1(inv), m);
@@ -225,8 +228,8 @@ void list_tiles(const AttnArgs& a, int64_t seq, int64_t lo, int64_t hi, std::vec
 // head's rows scored and accumulated tile by tile over the key tiles read once.
 // NOTE: blocks sit anywhere in the pool, so the hardware prefetcher loses the stream at every
 // block edge; the tile kPrefetchTiles ahead is touched while this one is computed.
-template <int DC, typename T>
-void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const AttnArgs& a,
+template <int DC, typename T, typename C>
+void attend_item(const T* q, const C* k_cache, const C* v_cache, T* out, const AttnArgs& a,
                  int64_t seq, int h0, int nh, int64_t row0) {
   const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
   const int64_t q_begin = a.query_start_loc[seq], qlen = a.query_start_loc[seq + 1] - q_begin;
@@ -240,7 +243,7 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const A
   for (int h = 0; h < nh; ++h) start_head(q_rows + int64_t(h0 + h) * group * d, a, heads[h], rows, group);
   list_tiles(a, seq, a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0, pos0 + rows, tiles);
   const int num_tiles = static_cast<int>(tiles.size());
-  const int row_bytes = nh * d * static_cast<int>(sizeof(T));
+  const int row_bytes = nh * d * static_cast<int>(sizeof(C));
   auto touch = [&](int i) {
     if (i >= num_tiles) return;
     const int64_t offset = tiles[i].offset + int64_t(h0) * d;
@@ -252,7 +255,7 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const A
     touch(i + kPrefetchTiles);
     for (int h = 0; h < nh; ++h) {
       const int64_t offset = tiles[i].offset + int64_t(h0 + h) * d;
-      const Tile<T> t{q_rows + int64_t(h0 + h) * group * d, k_cache + offset, v_cache + offset,
+      const Tile<T, C> t{q_rows + int64_t(h0 + h) * group * d, k_cache + offset, v_cache + offset,
                       kv_stride, rows, group, tiles[i].n};
       attend_keys<DC>(t, a, heads[h], tiles[i].key0, pos0);
     }
@@ -261,7 +264,7 @@ void attend_item(const T* q, const T* k_cache, const T* v_cache, T* out, const A
   for (int h = 0; h < nh; ++h) finish_head(out_rows + int64_t(h0 + h) * group * d, a, heads[h], rows, group);
 }
 
-template <typename T>
+template <typename T, typename C>
 void paged_attention(const void* q, const void* k_cache, const void* v_cache, void* out, int num_seqs,
                      const AttnArgs& a) {
   // NOTE: items are (sequence, query tile) x KV head, listed once per call so that a long
@@ -286,8 +289,8 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
   parallel_items(int64_t(tiles.size()) * groups, [&](int64_t i) {
     const auto [seq, row0] = tiles[i / groups];
     const auto* qt = static_cast<const T*>(q);
-    const auto* kt = static_cast<const T*>(k_cache);
-    const auto* vt = static_cast<const T*>(v_cache);
+    const auto* kt = static_cast<const C*>(k_cache);
+    const auto* vt = static_cast<const C*>(v_cache);
     auto* ot = static_cast<T*>(out);
     const int h0 = static_cast<int>(i % groups) * nh;
     switch (a.head_dim) {
@@ -301,18 +304,24 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
 }  // namespace
 }  // namespace pagoda
 
-#define PAGODA_ATTENTION(NAME, T)                                                                    \
+#define PAGODA_ATTENTION(NAME, T, C)                                                                 \
   extern "C" void NAME(const void* q, const void* k_cache, const void* v_cache, void* out,          \
                        const int64_t* block_tables, const int64_t* seq_lens,                        \
                        const int64_t* query_start_loc, int num_seqs, int num_heads, int num_kv_heads, \
                        int head_dim, int block_size, int max_blocks, int64_t q_stride,               \
-                       int64_t out_stride, float scale, int64_t window) {                            \
-    const pagoda::AttnArgs a{block_tables, seq_lens,  query_start_loc, num_heads, num_kv_heads,    \
-                             head_dim,     block_size, max_blocks,      q_stride,  out_stride,      \
-                             scale,        window};                                                  \
-    pagoda::paged_attention<T>(q, k_cache, v_cache, out, num_seqs, a);                              \
+                       int64_t out_stride, float scale, int64_t window, float k_scale, float v_scale) { \
+    const pagoda::AttnArgs a{block_tables, seq_lens,  query_start_loc, num_heads,     num_kv_heads, \
+                             head_dim,     block_size, max_blocks,      q_stride,      out_stride,   \
+                             scale * k_scale, v_scale, window};                                      \
+    pagoda::paged_attention<T, C>(q, k_cache, v_cache, out, num_seqs, a);                           \
   }
 
-PAGODA_ATTENTION(pagoda_paged_attention_f32, float)
-PAGODA_ATTENTION(pagoda_paged_attention_bf16, pagoda::bf16)
-PAGODA_ATTENTION(pagoda_paged_attention_f16, pagoda::f16)
+PAGODA_ATTENTION(pagoda_paged_attention_f32, float, float)
+PAGODA_ATTENTION(pagoda_paged_attention_bf16, pagoda::bf16, pagoda::bf16)
+PAGODA_ATTENTION(pagoda_paged_attention_f16, pagoda::f16, pagoda::f16)
+PAGODA_ATTENTION(pagoda_paged_attention_f32_e4m3, float, pagoda::fp8_e4m3)
+PAGODA_ATTENTION(pagoda_paged_attention_bf16_e4m3, pagoda::bf16, pagoda::fp8_e4m3)
+PAGODA_ATTENTION(pagoda_paged_attention_f16_e4m3, pagoda::f16, pagoda::fp8_e4m3)
+PAGODA_ATTENTION(pagoda_paged_attention_f32_e5m2, float, pagoda::fp8_e5m2)
+PAGODA_ATTENTION(pagoda_paged_attention_bf16_e5m2, pagoda::bf16, pagoda::fp8_e5m2)
+PAGODA_ATTENTION(pagoda_paged_attention_f16_e5m2, pagoda::f16, pagoda::fp8_e5m2)

@@ -2,7 +2,8 @@
 //
 // `reshape_and_cache` (vLLM's name) copies token t's K and V rows (num_kv_heads x head_dim,
 // contiguous within the row, rows `k_stride`/`v_stride` elements apart) to pool slot
-// slot_mapping[t]; a negative slot is skipped (padding). The pool is
+// slot_mapping[t]; a negative slot is skipped (padding). A one-byte (fp8) pool stores each
+// value divided by its per-tensor scale, rounded to nearest even and saturated. The pool is
 // [num_blocks * block_size, num_kv_heads, head_dim] per layer, so a slot is one row.
 // `rotary_inplace` rotates heads with the neox layout (halves, as Hugging Face's
 // rotate_half) and rounds like Hugging Face's `x * cos + rotate_half(x) * sin` in the storage
@@ -17,15 +18,26 @@ namespace {
 
 constexpr int64_t kParallelTokens = 64;  // below this, copies run on the calling thread
 
-template <typename T>
-void reshape_and_cache(const T* k, const T* v, T* k_cache, T* v_cache, const int64_t* slots,
-                       int64_t num_tokens, int64_t row_len, int64_t k_stride, int64_t v_stride) {
+template <typename T, typename C>
+void convert_row(const T* src, C* dst, int64_t n, float inv_scale) {
+  if constexpr (std::is_same_v<T, C>) {
+    std::memcpy(dst, src, size_t(n) * sizeof(T));
+  } else {
+    for (int64_t i = 0; i < n; ++i) store_one(to_float(src[i]) * inv_scale, dst + i);
+  }
+}
+
+template <typename T, typename C>
+void reshape_and_cache(const T* k, const T* v, C* k_cache, C* v_cache, const int64_t* slots,
+                       int64_t num_tokens, int64_t row_len, int64_t k_stride, int64_t v_stride,
+                       float k_scale, float v_scale) {
+  const float k_inv = 1.f / k_scale, v_inv = 1.f / v_scale;
   auto copy = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;
-      std::memcpy(k_cache + slot * row_len, k + t * k_stride, size_t(row_len) * sizeof(T));
-      std::memcpy(v_cache + slot * row_len, v + t * v_stride, size_t(row_len) * sizeof(T));
+      convert_row(k + t * k_stride, k_cache + slot * row_len, row_len, k_inv);
+      convert_row(v + t * v_stride, v_cache + slot * row_len, row_len, v_inv);
     }
   };
   if (num_tokens < kParallelTokens) {
@@ -69,15 +81,19 @@ void rotary_inplace(T* x, const int64_t* positions, const float* cos, const floa
 }  // namespace
 }  // namespace pagoda
 
+#define PAGODA_RESHAPE_AND_CACHE(NAME, T, C)                                                       \
+  extern "C" void NAME(const void* k, const void* v, void* k_cache, void* v_cache, const int64_t* slots, \
+                       int64_t num_tokens, int64_t row_len, int64_t k_stride, int64_t v_stride,         \
+                       float k_scale, float v_scale) {                                                  \
+    pagoda::reshape_and_cache(static_cast<const T*>(k), static_cast<const T*>(v), static_cast<C*>(k_cache), \
+                              static_cast<C*>(v_cache), slots, num_tokens, row_len, k_stride, v_stride,  \
+                              k_scale, v_scale);                                                         \
+  }
+
 #define PAGODA_CACHE(SUFFIX, T)                                                                       \
-  extern "C" void pagoda_reshape_and_cache_##SUFFIX(const void* k, const void* v, void* k_cache,    \
-                                                    void* v_cache, const int64_t* slots,             \
-                                                    int64_t num_tokens, int64_t row_len,             \
-                                                    int64_t k_stride, int64_t v_stride) {            \
-    pagoda::reshape_and_cache(static_cast<const T*>(k), static_cast<const T*>(v),                  \
-                              static_cast<T*>(k_cache), static_cast<T*>(v_cache), slots, num_tokens, \
-                              row_len, k_stride, v_stride);                                          \
-  }                                                                                                  \
+  PAGODA_RESHAPE_AND_CACHE(pagoda_reshape_and_cache_##SUFFIX, T, T)                                  \
+  PAGODA_RESHAPE_AND_CACHE(pagoda_reshape_and_cache_##SUFFIX##_e4m3, T, pagoda::fp8_e4m3)            \
+  PAGODA_RESHAPE_AND_CACHE(pagoda_reshape_and_cache_##SUFFIX##_e5m2, T, pagoda::fp8_e5m2)            \
   extern "C" void pagoda_rotary_##SUFFIX(void* x, const int64_t* positions, const float* cos,        \
                                          const float* sin, int64_t num_tokens, int num_heads,        \
                                          int head_dim, int64_t token_stride, int64_t head_stride) {  \

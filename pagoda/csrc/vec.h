@@ -27,6 +27,14 @@ struct bf16 {
   uint16_t bits;
 };
 using f16 = _Float16;
+// One-byte KV cache elements (torch's float8_e4m3fn and float8_e5m2), read and written with a
+// scale by the kernels that take them; `to_float` gives the stored value itself.
+struct fp8_e4m3 {
+  uint8_t bits;
+};
+struct fp8_e5m2 {
+  uint8_t bits;
+};
 
 inline float to_float(float x) { return x; }
 inline float to_float(f16 x) { return static_cast<float>(x); }
@@ -36,6 +44,20 @@ inline float to_float(bf16 x) {
   std::memcpy(&f, &u, sizeof(f));
   return f;
 }
+
+// NOTE: both fp8 formats widen exactly through f16: e5m2 is the top byte of an f16, and the
+// e4m3 bits shifted into an f16's exponent and mantissa give the value times 2^-8 (subnormals
+// included), which one multiply undoes. e4m3fn's NaN (0x7F) reads as 480; writes never make it.
+inline uint16_t e4m3_to_f16_bits(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x7Fu) << 7) | ((b & 0x80u) << 8));
+}
+inline float f16_from_bits(uint16_t bits) {
+  f16 h;
+  std::memcpy(&h, &bits, sizeof(h));
+  return static_cast<float>(h);
+}
+inline float to_float(fp8_e5m2 x) { return f16_from_bits(static_cast<uint16_t>(x.bits << 8)); }
+inline float to_float(fp8_e4m3 x) { return f16_from_bits(e4m3_to_f16_bits(x.bits)) * 256.f; }
 
 inline void store_one(float f, float* out) { *out = f; }
 inline void store_one(float f, f16* out) { *out = static_cast<f16>(f); }
@@ -49,6 +71,29 @@ inline void store_one(float f, bf16* out) {
   u += 0x7FFFu + ((u >> 16) & 1u);
   out->bits = static_cast<uint16_t>(u >> 16);
 }
+
+// f as fp8 with kMant mantissa bits and exponent bias kBias: round to nearest even,
+// saturating at the largest finite value (`max_bits` as fp32 bits, `max_code` its fp8 code:
+// 448 for e4m3fn, 57344 for e5m2), NaN kept NaN: a cache write never makes an infinity.
+template <int kMant, int kBias>
+inline uint8_t fp8_bits(float f, uint32_t max_bits, uint8_t max_code) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  u &= 0x7FFFFFFFu;
+  if (u > 0x7F800000u) return sign | 0x7F;
+  if (u >= max_bits) return sign | max_code;
+  if (u < (uint32_t(128 - kBias) << 23)) {  // below the smallest normal: subnormal steps
+    float a;
+    std::memcpy(&a, &u, sizeof(a));
+    return sign | static_cast<uint8_t>(std::nearbyint(a * std::ldexp(1.f, kBias - 1 + kMant)));
+  }
+  constexpr int kShift = 23 - kMant;
+  u += ((1u << (kShift - 1)) - 1u) + ((u >> kShift) & 1u);
+  return sign | static_cast<uint8_t>(((u - (uint32_t(127 - kBias) << 23)) >> kShift) & 0x7Fu);
+}
+inline void store_one(float f, fp8_e4m3* out) { out->bits = fp8_bits<3, 7>(f, 0x43E00000u, 0x7E); }
+inline void store_one(float f, fp8_e5m2* out) { out->bits = fp8_bits<2, 15>(f, 0x47600000u, 0x7B); }
 
 // The value `f` takes once stored as T (a no-op for float).
 template <typename T>
@@ -90,6 +135,17 @@ inline Vf load(const bf16* p) { return widen_bf16(_mm256_loadu_si256(reinterpret
 inline Vf load(const bf16* p, Mask m) { return widen_bf16(_mm256_maskz_loadu_epi16(m, p)); }
 inline Vf load(const f16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline Vf load(const f16* p, Mask m) { return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p))}; }
+
+inline Vf load(const fp8_e5m2* p, Mask m = 0xFFFF) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  return {_mm512_cvtph_ps(_mm256_slli_epi16(w, 8))};
+}
+inline Vf load(const fp8_e4m3* p, Mask m = 0xFFFF) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(m, p));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  return {_mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f))};
+}
 
 inline __m256i narrow_bf16(Vf a) {
   const __m512i u = _mm512_castps_si512(a.v);

@@ -8,6 +8,10 @@ With `native` set (by the runner, on CPU) the slot write is one `reshape_and_cac
 the decode rows go to the paged-attention kernel, which reads K/V in place through the block
 tables; its metadata (`decode_query_start_loc`) already allows several query rows per
 sequence (speculative verification, prefix continuations). Otherwise torch ops do both.
+An fp8 pool (`kv_cache_dtype`) holds K / k_scale and V / v_scale in one byte: the kernels
+convert on write and read; the torch paths quantize on write and dequantize what they gather,
+and a prefill chunk without cached context attends to its fresh K/V rounded as stored, so
+every path sees the same values.
 """
 
 from __future__ import annotations
@@ -68,20 +72,25 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
         self.scale = head_dim**-0.5
         self.native = False
+        # NOTE: per-tensor scales of an fp8 pool (vLLM's static k_scale/v_scale, 1.0 unless
+        # set at start-up); unused for a pool in the model's dtype.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D] (token rows may be strided). Returns [T, H * D]."""
         n = meta.num_decode_tokens
         if self.native:
-            cpu_kernels.ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            cpu_kernels.ops.reshape_and_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping,
+                                              self.k_scale, self.v_scale)
             if n == q.shape[0] and not meta.prefills:
                 return self._decode_native(q, meta)
         k_flat = self.k_cache.view(-1, self.num_kv_heads, self.head_dim)
         v_flat = self.v_cache.view(-1, self.num_kv_heads, self.head_dim)
         if not self.native:
-            k_flat.index_copy_(0, meta.slot_mapping, k)
-            v_flat.index_copy_(0, meta.slot_mapping, v)
+            self._write(k_flat, meta.slot_mapping, k, self.k_scale)
+            self._write(v_flat, meta.slot_mapping, v, self.v_scale)
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         if n:
             out[:n] = self._decode(q[:n], k_flat, v_flat, meta)
@@ -98,8 +107,8 @@ class PagedAttention(nn.Module):
         # grouped-query attention needs no K/V expansion: [B, KV, group, D] against [B, KV, L, D].
         batch = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        keys = k_flat[meta.decode_slots].transpose(1, 2)
-        values = v_flat[meta.decode_slots].transpose(1, 2)
+        keys = self._gather(k_flat, meta.decode_slots, self.k_scale, q.dtype).transpose(1, 2)
+        values = self._gather(v_flat, meta.decode_slots, self.v_scale, q.dtype).transpose(1, 2)
         queries = q.reshape(batch, self.num_kv_heads, group, self.head_dim)
         o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask)
         return o.reshape(batch, self.num_heads * self.head_dim)
@@ -109,12 +118,46 @@ class PagedAttention(nn.Module):
         assert meta.decode_query_start_loc is not None
         return cpu_kernels.ops.paged_attention(
             q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-            meta.decode_query_start_loc, self.scale, meta.sliding_window)
+            meta.decode_query_start_loc, self.scale, meta.sliding_window, self.k_scale, self.v_scale)
+
+    def _to_cache(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """x as the pool stores it: unchanged, or x / scale rounded to fp8 (saturating)."""
+        dtype = self.k_cache.dtype
+        if dtype == x.dtype:
+            return x
+        limit = torch.finfo(dtype).max
+        return (x.float() * (1.0 / scale)).clamp(-limit, limit).to(dtype)
+
+    @staticmethod
+    def _from_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        if x.dtype == dtype:
+            return x
+        return (x.float() * scale).to(dtype)
+
+    # NOTE: an fp8 pool is indexed through a uint8 view: index_copy_ and gathers are not
+    # implemented for float8 dtypes everywhere (CUDA), byte copies are.
+    def _write(self, flat: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+        if flat.dtype == x.dtype:
+            flat.index_copy_(0, slots, x)
+        else:
+            flat.view(torch.uint8).index_copy_(0, slots, self._to_cache(x, scale).view(torch.uint8))
+
+    @classmethod
+    def _gather(cls, flat: torch.Tensor, index: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        if flat.dtype == dtype:
+            return flat[index]
+        return cls._from_cache(flat.view(torch.uint8)[index].view(flat.dtype), scale, dtype)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_flat: torch.Tensor,
                  v_flat: torch.Tensor, chunk: PrefillChunk) -> torch.Tensor:
         if chunk.slots is not None:
-            k, v = k_flat[chunk.slots], v_flat[chunk.slots]
+            k = self._gather(k_flat, chunk.slots, self.k_scale, q.dtype)
+            v = self._gather(v_flat, chunk.slots, self.v_scale, q.dtype)
+        elif self.k_cache.dtype != q.dtype:
+            # NOTE: fresh K/V as the pool stores them, so that a prompt attends to the same
+            # values whether it is prefilled at once, in chunks, or recomputed after preemption.
+            k = self._from_cache(self._to_cache(k, self.k_scale), self.k_scale, q.dtype)
+            v = self._from_cache(self._to_cache(v, self.v_scale), self.v_scale, q.dtype)
         # NOTE: K/V expanded to every query head and a 4-D call take SDPA's fast CPU path:
         # 2-3x faster here than the 3-D enable_gqa call.
         group = self.num_heads // self.num_kv_heads

@@ -11,9 +11,15 @@ F.linear only in summation order (within one bf16 rounding of the output).
 Where the kernels have native bf16 dot products (the `avx512bf16` build), `prepack_for_cpu`
 packs each bf16 weight for the small-M GEMM kernel instead (`gemm_weight`, the only copy kept),
 which then computes every product of the layer, with the same numerics as the GEMV.
+How the weight is stored and applied is the layer's linear method (`method`): unquantized
+(the paths above) by default; `pagoda.layers.quantization` swaps in packed int8/int4 or fp8
+methods after loading, or prepares GGUF-packed ones before it, without changing the layer's
+interface (`weight_loader`, `forward`, `project`).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +39,39 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+class LinearMethod(Protocol):
+    """How a `Linear` stores its weight and computes x W^T + bias."""
+
+    @property
+    def name(self) -> str: ...
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def weight_bytes(self) -> int: ...
+
+
+class UnquantizedLinearMethod:
+    """The float weight: the small-M GEMM's packed copy, the bf16 GEMV kernel for small native
+    steps, oneDNN's prepacked copy, or F.linear."""
+
+    name = "unquantized"
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.gemm_weight is not None:
+            return cpu_kernels.ops.gemm(x, layer.gemm_weight, bias)
+        if layer.native and x.shape[0] <= GEMV_MAX_ROWS and layer._gemv_ready():
+            return cpu_kernels.ops.gemv(x, layer.weight, bias)
+        if layer.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")
+        return F.linear(x, layer.weight, bias)
+
+    def weight_bytes(self) -> int:
+        return 0  # NOTE: the layer's parameters hold it
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b)."""
 
@@ -45,22 +84,18 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
+        self.in_features, self.out_features = input_size, output_size
         self.packed: torch.Tensor | None = None
         self.gemm_weight: cpu_kernels.ops.PackedWeight | None = None
         self.native = False
+        self.method: LinearMethod = UNQUANTIZED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.project(x, self.bias)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias, by the fastest path this weight has."""
-        if self.gemm_weight is not None:
-            return cpu_kernels.ops.gemm(x, self.gemm_weight, bias)
-        if self.native and x.shape[0] <= GEMV_MAX_ROWS and self._gemv_ready():
-            return cpu_kernels.ops.gemv(x, self.weight, bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        return self.method.apply(self, x, bias)
 
     def _gemv_ready(self) -> bool:
         w = self.weight
@@ -101,9 +136,10 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # t
     count = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        if (not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu"
+                or module.method is not UNQUANTIZED or not w.numel()):
             continue
-        if native_gemm and w.numel():
+        if native_gemm:
             module.gemm_weight = cpu_kernels.ops.PackedWeight(w.detach())
         else:
             module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)

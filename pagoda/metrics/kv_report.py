@@ -6,6 +6,7 @@ The engine builds the numbers (a dict, see `REPORT_KEYS`); this module only word
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 REPORT_KEYS = ("pool_bytes", "num_blocks", "block_size", "num_blocks_free", "num_blocks_cached",
                "tokens_held", "slots_reserved", "slots_unused", "contiguous_reservation_tokens",
@@ -26,13 +27,14 @@ def _percent(part: float, whole: float) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "n/a"
 
 
-def format_kv_memory_report(report: Mapping[str, float]) -> str:
+def format_kv_memory_report(report: Mapping[str, Any]) -> str:
     """Words the engine's KV memory numbers as a few lines of text.
 
     Args:
         report: every key of `REPORT_KEYS`; the slot and token counts cover running requests,
             `contiguous_reservation_*` is what reserving `max_model_len` contiguous slots per
-            running request (the pre-paging way) would take.
+            running request (the pre-paging way) would take. An optional `kv_cache_dtype`
+            (e.g. 'fp8_e4m3') is named beside the bytes per slot, which it halves against bf16.
 
     Raises:
         ValueError: naming the keys that are missing.
@@ -45,9 +47,10 @@ def format_kv_memory_report(report: Mapping[str, float]) -> str:
     slot_bytes = n["pool_bytes"] / num_slots if num_slots else 0.0
     contiguous, reserved = n["contiguous_reservation_tokens"], n["slots_reserved"]
     ratio = f"{contiguous / reserved:.1f}x" if reserved else "n/a"
+    dtype = f", {report['kv_cache_dtype']}" if report.get("kv_cache_dtype") else ""
     return "\n".join([
         f"KV cache pool: {format_bytes(n['pool_bytes'])}, {n['num_blocks']} blocks x "
-        f"{n['block_size']} tokens = {num_slots} token slots ({format_bytes(slot_bytes)} per slot)",
+        f"{n['block_size']} tokens = {num_slots} token slots ({format_bytes(slot_bytes)} per slot{dtype})",
         f"  blocks: {n['num_blocks'] - n['num_blocks_free']} in use, {n['num_blocks_free']} free, "
         f"{n['num_blocks_cached']} holding cached prefixes",
         f"  running requests: {n['tokens_held']} tokens held in {reserved} reserved slots "

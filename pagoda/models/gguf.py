@@ -4,6 +4,10 @@ Config, tokenizer and chat template come from the GGUF metadata through transfor
 GGUF support; the tensors are read here with the `gguf` package so that only what the model
 needs is materialised. llama.cpp stores Llama-architecture q/k projections permuted for its
 rotary layout; they are permuted back.
+With `packed` names (quantization='gguf', see layers/quantization/gguf.py), those Q4_0, Q4_1
+and Q8_0 tensors are not dequantized: each yields its integer codes under its own name, and
+its block scales d (and offsets m: Q4_1's m, Q4_0's -8d) as `<name>_scale` / `<name>_zero`,
+[rows, columns / 32]; rows are un-permuted like the weight's.
 """
 
 from __future__ import annotations
@@ -52,8 +56,44 @@ def _field(reader: Any, key: str) -> Any:
     return f.contents()
 
 
-def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (Hugging Face name, float32 tensor) for every tensor the model uses."""
+def gguf_tensor_types(path: str) -> dict[str, str]:
+    """Each model tensor's GGUF kind ('Q4_1', 'F32', ...) by HF name without 'model.'."""
+    from gguf import GGUFReader
+
+    types = {}
+    for tensor in GGUFReader(path).tensors:
+        name = hf_name(tensor.name)
+        if name is not None:
+            types[name.removeprefix("model.")] = tensor.tensor_type.name
+    return types
+
+
+# bytes per block of 32, and where the codes start, for the kinds kept packed
+_BLOCKS = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}
+
+
+def unpack_blocks(raw: np.ndarray, kind: str, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """A Q4_0/Q4_1/Q8_0 tensor's raw blocks -> (codes [rows, cols], d, m [rows, cols / 32]).
+
+    Q4 codes are in [0, 15] with w = q * d + m (Q4_0: m = -8d); Q8_0 codes are int8, w = q * d.
+    """
+    size, start = _BLOCKS[kind]
+    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, size)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
+    qs = blocks[:, start:]
+    if kind == "Q8_0":
+        return qs.copy().view(np.int8).astype(np.float32).reshape(rows, -1), d, None
+    codes = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.float32).reshape(rows, -1)
+    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, -1) if kind == "Q4_1" else -8 * d
+    return codes, d, m
+
+
+def iter_gguf_weights(path: str, packed: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (Hugging Face name, float32 tensor) for every tensor the model uses.
+
+    Args:
+        packed: tensors (HF names without 'model.') to yield as codes and scales instead.
+    """
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -65,10 +105,22 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_name(tensor.name)
         if name is None:
             continue
-        array = dequantize(tensor.data, tensor.tensor_type)
-        array = np.asarray(array, dtype=np.float32).reshape(tuple(reversed([int(x) for x in tensor.shape])))
-        if arch in _PERMUTED_ARCHS and ".q_proj." in name:
-            array = _unpermute(array, n_head)
-        elif arch in _PERMUTED_ARCHS and ".k_proj." in name:
-            array = _unpermute(array, n_kv)
-        yield name, torch.from_numpy(np.array(array, copy=True))
+        shape = tuple(reversed([int(x) for x in tensor.shape]))
+        if packed and name.removeprefix("model.") in packed:
+            codes, d, m = unpack_blocks(tensor.data, tensor.tensor_type.name, shape[0])
+            parts = {name: codes, f"{name}_scale": d}
+            if m is not None:
+                parts[f"{name}_zero"] = m
+        else:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            parts = {name: np.asarray(array, dtype=np.float32).reshape(shape)}
+        for part, array in parts.items():
+            yield part, torch.from_numpy(np.array(_unpermuted(array, name, arch, n_head, n_kv), copy=True))
+
+
+def _unpermuted(array: np.ndarray, name: str, arch: str, n_head: int, n_kv: int) -> np.ndarray:
+    if arch in _PERMUTED_ARCHS and ".q_proj." in name:
+        return _unpermute(array, n_head)
+    if arch in _PERMUTED_ARCHS and ".k_proj." in name:
+        return _unpermute(array, n_kv)
+    return array

@@ -101,11 +101,11 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
     return tok
 
 
-def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, packed: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     if is_gguf(path):
         from pagoda.models.gguf import iter_gguf_weights
 
-        yield from iter_gguf_weights(path)
+        yield from iter_gguf_weights(path, packed)
         return
     from safetensors import safe_open
 
@@ -130,8 +130,10 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         if "rotary_emb" in name or not holds(name):
             continue
         target, shard = _packed_target(name, packed)
-        if target == "embed_tokens.weight" and target not in params and tied:
-            target = "lm_head.weight"  # NOTE: a last pipeline stage without the embedding
+        if target.startswith("embed_tokens.weight") and target not in params and tied:
+            # NOTE: a last pipeline stage without the embedding, or a GGUF-packed tied head's
+            # scales (embed_tokens.weight_scale), which only the head has.
+            target = target.replace("embed_tokens.", "lm_head.", 1)
         param = params.get(target)
         if param is None:
             if name == "lm_head.weight" and tied:
@@ -165,8 +167,16 @@ def _check_all_loaded(model: nn.Module, params: dict[str, nn.Parameter], loaded:
 
 def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.device,
                max_positions: int, tp: ParallelGroup = SINGLE,
-               stage: PipelineStage = WHOLE) -> LlamaForCausalLM:
-    """Builds the registered model (this rank's shard and stage) and loads its weights."""
+               stage: PipelineStage = WHOLE, gguf_packed: bool = False) -> LlamaForCausalLM:
+    """Builds the registered model (this rank's shard and stage) and loads its weights.
+
+    Args:
+        gguf_packed: keep a GGUF's Q4_0/Q4_1/Q8_0 tensors packed (quantization='gguf'); the
+            caller finishes with `layers.quantization.finish_gguf`.
+    """
+    if gguf_packed and not is_gguf(path):
+        raise ValueError(f"quantization='gguf' needs a .gguf model, got {path!r}; for other "
+                         "checkpoints use quantization='int8' or 'int4'.")
     cls, flags = resolve_architecture(hf_config)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -176,7 +186,15 @@ def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.d
     finally:
         torch.set_default_dtype(previous)
     model.rotary.to(torch.float32)
-    load_weights(model, iter_weights(path))
+    packed = None
+    if gguf_packed:
+        from pagoda.layers.quantization.gguf import finish_gguf_load, prepare_gguf_load
+        from pagoda.models.gguf import gguf_tensor_types
+
+        packed = prepare_gguf_load(model, gguf_tensor_types(path))
+    load_weights(model, iter_weights(path, packed))
+    if packed is not None:
+        finish_gguf_load(model)
     return model.eval()
 
 

@@ -27,7 +27,16 @@ from typing import Any
 
 import uvicorn
 
-from pagoda.config import BLOCK_SIZES, DEFAULT_MODEL, DTYPES, EngineConfig, parse_bytes
+from pagoda.config import (
+    BLOCK_SIZES,
+    DEFAULT_MODEL,
+    DTYPES,
+    INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
+    EngineConfig,
+    parse_bytes,
+)
 from pagoda.metrics import LiveStatLogger, default_stat_loggers, format_kv_memory_report
 from pagoda.server.api import build_app
 from pagoda.server.serving import (
@@ -51,7 +60,8 @@ ENGINE_FLAGS = {
     "max_n": "max_n", "max_prompt_chars": "max_prompt_chars",
     "max_stop_sequences": "max_stop_sequences", "max_stop_str_chars": "max_stop_str_chars",
     "max_logit_bias": "max_logit_bias", "max_queued_requests": "max_queued_requests",
-    "speculative_config": "speculative_config",
+    "speculative_config": "speculative_config", "quantization": "quantization",
+    "quantization_group_size": "quantization_group_size", "kv_cache_dtype": "kv_cache_dtype",
 }
 
 
@@ -129,12 +139,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, default=None)
     model.add_argument("--chat-template", default=None, help="a Jinja template or a file path")
     model.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    model.add_argument("-q", "--quantization", choices=QUANTIZATIONS, default=None,
+                       help="weight quantization: int8 (per channel), int4 (group-wise), gguf "
+                            "(a quantized GGUF's blocks kept packed), fp8 (needs fp8 hardware); "
+                            "default: weights in --dtype (a quantized GGUF is dequantized)")
+    model.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=None,
+                       help="inputs per int4 scale (default 32)")
     cache = parser.add_argument_group("memory and scheduling")
     cache.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None)
     cache.add_argument("--kv-cache-memory", type=byte_size, default=None,
                        help="KV pool size, e.g. 4GiB")
     cache.add_argument("--gpu-memory-utilization", type=float, default=None)
     cache.add_argument("--num-kv-blocks", type=int, default=None)
+    cache.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                       help="K/V storage: auto (the model's dtype) or fp8 (= fp8_e4m3), "
+                            "fp8_e5m2: one byte a value with a per-tensor scale, twice the tokens")
     cache.add_argument("--max-num-seqs", type=int, default=None)
     cache.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step (default 512: sooner first tokens; raise it for throughput)")

@@ -24,12 +24,17 @@ logger = logging.getLogger("pagoda")
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 ArgTypes = list[type]
 _DTYPED: dict[str, ArgTypes] = {
-    "paged_attention": [_P] * 7 + [_I] * 6 + [_L, _L, _F, _L],
-    "reshape_and_cache": [_P] * 5 + [_L] * 4,
     "rotary": [_P] * 4 + [_L, _I, _I, _L, _L],
     "rms_norm": [_P] * 3 + [_L, _I, _L, _L, _F],
     "fused_add_rms_norm": [_P] * 3 + [_L, _I, _F],
     "silu_and_mul": [_P] * 2 + [_L, _I],
+    "qgemv": [_I, _P, _L, _P, _L, _L, _P, _P, _L, _L, _L, _L, _I],
+    "dequantize": [_I, _P, _L, _L, _P, _L, _L],
+}
+# Bound per (activation dtype, KV cache dtype): the cache may hold one-byte fp8.
+_CACHE_TYPED: dict[str, ArgTypes] = {
+    "paged_attention": [_P] * 7 + [_I] * 6 + [_L, _L, _F, _L, _F, _F],
+    "reshape_and_cache": [_P] * 5 + [_L] * 4 + [_F, _F],
 }
 _PLAIN: dict[str, ArgTypes] = {
     "gemv_bf16": [_P, _L, _P, _P, _P, _L, _L, _L, _L],
@@ -41,6 +46,7 @@ _RETURNING: dict[str, tuple[ArgTypes, type]] = {
     "gemm_packed_size_bf16": ([_L, _L], _L),
 }
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+CACHE_SUFFIXES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def cpu_flags() -> set[str]:
@@ -71,10 +77,19 @@ class KernelLibrary:
         self._cdll = ctypes.CDLL(str(path))
         self.fns: dict[str, ctypes._CFuncPtr] = {}  # type: ignore[name-defined]
         self._typed: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}  # type: ignore[name-defined]
+        self._cache_typed: dict[tuple[str, torch.dtype, torch.dtype], ctypes._CFuncPtr] = {}  # type: ignore[name-defined]
         for base, argtypes in _DTYPED.items():
             for dtype, suffix in SUFFIXES.items():
                 self._bind(f"{base}_{suffix}", argtypes)
                 self._typed[(base, dtype)] = self.fns[f"{base}_{suffix}"]
+        for base, argtypes in _CACHE_TYPED.items():
+            for dtype, suffix in SUFFIXES.items():
+                self._bind(f"{base}_{suffix}", argtypes)
+                self._typed[(base, dtype)] = self._cache_typed[(base, dtype, dtype)] = self.fns[f"{base}_{suffix}"]
+                for cache_dtype, cache_suffix in CACHE_SUFFIXES.items():
+                    name = f"{base}_{suffix}_{cache_suffix}"
+                    self._bind(name, argtypes)
+                    self._cache_typed[(base, dtype, cache_dtype)] = self.fns[name]
         for name, argtypes in _PLAIN.items():
             self._bind(name, argtypes)
         for name, (argtypes, restype) in _RETURNING.items():
@@ -89,6 +104,10 @@ class KernelLibrary:
 
     def fn(self, name: str, dtype: torch.dtype | None = None) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         return self.fns[name] if dtype is None else self._typed[(name, dtype)]
+
+    def cache_fn(self, name: str, dtype: torch.dtype, cache_dtype: torch.dtype) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+        """The variant of `name` for activations of `dtype` and a KV pool of `cache_dtype`."""
+        return self._cache_typed[(name, dtype, cache_dtype)]
 
 
 def _search_dirs() -> list[Path]:

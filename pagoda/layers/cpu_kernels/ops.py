@@ -36,13 +36,14 @@ def _check_rows(x: torch.Tensor, inner: int) -> None:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of each sequence's new query rows over its whole paged context.
 
     Args:
         q: [num_tokens, num_heads, head_dim]; sequence s owns rows
             query_start_loc[s]:query_start_loc[s + 1], the last rows of its context.
-        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], contiguous; q's
+            dtype, or fp8 (e4m3fn/e5m2) holding K / k_scale and V / v_scale.
         block_tables: int64 [num_seqs, max_blocks]; seq_lens: int64 [num_seqs] (context
             lengths, new rows included); query_start_loc: int64 [num_seqs + 1].
         window: sliding window in tokens (0: none).
@@ -53,21 +54,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check_rows(q, head_dim)
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
-    _lib().fn("paged_attention", q.dtype)(
+    _lib().cache_fn("paged_attention", q.dtype, k_cache.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
         seq_lens.data_ptr(), query_start_loc.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads,
-        head_dim, block_size, block_tables.shape[1], q.stride(0), num_heads * head_dim, scale, window)
+        head_dim, block_size, block_tables.shape[1], q.stride(0), num_heads * head_dim, scale, window,
+        k_scale, v_scale)
     return out
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """Writes token t's k[t], v[t] ([num_kv_heads, head_dim]) into slot slot_mapping[t] (< 0: skip)."""
+                      slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Writes token t's k[t], v[t] ([num_kv_heads, head_dim]) into slot slot_mapping[t] (< 0: skip).
+
+    An fp8 pool stores k / k_scale and v / v_scale, rounded to nearest even and saturated.
+    """
     _check_rows(k, k.shape[-1])
     _check_rows(v, v.shape[-1])
-    _lib().fn("reshape_and_cache", k.dtype)(
+    _lib().cache_fn("reshape_and_cache", k.dtype, k_cache.dtype)(
         k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
-        k.shape[0], k.shape[1] * k.shape[2], k.stride(0), v.stride(0))
+        k.shape[0], k.shape[1] * k.shape[2], k.stride(0), v.stride(0), k_scale, v_scale)
 
 
 def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -147,6 +152,37 @@ def gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
     out = torch.empty(m, weight.n, dtype=x.dtype)
     _lib().fn("gemm_bf16")(x.data_ptr(), x.stride(0), weight.data.data_ptr(),
                            bias.data_ptr() if bias is not None else None, out.data_ptr(), weight.n, m, weight.n, k)
+    return out
+
+
+# Packed weight formats of `qgemv` / `dequantize` (csrc/qgemv.cpp describes the records).
+INT4, INT8 = 0, 1
+
+
+def qgemv(x: torch.Tensor, packed: torch.Tensor, fmt: int, in_features: int, group_size: int,
+          bias: torch.Tensor | None = None, max_threads: int = 1 << 30) -> torch.Tensor:
+    """x [M, K] (rows may be strided; f32, bf16 or f16) times a packed weight [N, record]^T.
+
+    Args:
+        packed: uint8 [N, row_bytes], one record per output row (`INT4` or `INT8` layout).
+        in_features: K; group_size: elements of K per scale (K for one scale a row).
+    """
+    _check_rows(x, x.shape[-1])
+    n = packed.shape[0]
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    _lib().fn("qgemv", x.dtype)(fmt, x.data_ptr(), x.stride(0), packed.data_ptr(), packed.shape[1], group_size,
+                                bias.data_ptr() if bias is not None else None, out.data_ptr(), n,
+                                x.shape[0], n, in_features, max_threads)
+    return out
+
+
+def dequantize(packed: torch.Tensor, fmt: int, in_features: int, group_size: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The dense [N, K] weight of a packed one, in `dtype` (each value rounded once)."""
+    n = packed.shape[0]
+    out = torch.empty(n, in_features, dtype=dtype)
+    _lib().fn("dequantize", dtype)(fmt, packed.data_ptr(), packed.shape[1], group_size, out.data_ptr(), n,
+                                   in_features)
     return out
 
 

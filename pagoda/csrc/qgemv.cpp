@@ -1,0 +1,411 @@
+// Weight-only quantized products for small M, and dequantization for large M.
+//
+// Two packed row formats, one record per output row so that a thread reads one sequential
+// stream (the bf16 GEMV's lesson, gemv.cpp):
+// - int4: [K/2 bytes of nibbles][G x f16 scale d][G x f16 offset m], w = q * d + m, q in
+//   [0, 15], groups of `gs` (32, 64 or 128) along K; K is a multiple of 64.
+// - int8: [K x int8][G x f32 scale d], w = q * d (G = 1: one scale per output channel).
+// y[M, N] = x[M, K] W^T (+ bias). x, bias and y share one dtype T (f32, bf16, f16).
+//
+// int4 products run on vdpbf16ps: a vpermw table turns each nibble into the exact bf16 of q,
+// activations are bf16 (x rounded to bf16 when T is not), sums fp32. The nibbles are stored in
+// "stream order" (`StreamOrder`) so that no scale is applied per 32 products: K is cut into
+// 32-element blocks, the blocks into superblocks of S = 16, 8, 4 or 2 blocks, and inside a
+// superblock every one of vdpbf16ps's 16 lanes accumulates only elements of one block (16 / S
+// lanes a block). A superblock is read as S / 2 steps of 32 bytes: byte p of a step holds two
+// elements (low and high nibble) of the block of lane p / 2. After a superblock, one multiply by
+// the lanes' block scales adds it to the row's sum; the offsets come in once per row through
+// the group sums of x (y = sum_g d_g sum_k q_k x_k + sum_g m_g sum_k x_k). x is permuted into
+// the same stream order once per call. int8 products widen q and x to fp32 (exact products,
+// fp32 sums). Without AVX512_BF16 the same arithmetic runs in plain loops.
+#include <mutex>
+#include <vector>
+
+#include "parallel.h"
+#include "vec.h"
+
+namespace pagoda {
+namespace {
+
+constexpr int kMaxRows = 8;        // input rows per pass over the weights
+constexpr int64_t kRowGrain = 16;  // output rows per thread range, a multiple of this
+
+struct QArgs {
+  const uint8_t* w;
+  int64_t row_bytes, N, K, G, gs;
+};
+
+// Activations as the kernels read them: int4 takes bf16 rows in stream order, int8 fp32
+// rows; both K long.
+struct Acts {
+  const bf16* xb;   // [M, K] bf16, stream order (int4)
+  const float* xf;  // [M, K] fp32 (int8)
+  const float* sx;  // [M, G] group sums of the bf16 rows (int4)
+};
+
+struct Superblock {
+  int blocks;     // S: 32-element blocks in it
+  int64_t block0;  // its first block
+};
+
+// The int4 layout of a row of K: its superblocks, and `element[i]`, the element of K whose
+// nibble sits at stream position i (step c's low nibbles are positions 64c + p, its high
+// nibbles 64c + 32 + p, for byte p). Python's packing.stream_order is the same function.
+struct StreamOrder {
+  std::vector<Superblock> superblocks;
+  std::vector<int32_t> element;
+
+  explicit StreamOrder(int64_t K) {
+    int64_t left = K / 32, b0 = 0;  // even: K is a multiple of 64
+    for (int s : {16, 8, 4, 2})
+      for (; left >= s; left -= s, b0 += s) superblocks.push_back({s, b0});
+    for (const Superblock& sb : superblocks) {
+      const int lanes = 16 / sb.blocks;
+      for (int t = 0; t < sb.blocks / 2; ++t)
+        for (int half = 0; half < 2; ++half)
+          for (int p = 0; p < 32; ++p) {
+            const int lane = p / 2, j = lane / lanes, u = lane % lanes;
+            element.push_back(static_cast<int32_t>(32 * (sb.block0 + j) + (t * lanes + u) * 4 + 2 * half + (p & 1)));
+          }
+    }
+  }
+};
+
+// The order of a K, built once per K (a handful of distinct K per model).
+const StreamOrder& stream_order(int64_t K) {
+  static std::mutex mutex;
+  static std::vector<std::pair<int64_t, StreamOrder*>> orders;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto& [k, order] : orders)
+    if (k == K) return *order;
+  orders.emplace_back(K, new StreamOrder(K));
+  return *orders.back().second;
+}
+
+// sum_g m_g * sx_g with m in f16.
+inline float offset_term(const uint16_t* m, const float* sx, int64_t G) {
+  float s = 0.f;
+  for (int64_t g = 0; g < G; ++g) s += f16_from_bits(m[g]) * sx[g];
+  return s;
+}
+
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+
+// sum_g (m_g - 128 d_g) * sx_g with m in f16 and d in fp32, 16 groups at a time: the offsets,
+// less the 128 that each code carried into the products.
+inline float offset_term_avx(const uint16_t* m, const float* d, const float* sx, int64_t G) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; g += 16) {
+    const __mmask16 k = tail_mask(static_cast<int>(std::min<int64_t>(G - g, 16)));
+    const __m512 off = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), _mm512_maskz_loadu_ps(k, d + g),
+                                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, m + g)));
+    acc = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(k, sx + g), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+inline void f16_row_to_float(const uint16_t* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(static_cast<int>(std::min<int64_t>(n - i, 16)));
+    _mm512_mask_storeu_ps(dst + i, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + i)));
+  }
+}
+
+// One superblock of S blocks for M input rows: acc[m] += the lanes' sums (lane l: block l / (16 / S)).
+// NOTE: four accumulators for one row, two for two, one a row from four rows on: enough
+// independent vdpbf16ps chains to hide their latency, few enough registers not to spill
+// (measured: 2 a row at 8 rows cost 2x through spills).
+template <int M, int S>
+inline void int4_superblock(const uint8_t* q, const bf16* x, int64_t x_stride, __m512 acc[M]) {
+  constexpr int kAcc = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  __m512 part[M][kAcc];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < kAcc; ++i) part[m][i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int t = 0; t < S / 2; ++t) {
+    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * t)));
+    // bf16 0x4300 | q is exactly 128 + q (the offset term takes the 128 back out)
+    const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(raw, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);
+    const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(raw, 4), _mm512_set1_epi16(0x4300));
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const bf16* xm = x + m * x_stride + 64 * t;
+      __m512& a = part[m][(2 * t) % kAcc];
+      a = _mm512_dpbf16_ps(a, lo, (__m512bh)_mm512_loadu_si512(xm));
+      __m512& b = part[m][(2 * t + 1) % kAcc];
+      b = _mm512_dpbf16_ps(b, hi, (__m512bh)_mm512_loadu_si512(xm + 32));
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 sum = part[m][0];
+    for (int i = 1; i < kAcc; ++i) sum = _mm512_add_ps(sum, part[m][i]);
+    acc[m] = sum;
+  }
+}
+
+// Output rows [n0, n1) of int4 for M input rows; out[m * N + n] gets the fp32 sum.
+template <int M>
+void int4_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+  const StreamOrder& order = stream_order(a.K);
+  thread_local std::vector<float> dq;
+  dq.resize(a.G + 16);
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(a.gs / 32));
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = a.w + n * a.row_bytes;
+    const auto* d = reinterpret_cast<const uint16_t*>(q + a.K / 2);
+    f16_row_to_float(d, dq.data(), a.G);
+    __m512 y[M];
+    for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
+    const uint8_t* qs = q;
+    int64_t pos = 0;  // stream position of the superblock
+    for (const Superblock& sb : order.superblocks) {
+      __m512 acc[M];
+      const bf16* xs = x.xb + pos;
+      switch (sb.blocks) {
+        case 16: int4_superblock<M, 16>(qs, xs, a.K, acc); break;
+        case 8: int4_superblock<M, 8>(qs, xs, a.K, acc); break;
+        case 4: int4_superblock<M, 4>(qs, xs, a.K, acc); break;
+        default: int4_superblock<M, 2>(qs, xs, a.K, acc); break;
+      }
+      // Lane l's scale: its block's group, d[(block0 + l / (16 / S)) >> shift].
+      const int lane_shift = __builtin_ctz(16 / sb.blocks);
+      const int64_t g0 = sb.block0 >> shift;
+      const __m512i idx = _mm512_sub_epi32(
+          _mm512_srli_epi32(_mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(sb.block0)), _mm512_srli_epi32(iota, lane_shift)), shift),
+          _mm512_set1_epi32(static_cast<int>(g0)));
+      const __m512 scale = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(dq.data() + g0));
+      for (int m = 0; m < M; ++m) y[m] = _mm512_fmadd_ps(scale, acc[m], y[m]);
+      qs += 16 * sb.blocks;
+      pos += 32 * sb.blocks;
+    }
+    const uint16_t* mins = d + a.G;
+    for (int m = 0; m < M; ++m)
+      out[m * a.N + n] = _mm512_reduce_add_ps(y[m]) + offset_term_avx(mins, dq.data(), x.sx + m * a.G, a.G);
+  }
+}
+
+template <int M>
+void int8_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
+    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    __m512 y[M];
+    for (int m = 0; m < M; ++m) y[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < a.G; ++g) {
+      __m512 t0[M], t1[M];
+      for (int m = 0; m < M; ++m) t0[m] = t1[m] = _mm512_setzero_ps();
+      for (int64_t k = g * a.gs; k < (g + 1) * a.gs; k += 32) {
+        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          t0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x.xf + m * a.K + k), t0[m]);
+          t1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.xf + m * a.K + k + 16), t1[m]);
+        }
+      }
+      const __m512 dg = _mm512_set1_ps(d[g]);
+      for (int m = 0; m < M; ++m) y[m] = _mm512_fmadd_ps(dg, _mm512_add_ps(t0[m], t1[m]), y[m]);
+    }
+    for (int m = 0; m < M; ++m) out[m * a.N + n] = _mm512_reduce_add_ps(y[m]);
+  }
+}
+
+#else  // portable: the same sums in plain loops
+
+// The nibble at stream position i (step i / 64; low nibbles first within a step).
+inline int nibble(const uint8_t* q, int64_t i) {
+  const uint8_t b = q[32 * (i / 64) + (i % 32)];
+  return (i % 64) < 32 ? (b & 15) : (b >> 4);
+}
+
+template <int M>
+void int4_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+  const StreamOrder& order = stream_order(a.K);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = a.w + n * a.row_bytes;
+    const auto* d = reinterpret_cast<const uint16_t*>(q + a.K / 2);
+    for (int m = 0; m < M; ++m) {
+      const bf16* xm = x.xb + m * a.K;
+      float y = 0.f;
+      for (int64_t i = 0; i < a.K; ++i)
+        y += f16_from_bits(d[order.element[i] / a.gs]) * (static_cast<float>(nibble(q, i)) * to_float(xm[i]));
+      out[m * a.N + n] = y + offset_term(d + a.G, x.sx + m * a.G, a.G);
+    }
+  }
+}
+
+template <int M>
+void int8_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
+    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    for (int m = 0; m < M; ++m) {
+      float y = 0.f;
+      for (int64_t g = 0; g < a.G; ++g) {
+        float t = 0.f;
+        for (int64_t k = g * a.gs; k < (g + 1) * a.gs; ++k) t += static_cast<float>(q[k]) * x.xf[m * a.K + k];
+        y += d[g] * t;
+      }
+      out[m * a.N + n] = y;
+    }
+  }
+}
+
+#endif
+
+enum class Format { kInt4, kInt8 };
+
+template <Format F, int M>
+void rows_block(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+  if constexpr (F == Format::kInt4) {
+    int4_rows<M>(a, x, n0, n1, out);
+  } else {
+    int8_rows<M>(a, x, n0, n1, out);
+  }
+}
+
+// Each thread takes ranges of output rows and runs every input row against each 16 of them,
+// kMaxRows at a time, so that the weights come from DRAM once and from L1 for the other
+// passes; then it stores y = out (+ bias), rounded once to T. `out` is [kMaxRows][N] scratch.
+template <Format F, typename T>
+void all_rows(const QArgs& a, const Acts& x, int64_t M, float* out, const T* bias, T* y, int64_t y_stride,
+              int max_threads) {
+  parallel_ranges(a.N, kRowGrain, [&](int64_t r0, int64_t r1) {
+    for (int64_t n0 = r0, n1 = std::min(r1, r0 + kRowGrain); n0 < r1; n0 = n1, n1 = std::min(r1, n1 + kRowGrain))
+    for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+      Acts xm = x;
+      xm.xb = x.xb ? x.xb + m0 * a.K : nullptr;
+      xm.xf = x.xf ? x.xf + m0 * a.K : nullptr;
+      xm.sx = x.sx ? x.sx + m0 * a.G : nullptr;
+      const int rows = static_cast<int>(std::min<int64_t>(M - m0, kMaxRows));
+      switch (rows) {
+        case 1: rows_block<F, 1>(a, xm, n0, n1, out); break;
+        case 2: rows_block<F, 2>(a, xm, n0, n1, out); break;
+        case 3: rows_block<F, 3>(a, xm, n0, n1, out); break;
+        case 4: rows_block<F, 4>(a, xm, n0, n1, out); break;
+        case 5: rows_block<F, 5>(a, xm, n0, n1, out); break;
+        case 6: rows_block<F, 6>(a, xm, n0, n1, out); break;
+        case 7: rows_block<F, 7>(a, xm, n0, n1, out); break;
+        default: rows_block<F, 8>(a, xm, n0, n1, out); break;
+      }
+      for (int m = 0; m < rows; ++m)
+        for (int64_t n = n0; n < n1; ++n)
+          store_one(out[m * a.N + n] + (bias ? to_float(bias[n]) : 0.f), y + (m0 + m) * y_stride + n);
+    }
+  }, max_threads);
+}
+
+template <typename T>
+void qgemv(Format format, const T* x, int64_t x_stride, const QArgs& a, const T* bias, T* y, int64_t y_stride,
+           int64_t M, int max_threads) {
+  thread_local std::vector<bf16> xb;
+  thread_local std::vector<float> xf, sx, out;
+  out.resize(std::min<int64_t>(M, kMaxRows) * a.N);
+  Acts acts{nullptr, nullptr, nullptr};
+  if (format == Format::kInt4) {
+    // x in stream order, rounded to bf16; the group sums from the same rounded values.
+    const StreamOrder& order = stream_order(a.K);
+    xb.resize(M * a.K);
+    sx.assign(M * a.G, 0.f);
+    for (int64_t m = 0; m < M; ++m) {
+      const T* xm = x + m * x_stride;
+      bf16* dst = &xb[m * a.K];
+      for (int64_t i = 0; i < a.K; ++i) store_one(to_float(xm[order.element[i]]), dst + i);
+      for (int64_t i = 0; i < a.K; ++i) sx[m * a.G + order.element[i] / a.gs] += to_float(dst[i]);
+    }
+    acts.xb = xb.data();
+    acts.sx = sx.data();
+    all_rows<Format::kInt4>(a, acts, M, out.data(), bias, y, y_stride, max_threads);
+  } else {
+    xf.resize(M * a.K);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < a.K; ++k) xf[m * a.K + k] = to_float(x[m * x_stride + k]);
+    acts.xf = xf.data();
+    all_rows<Format::kInt8>(a, acts, M, out.data(), bias, y, y_stride, max_threads);
+  }
+}
+
+// One row of W as T, each value q * d (+ m) in fp32 (the multiply and the add rounded
+// apart, as torch computes them), then rounded once to T.
+template <typename T>
+void dequantize_row(Format format, const QArgs& a, const uint8_t* q, T* dst) {
+  if (format == Format::kInt4) {
+    const auto* d = reinterpret_cast<const uint16_t*>(q + a.K / 2);
+    const StreamOrder& order = stream_order(a.K);
+#ifdef PAGODA_AVX512
+    // Per superblock: the values in stream order (16 at a time, each position's scale and
+    // offset those of its lane's block), then moved to their elements two at a time (stream
+    // positions 2i and 2i + 1 always hold elements k and k + 1).
+    alignas(64) T tmp[512];
+    alignas(64) float scale[32], offset[32];
+    int64_t pos = 0;
+    for (const Superblock& sb : order.superblocks) {
+      const int lanes = 16 / sb.blocks;
+      for (int p = 0; p < 32; ++p) {
+        const int64_t g = (32 * (sb.block0 + p / 2 / lanes)) / a.gs;
+        scale[p] = f16_from_bits(d[g]);
+        offset[p] = f16_from_bits(d[a.G + g]);
+      }
+      const uint8_t* qs = q + pos / 2;
+      for (int i = 0; i < 32 * sb.blocks; i += 16) {
+        const int step = i / 64, within = i % 64, half = within / 32, p0 = within % 32;
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * step + p0)));
+        const __m512i v = half == 0 ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : _mm512_srli_epi32(b, 4);
+        const Vf w{_mm512_cvtepi32_ps(v)};
+        store(tmp + i, w * load(scale + p0) + load(offset + p0));
+      }
+      for (int i = 0; i < 32 * sb.blocks; i += 2) std::memcpy(dst + order.element[pos + i], tmp + i, 2 * sizeof(T));
+      pos += 32 * sb.blocks;
+    }
+#else
+    for (int64_t i = 0; i < a.K; ++i) {
+      const uint8_t b = q[32 * (i / 64) + (i % 32)];
+      const float v = static_cast<float>((i % 64) < 32 ? (b & 15) : (b >> 4));
+      const int64_t k = order.element[i], g = k / a.gs;
+      store_one(v * f16_from_bits(d[g]) + f16_from_bits(d[a.G + g]), dst + k);
+    }
+#endif
+  } else {
+    const auto* s = reinterpret_cast<const int8_t*>(q);
+    const auto* d = reinterpret_cast<const float*>(q + a.K);
+#ifdef PAGODA_AVX512
+    for (int64_t k = 0; k < a.K; k += 16) {
+      const Vf w{_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k))))};
+      store(dst + k, w * vset1(d[k / a.gs]));
+    }
+#else
+    for (int64_t k = 0; k < a.K; ++k) store_one(static_cast<float>(s[k]) * d[k / a.gs], dst + k);
+#endif
+  }
+}
+
+// W as T [N, K], for large M where a dense matrix product wins.
+template <typename T>
+void dequantize(Format format, const QArgs& a, T* out) {
+  parallel_ranges(a.N, kRowGrain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) dequantize_row(format, a, a.w + n * a.row_bytes, out + n * a.K);
+  });
+}
+
+}  // namespace
+}  // namespace pagoda
+
+#define PAGODA_QGEMV(SUFFIX, T)                                                                        \
+  extern "C" void pagoda_qgemv_##SUFFIX(int format, const void* x, int64_t x_stride, const void* w,      \
+                                        int64_t row_bytes, int64_t gs, const void* bias, void* y,      \
+                                        int64_t y_stride, int64_t M, int64_t N, int64_t K,             \
+                                        int max_threads) {                                             \
+    const pagoda::QArgs a{static_cast<const uint8_t*>(w), row_bytes, N, K, K / gs, gs};               \
+    pagoda::qgemv(static_cast<pagoda::Format>(format), static_cast<const T*>(x), x_stride, a,          \
+                  static_cast<const T*>(bias), static_cast<T*>(y), y_stride, M, max_threads);          \
+  }                                                                                                    \
+  extern "C" void pagoda_dequantize_##SUFFIX(int format, const void* w, int64_t row_bytes, int64_t gs, \
+                                             void* out, int64_t N, int64_t K) {                        \
+    const pagoda::QArgs a{static_cast<const uint8_t*>(w), row_bytes, N, K, K / gs, gs};               \
+    pagoda::dequantize(static_cast<pagoda::Format>(format), a, static_cast<T*>(out));                  \
+  }
+
+PAGODA_QGEMV(f32, float)
+PAGODA_QGEMV(bf16, pagoda::bf16)
+PAGODA_QGEMV(f16, pagoda::f16)

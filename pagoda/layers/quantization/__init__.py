@@ -1,0 +1,186 @@
+"""Weight quantization as a linear method (vLLM's `quantization` names).
+
+- `int8`: weight-only int8, one scale per output channel; activations stay bf16/fp32.
+- `int4`: weight-only int4 with a scale and an offset per group of 32, 64 or 128 inputs.
+- `gguf`: a quantized GGUF's Q4_0/Q4_1/Q8_0 blocks kept as they are (gguf.py), no float copy.
+- `fp8`: e4m3 weights with per-channel scales, where the hardware multiplies fp8 (CUDA 8.9+).
+
+`quantize_model` applies int8/int4/fp8 from the outside after loading (gpt-fast style): each
+`Linear` (tensor-parallel shards included, each rank its own shard) gets a packed method and
+drops its float weight; models/llama.py knows nothing of it. The LM head is quantized too;
+with tied embeddings the embedding then reads the head's packed rows (`QuantizedEmbedding`),
+so the table is stored once. With int4 the head is int8 (per channel): the most sensitive
+layer gets 8 bits, as in llama.cpp's 4-bit files. Untied embeddings and norms stay in the
+model's dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.layers.linear import UNQUANTIZED, Linear
+from pagoda.layers.quantization import packing
+from pagoda.layers.quantization.embedding import QuantizedEmbedding
+from pagoda.layers.quantization.methods import (
+    Fp8LinearMethod,
+    PackedLinearMethod,
+    fp8_unsupported_reason,
+)
+
+logger = logging.getLogger("pagoda")
+
+QUANTIZATION_METHODS = ("int8", "int4", "gguf", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantizationReport:
+    """What quantization did to the weights (bytes of every parameter and packed tensor)."""
+
+    scheme: str
+    bytes_before: int
+    bytes_after: int
+    num_quantized: int
+    num_kept: int
+
+    def describe(self) -> str:
+        mib = 1024**2
+        return (f"Quantization {self.scheme}: weights {self.bytes_before / mib:.1f} MiB -> "
+                f"{self.bytes_after / mib:.1f} MiB ({self.bytes_after / max(self.bytes_before, 1):.2f}x); "
+                f"{self.num_quantized} linear layers packed (LM head included, int8 under int4; a tied "
+                f"embedding reads its packed rows), {self.num_kept} left unquantized")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights: unique parameters plus the packed tensors of its methods."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    methods: dict[int, Any] = {id(m.method): m.method for m in model.modules() if hasattr(m, "method")}
+    return total + sum(m.weight_bytes() for m in methods.values())
+
+
+def make_method(scheme: str, weight: torch.Tensor, group_size: int,
+                amax: torch.Tensor | None = None) -> PackedLinearMethod | Fp8LinearMethod:
+    """The packed method for one float weight [out, in] (round to nearest).
+
+    Args:
+        amax: int8 only, max|w| per output channel over the whole row (see `_row_amax`).
+    """
+    n, k = weight.shape
+    if scheme == "int8":
+        return PackedLinearMethod("int8", packing.quantize_int8(weight, amax=amax), k, k)
+    if scheme == "int4":
+        return PackedLinearMethod("int4", packing.quantize_int4(weight, group_size), k, group_size)
+    return Fp8LinearMethod(weight)
+
+
+def _why_not(layer: Linear, scheme: str, group_size: int) -> str | None:
+    if not layer.weight.numel():
+        return "no weight"
+    if scheme == "int4" and packing.int4_group_size(layer.in_features, group_size) is None:
+        return f"in_features {layer.in_features} is not a multiple of 64"
+    if scheme == "int8" and layer.in_features % 32:
+        return f"in_features {layer.in_features} is not a multiple of 32"
+    if scheme == "fp8" and (layer.in_features % 16 or layer.out_features % 16):
+        return "fp8 products need sizes that are multiples of 16"
+    return None
+
+
+def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
+                   device: torch.device | None = None) -> QuantizationReport:
+    """Swaps every Linear's float weight for a packed `scheme` method (int8, int4 or fp8).
+
+    Raises:
+        ValueError: fp8 on a device without fp8 matrix hardware (the message names the
+            alternatives), or an unknown scheme.
+    """
+    if scheme not in ("int8", "int4", "fp8"):
+        raise ValueError(f"quantize_model takes 'int8', 'int4' or 'fp8', got {scheme!r}.")
+    if scheme == "fp8":
+        reason = fp8_unsupported_reason(device or torch.device("cpu"))
+        if reason:
+            raise ValueError(reason)
+    before = weight_bytes(model)
+    done = kept = 0
+    smaller: set[int] = set()
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Linear) or layer.method is not UNQUANTIZED:
+            continue
+        why = _why_not(layer, scheme, group_size)
+        if why:
+            logger.info("Quantization %s: %s stays unquantized (%s)", scheme, name, why)
+            kept += 1
+            continue
+        # NOTE: int4 keeps the LM head (and so a tied embedding) in int8, as llama.cpp keeps
+        # its output tensor above 4 bits: on SmolLM2 an int4 head alone cost several percent
+        # of perplexity (docs/benchmarks.md, Quantization); int8 costs ~0.3%.
+        layer_scheme = "int8" if scheme == "int4" and name == "lm_head" else scheme
+        layer_group = packing.int4_group_size(layer.in_features, group_size) or group_size
+        if layer_scheme == "int4" and layer_group != group_size:
+            smaller.add(layer_group)
+        layer.method = make_method(layer_scheme, layer.weight.data, layer_group, _row_amax(layer, layer_scheme))
+        done += 1
+    if smaller:
+        logger.info("Quantization int4: layers whose inputs are not a multiple of %d use groups of %s",
+                    group_size, sorted(smaller))
+    share_quantized_embedding(model)
+    _free_float_weights(model)
+    label = scheme if scheme != "int4" else f"int4 (group {group_size})"
+    return QuantizationReport(label, before, weight_bytes(model), done, kept)
+
+
+def _row_amax(layer: Linear, scheme: str) -> torch.Tensor | None:
+    """max|w| per output channel over the whole row for a row-parallel int8 shard (each rank
+    holds some of the columns): the group's maximum, so that the per-channel scales, and so
+    the codes, are those of the unsharded model. (int4 groups never straddle shards.)"""
+    from pagoda.layers.tensor_parallel import RowParallelLinear
+
+    if scheme != "int8" or not isinstance(layer, RowParallelLinear) or layer.tp.size == 1:
+        return None
+    import torch.distributed as dist
+
+    amax = layer.weight.data.abs().amax(dim=1).float()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layer.tp.group)
+    return amax
+
+
+def share_quantized_embedding(model: nn.Module) -> bool:
+    """With tied embeddings and a packed LM head, the embedding reads the head's records."""
+    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
+    if head is None or embed is None or head.weight is not getattr(embed, "weight", None):
+        return False
+    if not isinstance(head.method, PackedLinearMethod | Fp8LinearMethod):
+        return False
+    model.embed_tokens = QuantizedEmbedding(head.method, embed.weight.dtype, head.out_features,
+                                            getattr(embed, "start", 0), embed.tp)
+    return True
+
+
+def _free_float_weights(model: nn.Module) -> None:
+    for layer in model.modules():
+        if isinstance(layer, Linear) and layer.method is not UNQUANTIZED:
+            w = layer.weight
+            w.data = torch.empty(0, dtype=w.dtype, device=w.device)
+
+
+def finish_gguf(model: nn.Module) -> QuantizationReport:
+    """After a GGUF-packed load: the tied embedding shared, float copies freed, the report
+    (before: the model's weights had every tensor been dequantized to its dtype)."""
+    before = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    share_quantized_embedding(model)
+    _free_float_weights(model)
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    done = sum(1 for m in layers if m.method is not UNQUANTIZED)
+    return QuantizationReport("gguf", before, weight_bytes(model), done, len(layers) - done)
+
+
+__all__ = ["QUANTIZATION_METHODS", "QuantizationReport", "QuantizedEmbedding", "make_method",
+           "quantize_model", "share_quantized_embedding", "weight_bytes"]

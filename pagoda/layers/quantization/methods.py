@@ -1,0 +1,114 @@
+"""Quantized linear methods: what a `Linear` holds in place of its float weight.
+
+A method owns its packed tensors and computes `x W^T + bias` from them (`apply`). A `Linear`
+calls `self.method.apply(self, x, bias)`; its `native` flag (set by the model runner when the
+CPU kernels are on) picks the kernel path. Every method also has a pure-torch path
+(dequantize, then `F.linear`) that runs on any device.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pagoda.layers import cpu_kernels
+from pagoda.layers.quantization import packing
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# NOTE: a step of at most this many rows runs the packed weights through the native GEMV
+# (each weight read once per 8 rows, unpacked in registers); a larger one dequantizes the
+# layer to a dense matrix for oneDNN, whose blocked product wins once the unpacking is
+# amortized over enough rows (docs/performance.md, Quantization).
+NATIVE_MAX_ROWS = 16
+
+
+class PackedLinearMethod:
+    """int4 or int8 records (packing.py) for one `Linear`.
+
+    Attributes:
+        scheme: 'int4' or 'int8'.
+        packed: uint8 [out_features, record bytes].
+    """
+
+    def __init__(self, scheme: str, packed: torch.Tensor, in_features: int, group_size: int) -> None:
+        self.scheme = scheme
+        self.packed = packed
+        self.in_features = in_features
+        self.group_size = group_size
+        self.fmt = cpu_kernels.ops.INT4 if scheme == "int4" else cpu_kernels.ops.INT8
+
+    @property
+    def name(self) -> str:
+        per = "channel" if self.group_size == self.in_features else f"group {self.group_size}"
+        return f"{self.scheme} ({per})"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.native and x.shape[0] <= NATIVE_MAX_ROWS:
+            return cpu_kernels.ops.qgemv(x, self.packed, self.fmt, self.in_features, self.group_size, bias)
+        if self.scheme == "int4" and x.dtype != torch.bfloat16:
+            # NOTE: the int4 kernel multiplies bf16 activations (vdpbf16ps); every path rounds
+            # them alike, so a step's size never changes a result beyond summation order.
+            x = x.to(torch.bfloat16).to(x.dtype)
+        return F.linear(x, self.dequantize(x.dtype, bool(layer.native)), bias)
+
+    def dequantize(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The dense weight (or its `rows`) in `dtype`, by the kernel when `native`."""
+        packed = self.packed if rows is None else self.packed[rows]
+        if native:
+            return cpu_kernels.ops.dequantize(packed, self.fmt, self.in_features, self.group_size, dtype)
+        if self.scheme == "int4":
+            return packing.dequantize_int4(packed, self.in_features, self.group_size, dtype)
+        return packing.dequantize_int8(packed, self.in_features, self.group_size, dtype)
+
+    def weight_bytes(self) -> int:
+        return self.packed.numel()
+
+
+# NOTE: e4m3's largest finite value; activations are scaled per token onto it.
+FP8_MAX = 448.0
+
+
+def fp8_unsupported_reason(device: torch.device) -> str | None:
+    """Why fp8 weights cannot run on `device` (None when they can)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        return None
+    where = (f"this GPU (compute capability {torch.cuda.get_device_capability(device)})"
+             if device.type == "cuda" else "this CPU (no FP8 instructions)")
+    return (f"quantization='fp8' needs FP8 matrix hardware (CUDA compute capability 8.9+: Ada, "
+            f"Hopper or later), and {where} has none. Use quantization='int8' (one byte a weight "
+            "like fp8, per-channel scales), 'int4' (group-wise scales, about a third of bf16), or "
+            "'gguf' for a quantized GGUF file.")
+
+
+class Fp8LinearMethod:
+    """e4m3 weights with one fp32 scale per output channel; `torch._scaled_mm` (CUDA 8.9+)
+    multiplies them with activations quantized per token at run time (vLLM's dynamic fp8)."""
+
+    scheme = "fp8"
+    name = "fp8 (e4m3, channel)"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.float()
+        scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+        self.weight = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        self.scale = scale.view(1, -1).contiguous()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x_scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+        xq = (x / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self.scale, out_dtype=x.dtype)
+        return y if bias is None else y + bias
+
+    def dequantize(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The dense weight (or its `rows`) in `dtype`."""
+        w, s = (self.weight, self.scale[0]) if rows is None else (self.weight[rows], self.scale[0][rows])
+        return (w.float() * s[:, None]).to(dtype)
+
+    def weight_bytes(self) -> int:
+        return self.weight.numel() + 4 * self.scale.numel()

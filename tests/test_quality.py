@@ -1,0 +1,52 @@
+"""What quantization costs on the real SmolLM2 (the Q4_1 GGUF), bounded.
+
+`pagoda bench quality` on a small set (one 512-token perplexity window of Python's own docs,
+read back through the KV cache in chunks of 128; 4 prompts x 32 greedy tokens), bf16, against
+the unquantized model as pagoda serves it (the GGUF dequantized to bf16). Measured on this set
+(2026-11-30): gguf +0.00% perplexity, first divergence 10.5-20 of 32; int4 (group 32) +0.03%,
+17.2; int8 +0.33%, 13.2; fp8 (e4m3) KV cache +1.09%, 2.5. Bounds, and why:
+- gguf and int4: the Q4_1 blocks (gguf: the file's own; int4: requantized to the same grid,
+  with an int8 LM head) give prefill the dequantized weights (gguf) or within a rounding of
+  them (int4), so perplexity within 0.2% / 1%; decoding multiplies the exact codes in fp32 where the reference
+  rounds weights to bf16, so greedy paths part at bf16 near-ties: at least 6 of 32 tokens;
+- int8 (per channel, from the dequantized weights): within 1%, at least 6 of 32;
+- fp8 (e4m3) KV cache: within 2%. Its cost is the keys' 3-bit mantissa (keys alone +1.06%,
+  values alone +0.19% on 4 x 1024 tokens), not the scale: the 1% target is missed by ~0.2 points
+  (docs/benchmarks.md, Quantization). Greedy paths part early at near-ties: at least 1.
+A broken scheme (a wrong scale, nibble order or group) costs 30% to 100%+ of perplexity and
+parts at the first token or two (int4 with groups of 64 over the Q4_1 grid: +34%, 2.7).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda.bench.quality import QualityResult, evaluate
+
+BOUNDS = {  # scheme: (max perplexity ratio, min mean first divergence of 32)
+    "gguf": (1.002, 6),
+    "int4": (1.01, 6),
+    "int8": (1.01, 6),
+    "kv-fp8": (1.02, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, QualityResult]:
+    got = evaluate("smollm2", ["bf16", *BOUNDS], num_windows=1, window=512, chunk=128, num_prompts=4,
+                   prompt_len=32, max_tokens=32, engine_args={"kv_cache_memory": "256MiB", "max_model_len": 1024})
+    return {r.scheme: r for r in got}
+
+
+def test_reference_agrees_with_itself(results: dict[str, QualityResult]) -> None:
+    ref = results["bf16"]
+    assert ref.perplexity_ratio == 1.0 and ref.mean_first_divergence == 32
+    assert 1 < ref.perplexity < 100 and ref.num_ppl_tokens == 511
+
+
+@pytest.mark.parametrize("scheme", list(BOUNDS))
+def test_quality_within_bounds(scheme: str, results: dict[str, QualityResult]) -> None:
+    r = results[scheme]
+    max_ratio, min_agreement = BOUNDS[scheme]
+    assert r.perplexity_ratio <= max_ratio, f"{scheme}: perplexity {r.perplexity:.3f} ({r.perplexity_ratio:.4f}x)"
+    assert r.mean_first_divergence >= min_agreement, f"{scheme}: first divergence {r.mean_first_divergence}"

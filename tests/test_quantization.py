@@ -1,0 +1,234 @@
+"""Weight quantization and the fp8 KV cache in the engine, on the tiny random models.
+
+- config: vLLM's names, and a ValueError naming the value for anything else;
+- packing: int4/int8 round to nearest (error at most half a step), GGUF blocks unpack to
+  exactly what `gguf` dequantizes;
+- GGUF-packed loading through fused and tensor-parallel loaders puts every shard's codes and
+  scales in the right rows;
+- the engine: every scheme composes with chunked prefill, prefix caching and preemption (the
+  same greedy tokens as the same scheme run plainly, in fp32), with and without the kernels;
+- the fp8 pool: one byte a value, so the same memory holds twice the blocks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.config import CacheConfig, EngineConfig, ModelConfig
+from pagoda.distributed.group import ParallelGroup
+from pagoda.kv_cache import KVCacheSpec, num_blocks_for, resolve_kv_cache_dtype
+from pagoda.layers.linear import UNQUANTIZED, Linear
+from pagoda.layers.quantization import gguf as gguf_quant
+from pagoda.layers.quantization import packing, quantize_model
+from pagoda.layers.quantization.embedding import QuantizedEmbedding
+from pagoda.layers.quantization.methods import PackedLinearMethod
+from pagoda.layers.tensor_parallel import MergedColumnParallelLinear, RowParallelLinear
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(100, 49000, (40,), generator=g).tolist()
+    return [prefix + torch.randint(100, 49000, (n,), generator=g).tolist() for n in (3, 21, 0, 9)]
+
+
+# ---------------------------------------------------------------- config
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"quantization": "int3"}, "quantization"), ({"quantization_group_size": 48}, "quantization_group_size"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"), ({"kv_cache_dtype": "fp16"}, "kv_cache_dtype"),
+])
+def test_config_rejects_unknown_values(kwargs: dict, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        EngineConfig.from_kwargs("smollm2", **kwargs)
+
+
+def test_config_takes_vllm_names() -> None:
+    config = EngineConfig.from_kwargs("smollm2", quantization="int4", quantization_group_size=128,
+                                      kv_cache_dtype="fp8")
+    assert config.model == ModelConfig(quantization="int4", quantization_group_size=128)
+    assert config.cache.cache_dtype == "fp8"
+    assert CacheConfig().cache_dtype == "auto" and ModelConfig().quantization is None
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_fp8_pool_holds_twice_the_blocks(cache_dtype: str) -> None:
+    dtype = resolve_kv_cache_dtype(cache_dtype, torch.bfloat16)
+    assert dtype.itemsize == 1
+    bf16, fp8 = KVCacheSpec(30, 3, 64, torch.bfloat16), KVCacheSpec(30, 3, 64, dtype)
+    assert bf16.block_bytes(16) == 2 * fp8.block_bytes(16)
+    cache = CacheConfig(kv_cache_memory_bytes=1 << 30)
+    cpu = torch.device("cpu")
+    assert num_blocks_for(fp8, cache, cpu) in (2 * num_blocks_for(bf16, cache, cpu), 2 * num_blocks_for(bf16, cache, cpu) + 1)
+
+
+# ---------------------------------------------------------------- packing
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_round_trip_within_half_a_step(group_size: int) -> None:
+    w = torch.randn(24, 256, generator=torch.Generator().manual_seed(group_size))
+    packed = packing.quantize_int4(w, group_size)
+    assert packed.shape == (24, packing.int4_row_bytes(256, group_size))
+    q, d, m = packing.unpack_int4(packed, 256, group_size)
+    assert int(q.max()) <= 15
+    step = d.float().repeat_interleave(group_size, 1)
+    err = (packing.dequantize_int4(packed, 256, group_size, torch.float32) - w).abs()
+    assert (err <= step / 2 + 1e-3 * w.abs().amax()).all()
+    assert torch.equal(packing.pack_int4(q, d, m), packed)
+
+
+def test_int8_round_trip_within_half_a_step() -> None:
+    w = torch.randn(24, 192, generator=torch.Generator().manual_seed(1))
+    packed = packing.quantize_int8(w)
+    _, d = packing.unpack_int8(packed, 192)
+    err = (packing.dequantize_int8(packed, 192, 192, torch.float32) - w).abs()
+    assert d.shape == (24, 1) and (err <= d / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_unpack_to_what_gguf_dequantizes(kind: str) -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    from pagoda.models.gguf import unpack_blocks
+
+    kind_type = GGMLQuantizationType[kind]
+    w = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
+    raw = quantize(w, kind_type)
+    codes, d, m = unpack_blocks(raw, kind, 6)
+    expand = lambda a: np.repeat(a, 32, axis=1)  # noqa: E731
+    ours = codes * expand(d) + (expand(m) if m is not None else 0)
+    assert np.array_equal(ours.astype(np.float32), dequantize(raw, kind_type).reshape(6, 128))
+
+
+# ---------------------------------------------------------------- GGUF-packed loading
+
+def _load_packed(layer: Linear, shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+    """Loads full (unsharded) codes/scales/offsets through the layer's prepared loaders."""
+    params = dict(layer.named_parameters())
+    for i, (codes, d, m) in enumerate(shards):
+        extra = (i,) if isinstance(layer, MergedColumnParallelLinear) else ()
+        for name, t in (("weight", codes), ("weight_scale", d), ("weight_zero", m)):
+            params[name].weight_loader(params[name], t, *extra)  # type: ignore[attr-defined]
+
+
+def _random_q4(rows: int, cols: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    codes = torch.randint(0, 16, (rows, cols), generator=g).float()
+    return codes, torch.rand(rows, cols // 32, generator=g) / 10, torch.randn(rows, cols // 32, generator=g) / 10
+
+
+def _dense(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return codes * d.half().float().repeat_interleave(32, 1) + m.half().float().repeat_interleave(32, 1)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gguf_packed_shards_load_through_parallel_loaders(rank: int) -> None:
+    g = torch.Generator().manual_seed(rank)
+    tp = ParallelGroup(rank=rank, size=2)
+    merged = MergedColumnParallelLinear(128, [64, 128], tp=tp)
+    row = RowParallelLinear(256, 32, tp=tp)
+    for layer in (merged, row):
+        assert gguf_quant._scheme_for(layer, {"Q4_1"}) == "int4"
+        assert gguf_quant._scheme_for(layer, {"Q4_1", "Q8_0"}) is None
+        gguf_quant.prepare_linear(layer, "int4")
+    full = [_random_q4(64, 128, g), _random_q4(128, 128, g)]
+    _load_packed(merged, full)
+    row_full = _random_q4(32, 256, g)
+    _load_packed(row, [row_full])
+    gguf_quant.finish_gguf_load(merged)
+    gguf_quant.finish_gguf_load(row)
+    want_merged = torch.cat([_dense(*full[0])[rank * 32:(rank + 1) * 32], _dense(*full[1])[rank * 64:(rank + 1) * 64]])
+    want_row = _dense(*row_full)[:, rank * 128:(rank + 1) * 128]
+    for layer, want in ((merged, want_merged), (row, want_row)):
+        assert isinstance(layer.method, PackedLinearMethod)
+        assert torch.equal(layer.method.dequantize(torch.float32), want)
+
+
+# ---------------------------------------------------------------- the engine
+
+def test_quantize_model_packs_every_linear_and_shares_the_tied_embedding(tiny_model_factory) -> None:
+    llm = LLM(str(tiny_model_factory("qwen2")), dtype="float32", num_kv_blocks=64)  # tied embeddings
+    model = llm.engine.runner.model
+    ids = torch.tensor([5, 900, 48000])
+    table = model.embed_tokens.weight.detach().clone()
+    report = quantize_model(model, "int8")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert report.num_quantized == len(linears) and all(m.method is not UNQUANTIZED for m in linears)
+    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert torch.allclose(model.embed_tokens(ids), table[ids], atol=table.abs().max().item() / 127)
+    assert report.bytes_after < 0.3 * report.bytes_before  # fp32 -> int8, norms aside
+
+
+COMPOSE = [
+    {"quantization": "int8"},
+    {"quantization": "int4", "kv_cache_dtype": "fp8"},
+    {"quantization": "int4", "quantization_group_size": 64, "kv_cache_dtype": "fp8_e5m2"},
+    {"kv_cache_dtype": "fp8_e4m3"},
+]
+
+
+@pytest.mark.parametrize("scheme", COMPOSE, ids=lambda s: "+".join(map(str, s.values())))
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_schemes_compose_with_chunking_prefix_caching_and_preemption(scheme: dict, kernels: bool, tiny_llama,
+                                                                     monkeypatch) -> None:
+    if not kernels:
+        monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
+        monkeypatch.setattr("pagoda.layers.cpu_kernels._library", None)
+        monkeypatch.setattr("pagoda.layers.cpu_kernels._loaded", True)
+    plain = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=256, enable_prefix_caching=False, **scheme)
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts(), GREEDY, use_tqdm=False)]
+    # NOTE: 9 blocks of 16 for four requests of up to 73 tokens: chunks of 16, shared-prefix
+    # hits, and preemption by recompute, all in one run.
+    busy = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=16,
+               **scheme)
+    busy.generate(prompts()[:1], GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in busy.generate(prompts(), GREEDY, use_tqdm=False)]
+    assert got == want
+    assert busy.engine.scheduler.num_preemptions > 0 and busy.engine.block_manager.prefix_cache_hits > 0
+
+
+def test_fp8_weights_refused_on_cpu_naming_alternatives(tiny_llama) -> None:
+    with pytest.raises(ValueError, match="int8.*int4") as info:
+        LLM(str(tiny_llama), dtype="float32", quantization="fp8", device="cpu")
+    assert "fp8" in str(info.value)
+
+
+def test_gguf_needs_a_gguf_file(tiny_llama) -> None:
+    with pytest.raises(ValueError, match="gguf"):
+        LLM(str(tiny_llama), dtype="float32", quantization="gguf")
+
+
+def test_cache_config_info_labels_show_the_kv_dtype() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from pagoda.metrics.prometheus import PrometheusStatLogger
+
+    registry = CollectorRegistry()
+    PrometheusStatLogger("m", EngineConfig.from_kwargs("smollm2", kv_cache_dtype="fp8_e5m2"), registry=registry)
+    samples = [s for metric in registry.collect() if metric.name == "vllm:cache_config_info" for s in metric.samples]
+    assert [s.labels["cache_dtype"] for s in samples] == ["fp8_e5m2"]
+
+
+def test_kv_report_names_the_cache_dtype() -> None:
+    from pagoda.metrics.kv_report import REPORT_KEYS, format_kv_memory_report
+
+    report = dict.fromkeys(REPORT_KEYS, 0) | {"pool_bytes": 1 << 20, "num_blocks": 64, "block_size": 16,
+                                              "kv_cache_dtype": "fp8_e4m3"}
+    assert "1.0 KiB per slot, fp8_e4m3" in format_kv_memory_report(report)
+
+
+def test_tensor_parallel_int8_equals_one_process(tiny_llama) -> None:
+    # NOTE: row-parallel shards take the group's max|w| per channel, so both layouts hold the
+    # same codes and scales; the shards' partial sums then add up like the whole row's.
+    engine = dict(dtype="float32", max_model_len=256, num_kv_blocks=256, quantization="int8",
+                  kv_cache_dtype="fp8")
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **engine).generate(prompts(), GREEDY, use_tqdm=False)]
+    llm = LLM(str(tiny_llama), tensor_parallel_size=2, **engine)
+    try:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
+    finally:
+        llm.engine.shutdown()

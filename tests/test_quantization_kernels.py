@@ -1,0 +1,137 @@
+"""Quantized weight kernels and fp8 KV kernels against dequantize-then-compute references.
+
+For both compiled variants. Tolerances:
+- `qgemv` against F.linear on the dequantized weight in fp32: the kernel's products are exact
+  (int4 codes and bf16 activations, int8 codes and fp32 activations), its sums fp32 in another
+  order and a bf16 output rounded once, so |y - ref| <= 2^-8 |ref| (bf16 output) + 1e-5 sum|x w|
+  (fp32 summation order); int4 first rounds fp32 activations to bf16 (2^-9 relative each),
+  which the bound takes as 2^-8 sum|x w|. A wrong scale, offset or nibble moves y by about
+  |x w| of one element, far outside these bounds.
+- `dequantize` equals the torch reference bit for bit (same operations, same order).
+- fp8 K/V writes equal torch's own conversion of the clamped, scaled values bit for bit;
+  attention over an fp8 pool equals attention over the dequantized pool within the usual bound.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_cpu_kernels import variant  # noqa: F401 - autouse: every test under both variants
+
+from pagoda.layers.cpu_kernels import ops
+from pagoda.layers.quantization import packing
+
+pytestmark = pytest.mark.skipif(bool(os.environ.get("PAGODA_DISABLE_CPU_KERNELS")),
+                                reason="PAGODA_DISABLE_CPU_KERNELS is set")
+
+
+def packed_weight(scheme: str, n: int, k: int, group_size: int, gen: torch.Generator) -> torch.Tensor:
+    w = torch.randn(n, k, generator=gen) * 0.1 + 0.02 * torch.randn(n, 1, generator=gen)
+    if scheme == "int4":
+        return packing.quantize_int4(w, group_size)
+    return packing.quantize_int8(w, None if group_size == k else group_size)
+
+
+def dequantized(scheme: str, packed: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
+    fn = packing.dequantize_int4 if scheme == "int4" else packing.dequantize_int8
+    return fn(packed, k, group_size, torch.float32)
+
+
+CASES = [  # scheme, n, k, group size
+    ("int4", 48, 64, 32), ("int4", 100, 576, 32), ("int4", 37, 1536, 64), ("int4", 64, 512, 128),
+    ("int8", 48, 64, 64), ("int8", 100, 576, 576), ("int8", 37, 1536, 32), ("int8", 17, 96, 32),
+]
+
+
+@pytest.mark.parametrize("scheme,n,k,group_size", CASES)
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 9, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qgemv_matches_dequantize_then_matmul(scheme: str, n: int, k: int, group_size: int, m: int,
+                                              dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(n * k + m)
+    packed = packed_weight(scheme, n, k, group_size, gen)
+    w = dequantized(scheme, packed, k, group_size)
+    # NOTE: x is a strided view (rows of a wider buffer), as activations split from a fusion.
+    x = torch.randn(m, k + 5, generator=gen).to(dtype)[:, :k]
+    bias = torch.randn(n, generator=gen).to(dtype)
+    fmt = ops.INT4 if scheme == "int4" else ops.INT8
+    got = ops.qgemv(x, packed, fmt, k, group_size, bias).float()
+    want = F.linear(x.float(), w, bias.float())
+    magnitude = x.float().abs() @ w.abs().t()
+    out_rounding = 2**-8 if dtype == torch.bfloat16 else 0.0
+    act_rounding = 2**-8 if scheme == "int4" and dtype != torch.bfloat16 else 1e-5
+    excess = (got - want).abs() - (out_rounding * want.abs() + act_rounding * magnitude + 1e-6)
+    assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
+
+
+@pytest.mark.parametrize("scheme,n,k,group_size", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_dequantize_kernel_equals_torch(scheme: str, n: int, k: int, group_size: int, dtype: torch.dtype) -> None:
+    packed = packed_weight(scheme, n, k, group_size, torch.Generator().manual_seed(k))
+    fmt = ops.INT4 if scheme == "int4" else ops.INT8
+    fn = packing.dequantize_int4 if scheme == "int4" else packing.dequantize_int8
+    assert torch.equal(ops.dequantize(packed, fmt, k, group_size, dtype), fn(packed, k, group_size, dtype))
+
+
+def test_qgemv_splits_rows_over_threads() -> None:
+    ops.set_num_threads(2)
+    try:
+        test_qgemv_matches_dequantize_then_matmul("int4", 4096, 576, 32, 1, torch.bfloat16)
+        test_qgemv_matches_dequantize_then_matmul("int8", 4096, 576, 576, 2, torch.bfloat16)
+    finally:
+        ops.set_num_threads(torch.get_num_threads())
+
+
+# ---------------------------------------------------------------- fp8 KV cache
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def to_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    limit = torch.finfo(dtype).max
+    return (x.float() * (1.0 / scale)).clamp(-limit, limit).to(dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp8_reshape_and_cache_rounds_like_torch(cache_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, head_dim, tokens = 3, 64, 70
+    # NOTE: magnitudes from subnormal to beyond the format's range (saturated, never inf/NaN).
+    k = (torch.randn(tokens, kv_heads, head_dim, generator=gen) *
+         torch.logspace(-6, 5, tokens)[:, None, None]).to(dtype)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.zeros(20, 16, kv_heads, head_dim, dtype=cache_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    slots = torch.randperm(320, generator=gen)[:tokens]
+    ops.reshape_and_cache(k, v, k_cache, v_cache, slots, 0.5, 2.0)
+    got_k = k_cache.view(-1, kv_heads, head_dim)[slots]
+    got_v = v_cache.view(-1, kv_heads, head_dim)[slots]
+    assert torch.equal(got_k.view(torch.uint8), to_fp8(k, 0.5, cache_dtype).view(torch.uint8))
+    assert torch.equal(got_v.view(torch.uint8), to_fp8(v, 2.0, cache_dtype).view(torch.uint8))
+    assert torch.isfinite(got_k.float()).all()
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qlens", [[1, 1, 1, 1], [1, 4, 17, 40]])
+def test_attention_over_fp8_pool_equals_dequantized_pool(cache_dtype: torch.dtype, dtype: torch.dtype,
+                                                        qlens: list[int]) -> None:
+    gen = torch.Generator().manual_seed(len(qlens) + qlens[-1])
+    lens, block_size, heads, kv_heads, head_dim = [9, 30, 17, 100], 16, 6, 2, 64
+    k_scale, v_scale = 0.25, 0.5
+    num_blocks = 16
+    k_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    v_pool = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    k_cache, v_cache = to_fp8(k_pool, k_scale, cache_dtype), to_fp8(v_pool, v_scale, cache_dtype)
+    k_deq, v_deq = (k_cache.float() * k_scale).to(dtype), (v_cache.float() * v_scale).to(dtype)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:7] for _ in lens])
+    q = torch.randn(sum(qlens), heads, head_dim, generator=gen).to(dtype)
+    starts = torch.tensor([0, *qlens]).cumsum(0)
+    args = (tables, torch.tensor(lens), starts, head_dim**-0.5)
+    got = ops.paged_attention(q, k_cache, v_cache, *args, 0, k_scale, v_scale).float()
+    want = ops.paged_attention(q, k_deq, v_deq, *args, 0).float()
+    assert ((got - want).abs() <= 2**-7 * (want.abs() + 1)).all()
