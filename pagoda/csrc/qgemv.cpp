@@ -7,7 +7,7 @@
 // - int8: [K x int8][G x f32 scale d], w = q * d (G = 1: one scale per output channel).
 // y[M, N] = x[M, K] W^T (+ bias). x, bias and y share one dtype T (f32, bf16, f16).
 //
-// int4 products run on vdpbf16ps: a vpermw table turns each nibble into the exact bf16 of q,
+// int4 products run on vdpbf16ps: each nibble q becomes the exact bf16 of 128 + q (0x4300 | q),
 // activations are bf16 (x rounded to bf16 when T is not), sums fp32. The nibbles are stored in
 // "stream order" (`StreamOrder`) so that no scale is applied per 32 products: K is cut into
 // 32-element blocks, the blocks into superblocks of S = 16, 8, 4 or 2 blocks, and inside a

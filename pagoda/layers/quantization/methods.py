@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 # NOTE: a step of at most this many rows runs the packed weights through the native GEMV
 # (each weight read once per 8 rows, unpacked in registers); a larger one dequantizes the
 # layer to a dense matrix for oneDNN, whose blocked product wins once the unpacking is
-# amortized over enough rows (docs/performance.md, Quantization).
+# amortized over enough rows (docs/performance.md, Quantized weights).
 NATIVE_MAX_ROWS = 16
 
 
