@@ -114,6 +114,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"model to serve: HF directory, .gguf file or alias "
                              f"(default: {DEFAULT_MODEL})")
     parser.add_argument("--model", default=None, help="same as the positional MODEL")
+    add_network_arguments(parser)
+    add_model_arguments(parser)
+    add_cache_arguments(parser)
+    add_parallel_arguments(parser)
+    add_limit_arguments(parser)
+
+
+def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("network and API")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     net.add_argument("--port", type=port_number, default=8000)
@@ -133,6 +141,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                      metavar="SECONDS",
                      help="/health answers 503 when the engine has pending requests but has "
                           "not stepped for this long (default 60)")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
     model.add_argument("--dtype", choices=DTYPES, default=None)
     model.add_argument("--max-model-len", type=human_int, default=None)
@@ -145,6 +156,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                             "default: weights in --dtype (a quantized GGUF is dequantized)")
     model.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=None,
                        help="inputs per int4 scale (default 32)")
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("memory and scheduling")
     cache.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None)
     cache.add_argument("--kv-cache-memory", type=byte_size, default=None,
@@ -159,6 +173,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                        help="token budget of one step (default 512: sooner first tokens; raise it for throughput)")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None)
+    cache.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='speculative decoding, as vLLM: \'{"method": "ngram", '
+                            '"num_speculative_tokens": 4}\' or \'{"model": "PATH", '
+                            '"num_speculative_tokens": 3}\'')
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parallel = parser.add_argument_group("parallelism (torch.distributed; docs/scaling.md)")
     parallel.add_argument("-tp", "--tensor-parallel-size", type=int, default=None,
                           help="ranks sharing each layer; must divide the head counts")
@@ -172,11 +193,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                           help="node 0's rendezvous address (needed with --nnodes > 1)")
     parallel.add_argument("--headless", action="store_true",
                           help="a node other than 0: run its ranks only, no server")
-    cache.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help='speculative decoding, as vLLM: \'{"method": "ngram", '
-                            '"num_speculative_tokens": 4}\' or \'{"model": "PATH", '
-                            '"num_speculative_tokens": 3}\'')
-    add_limit_arguments(parser)
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
