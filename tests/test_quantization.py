@@ -15,11 +15,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import CacheConfig, EngineConfig, ModelConfig
 from pagoda.distributed.group import ParallelGroup
 from pagoda.kv_cache import KVCacheSpec, num_blocks_for, resolve_kv_cache_dtype
+from pagoda.layers import cpu_kernels
 from pagoda.layers.linear import UNQUANTIZED, Linear
 from pagoda.layers.quantization import gguf as gguf_quant
 from pagoda.layers.quantization import packing, quantize_model
@@ -232,3 +234,39 @@ def test_tensor_parallel_int8_equals_one_process(tiny_llama) -> None:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()),
+                    reason="needs the native GEMM (avx512bf16 kernels)")
+def test_int8_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
+    from torch import nn
+
+    from pagoda.layers.linear import prepack_for_cpu
+    from pagoda.layers.quantization import make_method
+
+    gen = torch.Generator().manual_seed(3)
+    model = nn.ModuleList([Linear(96, 70, bias=True), Linear(64, 45), Linear(64, 40)]).to(torch.bfloat16)
+    for layer in model:
+        layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen) / 8)
+        if layer.bias is not None:
+            layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
+    model[0].method = make_method("int8", model[0].weight.data, 96)
+    # NOTE: group-wise int8 (GGUF Q8_0) and int4 keep their records.
+    model[1].method = PackedLinearMethod("int8", packing.quantize_int8(model[1].weight.data, 32), 64, 32)
+    model[2].method = make_method("int4", model[2].weight.data, 32)
+    records = [m.method.packed.clone() for m in model]
+    for layer in model:
+        layer.weight.data = torch.empty(0, dtype=torch.bfloat16)
+    assert prepack_for_cpu(model) == 1
+    cpu_kernels.enable(model, True)
+    assert model[0].method.packed is None and model[0].method.panels is not None
+    assert model[1].method.panels is None and model[2].method.panels is None
+    w = packing.dequantize_int8(records[0], 96, 96, torch.float32)
+    rows = torch.tensor([[69, 0], [33, 32]])
+    assert torch.equal(model[0].method.dequantize(torch.bfloat16, True, rows), w[rows].to(torch.bfloat16))
+    assert torch.equal(model[0].method.dequantize(torch.float32), w)
+    for m in (1, 17, 70):
+        x = torch.randn(m, 96, generator=gen).to(torch.bfloat16)
+        want = F.linear(x.float(), w, model[0].bias.float())
+        got = model[0](x).float()
+        assert ((got - want).abs() <= 2**-8 * want.abs() + 1e-4 * (x.float().abs() @ w.abs().t())).all()

@@ -1,5 +1,6 @@
-// y[M, N] = x[M, K] . W[N, K]^T (+ bias) for small M over a packed weight: bf16 in and out,
-// fp32 accumulation, the weight read from memory once per call for all M rows.
+// y[M, N] = x[M, K] . W[N, K]^T (+ bias) for small M over a packed weight (bf16, or int8 codes
+// with per-column scales): bf16 in and out, fp32 accumulation, the weight read from memory once
+// per call for all M rows.
 //
 // Weight layout (written once at load by pagoda_gemm_pack_bf16): output columns in panels of
 // 32 (N padded with zero columns to a multiple of 32, K with a zero to an even count). A panel
@@ -19,8 +20,16 @@
 // weight's transfer and the arithmetic overlap. Threads split the panels (pairs of panels).
 // Without AVX512_BF16 the same loops widen to fp32 (plain code, slow: layers route around it).
 // Each output is the fp32 sum (+ bias) rounded once to bf16.
+//
+// int8 variant (pagoda_qgemm_int8, quantized weights with one scale per output column): the same
+// panels with one int8 code an element (64 bytes per k-pair), the same tiles and threads. Every
+// int8 is exactly a bf16, so the products stay exact: one tile (up to kTileRows rows) converts
+// the codes in registers as it streams them (int8 -> int32 -> fp32 -> bf16); more rows decode
+// each chunk once into an L1 bf16 buffer that all the tiles then read. The scale multiplies each
+// column's fp32 sum once, before the bias and the one rounding.
 #include <array>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -61,10 +70,24 @@ struct Rows {
 
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
 
+// A weight vector: 16 columns at a k-pair, 32 elements from `src` as bf16 (int8 converted exactly).
+template <class W>
+inline __m512bh weight_vector(const W* src) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
+    const __m512 b =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + kBlock))));
+    return _mm512_cvtne2ps_pbh(b, a);
+  } else {
+    return (__m512bh)_mm512_loadu_si512(src);
+  }
+}
+
 // Rows [0, MR) of `rows` x NP panels (`w`, then `panel_stride` elements on) over k-pairs
 // [p0, p1); adds into `sums` (from zero when `first`); with PF, prefetches kPrefetchPairs ahead.
-template <int MR, bool PF, int NP = 1>
-void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
+// W: bf16 panels, or int8 ones converted to bf16 as they are loaded.
+template <int MR, bool PF, int NP = 1, class W = bf16>
+void tile(const Rows& rows, const W* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
   constexpr int NB = 2 * NP;
   __m512 acc[MR][NB];
 #pragma GCC unroll 16
@@ -72,13 +95,13 @@ void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, S
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) acc[m][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kSumsRow + b * kBlock);
   auto step = [&](int64_t p, auto pair_of) {
-    const bf16* wp = w + p * kPanelPair;
+    const W* wp = w + p * kPanelPair;
     __m512bh wv[NB];
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) {
-      const bf16* src = wp + (b / 2) * panel_stride + (b % 2) * 2 * kBlock;
+      const W* src = wp + (b / 2) * panel_stride + (b % 2) * 2 * kBlock;
       if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
-      wv[b] = (__m512bh)_mm512_loadu_si512(src);
+      wv[b] = weight_vector(src);
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
@@ -104,16 +127,19 @@ void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, S
 
 #else
 
-template <int MR, bool PF, int NP = 1>
-void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
+inline float weight_value(bf16 v) { return to_float(v); }
+inline float weight_value(int8_t v) { return static_cast<float>(v); }
+
+template <int MR, bool PF, int NP = 1, class W = bf16>
+void tile(const Rows& rows, const W* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
   for (int m = 0; first && m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + NP * kPanel, 0.f);
   for (int64_t p = p0; p < p1; ++p) {
     for (int m = 0; m < MR; ++m) {
       const bf16* xp = rows.x + m * rows.stride + 2 * p;
       const float x0 = to_float(xp[0]), x1 = 2 * p + 1 < rows.K ? to_float(xp[1]) : 0.f;
       for (int c = 0; c < NP * kPanel; ++c) {
-        const bf16* wc = w + (c / kPanel) * panel_stride + p * kPanelPair + (c % kPanel) * 2;
-        sums[m * kSumsRow + c] += to_float(wc[0]) * x0 + to_float(wc[1]) * x1;
+        const W* wc = w + (c / kPanel) * panel_stride + p * kPanelPair + (c % kPanel) * 2;
+        sums[m * kSumsRow + c] += weight_value(wc[0]) * x0 + weight_value(wc[1]) * x1;
       }
     }
   }
@@ -121,25 +147,30 @@ void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, S
 
 #endif
 
-using TileFn = void (*)(const Rows&, const bf16*, int64_t, int64_t, bool, Sums, int64_t);
+template <class W = bf16>
+using TileFn = void (*)(const Rows&, const W*, int64_t, int64_t, bool, Sums, int64_t);
 
-template <bool PF, int NP, int... I>
-constexpr std::array<TileFn, kTileRows> make_tiles(std::integer_sequence<int, I...>) {
-  return {tile<I + 1, PF, NP>...};
+template <bool PF, int NP, class W = bf16, int... I>
+constexpr std::array<TileFn<W>, kTileRows> make_tiles(std::integer_sequence<int, I...>) {
+  return {tile<I + 1, PF, NP, W>...};
 }
-constexpr std::array<std::array<TileFn, kTileRows>, 2> kTiles{
+constexpr std::array<std::array<TileFn<>, kTileRows>, 2> kTiles{
     make_tiles<false, 1>(std::make_integer_sequence<int, kTileRows>()),
     make_tiles<true, 1>(std::make_integer_sequence<int, kTileRows>())};
-constexpr std::array<std::array<TileFn, kTileRows>, 2> kWideTiles{
+constexpr std::array<std::array<TileFn<>, kTileRows>, 2> kWideTiles{
     make_tiles<false, 2>(std::make_integer_sequence<int, kWideRows>()),
     make_tiles<true, 2>(std::make_integer_sequence<int, kWideRows>())};
-TileFn tile_fn(int rows, bool prefetch) { return kTiles[prefetch][rows - 1]; }
-TileFn wide_tile_fn(int rows, bool prefetch) { return kWideTiles[prefetch][rows - 1]; }
+constexpr std::array<std::array<TileFn<int8_t>, kTileRows>, 2> kInt8Tiles{
+    make_tiles<false, 1, int8_t>(std::make_integer_sequence<int, kTileRows>()),
+    make_tiles<true, 1, int8_t>(std::make_integer_sequence<int, kTileRows>())};
+TileFn<> tile_fn(int rows, bool prefetch) { return kTiles[prefetch][rows - 1]; }
+TileFn<> wide_tile_fn(int rows, bool prefetch) { return kWideTiles[prefetch][rows - 1]; }
+TileFn<int8_t> int8_tile_fn(int rows, bool prefetch) { return kInt8Tiles[prefetch][rows - 1]; }
 
 struct Problem {
   const bf16* x;
   int64_t xs;
-  const bf16* packed;
+  const float* scales;  // per output column (quantized weights), or null
   const bf16* bias;
   bf16* y;
   int64_t ys, M, N, K;
@@ -156,7 +187,7 @@ struct Tiling {
   int rows(int t) const { return static_cast<int>(start[t + 1] - start[t]); }
 };
 
-// Rows [m0, m0 + rows) of the panel at column c0: the sums plus bias, rounded to bf16; columns
+// Rows [m0, m0 + rows) of the panel at column c0: the sums (times the column scales) plus bias, rounded to bf16; columns
 // past N dropped.
 void emit(const Problem& P, const float* sums, int64_t m0, int rows, int64_t c0, int64_t cols) {
   for (int m = 0; m < rows; ++m) {
@@ -164,22 +195,85 @@ void emit(const Problem& P, const float* sums, int64_t m0, int rows, int64_t c0,
     for (int64_t c = c0; c < std::min(c0 + cols, P.N); c += kBlock) {
       const Mask mask = tail_mask(static_cast<int>(std::min<int64_t>(P.N - c, kBlock)));
       Vf v = load(sums + m * kSumsRow + (c - c0));
+      if (P.scales) v = v * load(P.scales + c, mask);
       if (P.bias) v = v + load(P.bias + c, mask);
       store(out + c, v, mask);
     }
   }
 }
 
+// Where the tiles read a chunk of panels: k-pair p of the first panel at w + p * kPanelPair,
+// the next panel panel_stride elements on.
+struct View {
+  const bf16* w;
+  int64_t panel_stride;
+};
+
+// bf16 panels, read in place (a single tile streams the whole of K, prefetching itself).
+struct Bf16Panels {
+  static constexpr bool kInPlace = true;
+  const bf16* packed;
+  int64_t pairs;
+  View chunk(int64_t index, int /*np*/, int64_t /*p0*/, int64_t /*p1*/, bool /*prefetch*/) const {
+    return {packed + index * kPanel * 2 * pairs, kPanel * 2 * pairs};
+  }
+};
+
+// k-pairs [p0, p1) of an int8 panel (same layout, one byte an element) as bf16 at `out`: exact,
+// every int8 is a bf16. With `prefetch`, the codes kPrefetchPairs ahead are fetched into L2.
+void decode_int8(const int8_t* panel, int64_t p0, int64_t p1, bf16* out, bool prefetch) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t* s = panel + p * kPanelPair;
+    bf16* d = out + (p - p0) * kPanelPair;
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+    for (int h = 0; h < kPanelPair; h += 2 * kBlock) {
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + h))));
+      const __m512 b =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + h + kBlock))));
+      _mm512_storeu_si512(d + h, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    }
+#else
+    (void)prefetch;
+    for (int i = 0; i < kPanelPair; ++i) store_one(static_cast<float>(s[i]), d + i);
+#endif
+  }
+}
+
+// int8 panels, decoded a chunk at a time into a bf16 buffer in L1 that every tile then reads.
+struct Int8Panels {
+  static constexpr bool kInPlace = false;
+  const int8_t* codes;
+  int64_t pairs;
+  bf16* buffer;  // 2 * kChunkPairs * kPanelPair elements
+  View chunk(int64_t index, int np, int64_t p0, int64_t p1, bool prefetch) const {
+    for (int j = 0; j < np; ++j)
+      decode_int8(codes + (index + j) * kPanel * 2 * pairs, p0, p1, buffer + j * kChunkPairs * kPanelPair, prefetch);
+    // NOTE: offset back by p0 so that the tiles index the chunk by its absolute k-pairs.
+    return {buffer - p0 * kPanelPair, kChunkPairs * kPanelPair};
+  }
+};
+
 // All M rows over panel `index`: one tile straight through K, or every tile over each chunk.
-void panel(const Problem& P, const Tiling& tiling, int64_t index, float* sums) {
+template <class Source>
+void panel(const Problem& P, const Source& src, const Tiling& tiling, int64_t index, float* sums) {
   const int64_t pairs = num_pairs(P.K), c0 = index * kPanel;
-  const bf16* w = P.packed + c0 * 2 * pairs;
-  const int64_t chunk = tiling.count == 1 ? pairs : kChunkPairs;
+  const bool single = tiling.count == 1;
+  if constexpr (std::is_same_v<Source, Int8Panels>) {
+    if (single) {  // the codes converted in registers as the one tile streams them
+      int8_tile_fn(tiling.rows(0), tiling.rows(0) >= kPrefetchRows)(Rows{P.x, P.xs, P.K}, src.codes + c0 * 2 * pairs,
+                                                                     0, pairs, true, sums, 0);
+      emit(P, sums, 0, tiling.rows(0), c0, kPanel);
+      return;
+    }
+  }
+  const int64_t chunk = single && Source::kInPlace ? pairs : kChunkPairs;
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t p1 = std::min(pairs, p0 + chunk);
+    const View v = src.chunk(index, 1, p0, p1, !single || tiling.rows(0) >= kPrefetchRows);
     for (int t = 0; t < tiling.count; ++t) {
-      const bool prefetch = tiling.count == 1 ? tiling.rows(0) >= kPrefetchRows : t == 0;
-      tile_fn(tiling.rows(t), prefetch)(Rows{P.x + tiling.start[t] * P.xs, P.xs, P.K}, w, p0, p1, p0 == 0,
+      const bool prefetch = Source::kInPlace && (single ? tiling.rows(0) >= kPrefetchRows : t == 0);
+      tile_fn(tiling.rows(t), prefetch)(Rows{P.x + tiling.start[t] * P.xs, P.xs, P.K}, v.w, p0, p1, p0 == 0,
                                         sums + tiling.start[t] * kSumsRow, 0);
     }
   }
@@ -188,34 +282,40 @@ void panel(const Problem& P, const Tiling& tiling, int64_t index, float* sums) {
 }
 
 // Panels 2 * index and 2 * index + 1 in wide tiles, over each chunk.
-void panel_pair(const Problem& P, const Tiling& tiling, int64_t index, float* sums) {
+template <class Source>
+void panel_pair(const Problem& P, const Source& src, const Tiling& tiling, int64_t index, float* sums) {
   const int64_t pairs = num_pairs(P.K), c0 = index * 2 * kPanel;
-  const bf16* w = P.packed + c0 * 2 * pairs;
   for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
     const int64_t p1 = std::min(pairs, p0 + kChunkPairs);
+    const View v = src.chunk(2 * index, 2, p0, p1, true);
     for (int t = 0; t < tiling.count; ++t)
-      wide_tile_fn(tiling.rows(t), t == 0)(Rows{P.x + tiling.start[t] * P.xs, P.xs, P.K}, w, p0, p1, p0 == 0,
-                                           sums + tiling.start[t] * kSumsRow, kPanel * 2 * pairs);
+      wide_tile_fn(tiling.rows(t), Source::kInPlace && t == 0)(Rows{P.x + tiling.start[t] * P.xs, P.xs, P.K}, v.w, p0,
+                                                               p1, p0 == 0, sums + tiling.start[t] * kSumsRow,
+                                                               v.panel_stride);
   }
   for (int t = 0; t < tiling.count; ++t)
     emit(P, sums + tiling.start[t] * kSumsRow, tiling.start[t], tiling.rows(t), c0, 2 * kPanel);
 }
 
-void gemm_pass(const Problem& P) {
+// `make_source(buffer)` gives each thread its Source (`buffer`: that thread's decode buffer).
+template <class MakeSource>
+void gemm_pass(const Problem& P, MakeSource make_source) {
   const int64_t panels = padded_cols(P.N) / kPanel;
   const bool wide = P.M >= kWideFrom;
   const Tiling tiling(P.M, wide ? kWideRows : kTileRows);
   const int64_t items = wide ? (panels + 1) / 2 : panels;
   parallel_ranges(items, 1, [&](int64_t i0, int64_t i1) {
     static thread_local std::vector<float> sums;
+    static thread_local std::vector<bf16> buffer(2 * kChunkPairs * kPanelPair);
     sums.resize(P.M * kSumsRow);
+    const auto src = make_source(buffer.data());
     for (int64_t i = i0; i < i1; ++i) {
       if (!wide)
-        panel(P, tiling, i, sums.data());
+        panel(P, src, tiling, i, sums.data());
       else if (2 * i + 1 < panels)
-        panel_pair(P, tiling, i, sums.data());
+        panel_pair(P, src, tiling, i, sums.data());
       else
-        panel(P, Tiling(P.M, kTileRows), 2 * i, sums.data());
+        panel(P, src, Tiling(P.M, kTileRows), 2 * i, sums.data());
     }
   });
 }
@@ -225,11 +325,27 @@ void gemm_pass(const Problem& P) {
 // Elements of the packed weight for an N x K matrix (zero-initialize it before packing).
 int64_t gemm_packed_size(int64_t N, int64_t K) { return padded_cols(N) * 2 * num_pairs(K); }
 
-void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16* y, int64_t ys, int64_t M, int64_t N,
-          int64_t K) {
+// Each pass of up to kMaxRowsPerPass rows through `run_pass`.
+template <class RunPass>
+void all_passes(const bf16* x, int64_t xs, const float* scales, const bf16* bias, bf16* y, int64_t ys, int64_t M,
+                int64_t N, int64_t K, RunPass run_pass) {
   if (N <= 0) return;
   for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass)
-    gemm_pass(Problem{x + m0 * xs, xs, packed, bias, y + m0 * ys, ys, std::min(kMaxRowsPerPass, M - m0), N, K});
+    run_pass(Problem{x + m0 * xs, xs, scales, bias, y + m0 * ys, ys, std::min(kMaxRowsPerPass, M - m0), N, K});
+}
+
+void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16* y, int64_t ys, int64_t M, int64_t N,
+          int64_t K) {
+  all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
+    gemm_pass(P, [&](bf16*) { return Bf16Panels{packed, num_pairs(K)}; });
+  });
+}
+
+void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const bf16* bias, bf16* y,
+                int64_t ys, int64_t M, int64_t N, int64_t K) {
+  all_passes(x, xs, scales, bias, y, ys, M, N, K, [&](const Problem& P) {
+    gemm_pass(P, [&](bf16* buffer) { return Int8Panels{codes, num_pairs(K), buffer}; });
+  });
 }
 
 void gemm_pack(const bf16* w, int64_t w_stride, bf16* packed, int64_t N, int64_t K) {
@@ -254,4 +370,12 @@ extern "C" void pagoda_gemm_bf16(const void* x, int64_t x_stride, const void* pa
                                  int64_t y_stride, int64_t M, int64_t N, int64_t K) {
   pagoda::gemm(static_cast<const pagoda::bf16*>(x), x_stride, static_cast<const pagoda::bf16*>(packed),
                static_cast<const pagoda::bf16*>(bias), static_cast<pagoda::bf16*>(y), y_stride, M, N, K);
+}
+
+// y[M, N] = x[M, K] . (W^T * scales) (+ bias[N]): W as int8 codes in the panel layout
+// (gemm_packed_size bytes, zero padded), one fp32 scale per output column (N of them).
+extern "C" void pagoda_qgemm_int8(const void* x, int64_t x_stride, const void* codes, const float* scales,
+                                  const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
+  pagoda::qgemm_int8(static_cast<const pagoda::bf16*>(x), x_stride, static_cast<const int8_t*>(codes), scales,
+                     static_cast<const pagoda::bf16*>(bias), static_cast<pagoda::bf16*>(y), y_stride, M, N, K);
 }

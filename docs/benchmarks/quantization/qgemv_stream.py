@@ -1,6 +1,6 @@
 """The linears of one SmolLM2 step as the engine reads them (30 layers of distinct weights +
-the 49152 x 576 LM head), M input rows: bf16 GEMV kernel, int8 and int4 `qgemv`, and, for
-larger M, oneDNN on bf16 against dequantize-then-matmul.
+the 49152 x 576 LM head), M input rows: bf16 GEMV kernel, int8 and int4 `qgemv`, the bf16
+small-M GEMM and its int8 variant (`qgemm` over `Int8Panels`).
 
 Usage: python qgemv_stream.py M [M ...]; env KT kernel threads (2), TT torch threads (2).
 Prints per M the median time of one pass over all weights and the bytes it read per second.
@@ -28,14 +28,25 @@ kinds = {
     "int8": [(packing.quantize_int8(w.float()), ops.INT8, w.shape[1], w.shape[1]) for w in dense],
     "int4-g32": [(packing.quantize_int4(w.float(), 32), ops.INT4, w.shape[1], 32) for w in dense],
     "int4-g64": [(packing.quantize_int4(w.float(), 64), ops.INT4, w.shape[1], 64) for w in dense],
+    "bf16-gemm": [(ops.PackedWeight(w),) for w in dense],
+    "int8-gemm": [(ops.Int8Panels(*packing.unpack_int8(packing.quantize_int8(w.float()), w.shape[1])),)
+                  for w in dense],
 }
-nbytes = {k: sum(t[0].numel() * t[0].element_size() for t in v) for k, v in kinds.items()}
+only = os.environ.get("KINDS")
+if only:
+    kinds = {k: v for k, v in kinds.items() if k in only.split(",")}
+nbytes = {k: sum(t[0].data.numel() * t[0].data.element_size() if hasattr(t[0], "k") else t[0].numel() * t[0].element_size()
+                 for t in v) for k, v in kinds.items()}
 
 
 def run(m: int, kind: str) -> float:
     xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (H, I)}
     t = time.perf_counter()
     for args in kinds[kind]:
+        if kind.endswith("gemm"):
+            w = args[0]
+            (ops.gemm if kind == "bf16-gemm" else ops.qgemm)(xs[w.k], w)
+            continue
         x = xs[args[0].shape[1] if kind == "bf16-gemv" else args[2]]
         if kind == "bf16-gemv":
             ops.gemv(x, args[0])

@@ -155,6 +155,44 @@ def gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
     return out
 
 
+class Int8Panels:
+    """int8 codes [n, k] with one fp32 scale per output row, in the small-M GEMM's panel layout
+    (one byte an element where `PackedWeight` has two; pagoda/csrc/gemm.cpp): w = q * scale."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        if codes.dtype != torch.int8 or codes.dim() != 2 or not codes.numel() or scales.numel() != codes.shape[0]:
+            raise ValueError(f"expected int8 codes [n, k] and n scales, got {codes.dtype} {tuple(codes.shape)} "
+                             f"and {scales.numel()} scales")
+        self.n, self.k = codes.shape
+        cols, pairs = -(-self.n // 32) * 32, -(-self.k // 2)
+        padded = torch.zeros(cols, 2 * pairs, dtype=torch.int8)
+        padded[:self.n, :self.k] = codes
+        # NOTE: panel p, k-pair j, column c, k parity e at p * 64 * pairs + j * 64 + c * 2 + e.
+        self.data = padded.view(cols // 32, 32, pairs, 2).permute(0, 2, 1, 3).contiguous().view(-1)
+        self.scales = scales.float().reshape(-1).contiguous()
+
+    def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8 codes [n, k] (or of `rows`), back in row order."""
+        pairs = -(-self.k // 2)
+        panels = self.data.view(-1, pairs, 32, 2)
+        ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
+        return panels[ids // 32, :, ids % 32, :].reshape(len(ids), 2 * pairs)[:, :self.k]
+
+
+def qgemm(x: torch.Tensor, weight: Int8Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 (rows may be strided) times the int8 panels^T, scaled (+ bias): exact bf16
+    products of x and the codes, fp32 sums, times each column's scale, rounded once to bf16."""
+    _check_rows(x, x.shape[-1])
+    m, k = x.shape
+    if k != weight.k or x.dtype != torch.bfloat16:
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} against int8 panels [{weight.n}, {weight.k}]")
+    out = torch.empty(m, weight.n, dtype=x.dtype)
+    _lib().fn("qgemm_int8")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scales.data_ptr(),
+                            bias.data_ptr() if bias is not None else None, out.data_ptr(), weight.n, m,
+                            weight.n, k)
+    return out
+
+
 # Packed weight formats of `qgemv` / `dequantize` (csrc/qgemv.cpp describes the records).
 INT4, INT8 = 0, 1
 

@@ -19,24 +19,28 @@ from pagoda.layers.quantization import packing
 if TYPE_CHECKING:
     from torch import nn
 
-# NOTE: a step of at most this many rows runs the packed weights through the native GEMV
+# NOTE: a step of at most this many rows runs the packed records through the native GEMV
 # (each weight read once per 8 rows, unpacked in registers); a larger one dequantizes the
 # layer to a dense matrix for oneDNN, whose blocked product wins once the unpacking is
-# amortized over enough rows (docs/performance.md, Quantized weights).
+# amortized over enough rows (docs/performance.md, Quantized weights). Layers repacked for the
+# GEMM (`use_gemm`) run every bf16 step through it instead: measured over SmolLM2's weights it
+# matches or beats the GEMV from 1 row and the bf16 GEMM from 4 (docs/benchmarks/quantization).
 NATIVE_MAX_ROWS = 16
 
 
 class PackedLinearMethod:
-    """int4 or int8 records (packing.py) for one `Linear`.
+    """int4 or int8 records (packing.py) for one `Linear`, or int8 panels for the GEMM.
 
     Attributes:
         scheme: 'int4' or 'int8'.
-        packed: uint8 [out_features, record bytes].
+        packed: uint8 [out_features, record bytes]; None once repacked into `panels`.
+        panels: int8 per-channel codes in the small-M GEMM's layout (`use_gemm`), or None.
     """
 
     def __init__(self, scheme: str, packed: torch.Tensor, in_features: int, group_size: int) -> None:
         self.scheme = scheme
-        self.packed = packed
+        self.packed: torch.Tensor | None = packed
+        self.panels: cpu_kernels.ops.Int8Panels | None = None
         self.in_features = in_features
         self.group_size = group_size
         self.fmt = cpu_kernels.ops.INT4 if scheme == "int4" else cpu_kernels.ops.INT8
@@ -46,8 +50,21 @@ class PackedLinearMethod:
         per = "channel" if self.group_size == self.in_features else f"group {self.group_size}"
         return f"{self.scheme} ({per})"
 
+    def use_gemm(self) -> bool:
+        """Repacks int8 per-channel records into the GEMM's panels, the only copy kept (the
+        caller checks that the native GEMM exists and activations are bf16). Returns whether
+        this layer's format has a GEMM path (int4 and group-wise int8 keep their records)."""
+        if self.packed is None or self.scheme != "int8" or self.group_size != self.in_features:
+            return self.panels is not None
+        q, d = packing.unpack_int8(self.packed, self.in_features)
+        self.panels = cpu_kernels.ops.Int8Panels(q, d)
+        self.packed = None
+        return True
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.native and x.shape[0] <= NATIVE_MAX_ROWS:
+        if self.panels is not None and x.dtype == torch.bfloat16:
+            return cpu_kernels.ops.qgemm(x, self.panels, bias)
+        if self.packed is not None and layer.native and x.shape[0] <= NATIVE_MAX_ROWS:
             return cpu_kernels.ops.qgemv(x, self.packed, self.fmt, self.in_features, self.group_size, bias)
         if self.scheme == "int4" and x.dtype != torch.bfloat16:
             # NOTE: the int4 kernel multiplies bf16 activations (vdpbf16ps); every path rounds
@@ -58,6 +75,11 @@ class PackedLinearMethod:
     def dequantize(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
                    ) -> torch.Tensor:
         """The dense weight (or its `rows`) in `dtype`, by the kernel when `native`."""
+        if self.panels is not None:
+            scales = self.panels.scales if rows is None else self.panels.scales[rows.reshape(-1)]
+            w = (self.panels.codes(rows).float() * scales[:, None]).to(dtype)
+            return w if rows is None else w.view(*rows.shape, self.in_features)
+        assert self.packed is not None
         packed = self.packed if rows is None else self.packed[rows]
         if native:
             return cpu_kernels.ops.dequantize(packed, self.fmt, self.in_features, self.group_size, dtype)
@@ -66,6 +88,9 @@ class PackedLinearMethod:
         return packing.dequantize_int8(packed, self.in_features, self.group_size, dtype)
 
     def weight_bytes(self) -> int:
+        if self.panels is not None:
+            return self.panels.data.numel() + 4 * self.panels.scales.numel()
+        assert self.packed is not None
         return self.packed.numel()
 
 
