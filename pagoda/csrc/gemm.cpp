@@ -27,6 +27,14 @@
 // the codes in registers as it streams them (int8 -> int32 -> fp32 -> bf16); more rows decode
 // each chunk once into an L1 bf16 buffer that all the tiles then read. The scale multiplies each
 // column's fp32 sum once, before the bias and the one rounding.
+//
+// int4 variant (pagoda_qgemm_int4, w = q * d + m with q in [0, 15] and f16 d, m per group of gs
+// along K): a panel's k-pair is 32 bytes, byte 2c + e holding column c's code (k-pair element e)
+// in its low nibble and column 16 + c's in its high one, so one load widened to 16 bits gives
+// both blocks' weight vectors as bf16 0x4300 | q, exactly 128 + q. A tile (up to kInt4TileRows
+// rows) sums each group's products in registers, then adds d * sum + (m - 128 d) * sx per column
+// to its fp32 sums in L1 (sx: the row's sum of x over the group, computed once per call). More
+// rows than one tile take K in chunks that stay in L1 while every tile converts them again.
 #include <array>
 #include <cstring>
 #include <type_traits>
@@ -325,6 +333,139 @@ void gemm_pass(const Problem& P, MakeSource make_source) {
 // Elements of the packed weight for an N x K matrix (zero-initialize it before packing).
 int64_t gemm_packed_size(int64_t N, int64_t K) { return padded_cols(N) * 2 * num_pairs(K); }
 
+// ---------------------------------------------------------------- int4, group-wise scales
+
+constexpr int kInt4PairBytes = kPanel;  // a panel's k-pair: 32 bytes of two nibbles
+constexpr int kInt4TileRows = 12;       // 12 x 2 group sums + 2 weight vectors + 2 constants
+
+struct Int4Problem {
+  const uint8_t* codes;
+  const uint16_t* scales;  // per panel and group: d[32] then m[32], f16
+  const float* sx;         // [M, G]: each row's sum of x over each group
+  int64_t G, group_pairs;
+};
+
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+
+// Rows [0, MR) x one int4 panel over k-pairs [p0, p1) (whole groups); adds into `sums` (from zero
+// when `first`). Each group: sums of x * (128 + q) in registers, then sums += d * that + (m - 128 d)
+// * sx, per column.
+template <int MR, bool PF>
+void int4_tile(const Rows& rows, const Int4Problem& Q, const uint8_t* w, const uint16_t* dm, const float* sx,
+               int64_t p0, int64_t p1, bool first, Sums sums) {
+  if (first)
+    for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
+  const __m512i low = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
+  for (int64_t g0 = p0; g0 < p1; g0 += Q.group_pairs) {
+    __m512 part[MR][2];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
+    for (int64_t p = g0; p < g0 + Q.group_pairs; ++p) {
+      const uint8_t* src = w + p * kInt4PairBytes;
+      if constexpr (PF) {
+        if (p % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kInt4PairBytes), _MM_HINT_T1);
+      }
+      const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+      // bf16 0x4300 | q is exactly 128 + q (the offset term takes the 128 back out)
+      const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(raw, low, exponent, 0xEA);
+      const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(raw, 4), exponent);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        uint32_t pair;
+        std::memcpy(&pair, rows.x + m * rows.stride + 2 * p, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+        part[m][0] = _mm512_dpbf16_ps(part[m][0], lo, xv);
+        part[m][1] = _mm512_dpbf16_ps(part[m][1], hi, xv);
+      }
+    }
+    const int64_t g = g0 / Q.group_pairs;
+    const uint16_t* s = dm + g * 2 * kPanel;
+    __m512 d[2], off[2];
+    for (int b = 0; b < 2; ++b) {
+      d[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b * kBlock)));
+      off[b] = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d[b],
+                                _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock))));
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xs = _mm512_set1_ps(sx[m * Q.G + g]);
+      for (int b = 0; b < 2; ++b) {
+        float* out = sums + m * kSumsRow + b * kBlock;
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(d[b], part[m][b], _mm512_loadu_ps(out))));
+      }
+    }
+  }
+}
+
+#else
+
+template <int MR, bool PF>
+void int4_tile(const Rows& rows, const Int4Problem& Q, const uint8_t* w, const uint16_t* dm, const float* sx,
+               int64_t p0, int64_t p1, bool first, Sums sums) {
+  if (first)
+    for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
+  for (int64_t g0 = p0; g0 < p1; g0 += Q.group_pairs) {
+    const int64_t g = g0 / Q.group_pairs;
+    for (int m = 0; m < MR; ++m)
+      for (int c = 0; c < kPanel; ++c) {
+        float part = 0.f;
+        for (int64_t p = g0; p < g0 + Q.group_pairs; ++p) {
+          for (int e = 0; e < 2; ++e) {
+            const uint8_t b8 = w[p * kInt4PairBytes + (c % kBlock) * 2 + e];
+            const int q = c < kBlock ? (b8 & 15) : (b8 >> 4);
+            part += static_cast<float>(128 + q) * to_float(rows.x[m * rows.stride + 2 * p + e]);
+          }
+        }
+        const float d = f16_from_bits(dm[g * 2 * kPanel + c]), mm = f16_from_bits(dm[g * 2 * kPanel + kPanel + c]);
+        sums[m * kSumsRow + c] += d * part + (mm - 128.f * d) * sx[m * Q.G + g];
+      }
+  }
+}
+
+#endif
+
+using Int4TileFn = void (*)(const Rows&, const Int4Problem&, const uint8_t*, const uint16_t*, const float*, int64_t,
+                            int64_t, bool, Sums);
+
+template <bool PF, int... I>
+constexpr std::array<Int4TileFn, kInt4TileRows> make_int4_tiles(std::integer_sequence<int, I...>) {
+  return {int4_tile<I + 1, PF>...};
+}
+constexpr std::array<std::array<Int4TileFn, kInt4TileRows>, 2> kInt4Tiles{
+    make_int4_tiles<false>(std::make_integer_sequence<int, kInt4TileRows>()),
+    make_int4_tiles<true>(std::make_integer_sequence<int, kInt4TileRows>())};
+
+// All M rows over int4 panel `index`: each chunk of K (whole groups) by every tile in turn, the
+// chunk's codes L1-resident after the first.
+void int4_panel(const Problem& P, const Int4Problem& Q, const Tiling& tiling, int64_t index, float* sums) {
+  const int64_t pairs = P.K / 2, c0 = index * kPanel;
+  const uint8_t* w = Q.codes + index * kInt4PairBytes * pairs;
+  const uint16_t* dm = Q.scales + index * Q.G * 2 * kPanel;
+  const bool single = tiling.count == 1;
+  const int64_t chunk = single ? pairs : std::max<int64_t>(kChunkPairs, Q.group_pairs);
+  for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
+    const int64_t p1 = std::min(pairs, p0 + chunk);
+    for (int t = 0; t < tiling.count; ++t) {
+      const bool prefetch = single ? tiling.rows(0) >= kPrefetchRows : t == 0;
+      kInt4Tiles[prefetch][tiling.rows(t) - 1](Rows{P.x + tiling.start[t] * P.xs, P.xs, P.K}, Q, w, dm,
+                                               Q.sx + tiling.start[t] * Q.G, p0, p1, p0 == 0,
+                                               sums + tiling.start[t] * kSumsRow);
+    }
+  }
+  for (int t = 0; t < tiling.count; ++t)
+    emit(P, sums + tiling.start[t] * kSumsRow, tiling.start[t], tiling.rows(t), c0, kPanel);
+}
+
+void int4_pass(const Problem& P, const Int4Problem& Q) {
+  const int64_t panels = padded_cols(P.N) / kPanel;
+  const Tiling tiling(P.M, kInt4TileRows);
+  parallel_ranges(panels, 1, [&](int64_t i0, int64_t i1) {
+    static thread_local std::vector<float> sums;
+    sums.resize(P.M * kSumsRow);
+    for (int64_t i = i0; i < i1; ++i) int4_panel(P, Q, tiling, i, sums.data());
+  });
+}
+
 // Each pass of up to kMaxRowsPerPass rows through `run_pass`.
 template <class RunPass>
 void all_passes(const bf16* x, int64_t xs, const float* scales, const bf16* bias, bf16* y, int64_t ys, int64_t M,
@@ -338,6 +479,19 @@ void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16*
           int64_t K) {
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
     gemm_pass(P, [&](bf16*) { return Bf16Panels{packed, num_pairs(K)}; });
+  });
+}
+
+// K a multiple of gs, gs even; x's group sums from the bf16 values themselves.
+void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint16_t* scales, int64_t gs, const bf16* bias,
+                bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
+  const int64_t G = K / gs;
+  thread_local std::vector<float> sx;
+  all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
+    sx.assign(P.M * G, 0.f);
+    for (int64_t m = 0; m < P.M; ++m)
+      for (int64_t k = 0; k < K; ++k) sx[m * G + k / gs] += to_float(P.x[m * P.xs + k]);
+    int4_pass(P, Int4Problem{codes, scales, sx.data(), G, gs / 2});
   });
 }
 
@@ -378,4 +532,15 @@ extern "C" void pagoda_qgemm_int8(const void* x, int64_t x_stride, const void* c
                                   const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
   pagoda::qgemm_int8(static_cast<const pagoda::bf16*>(x), x_stride, static_cast<const int8_t*>(codes), scales,
                      static_cast<const pagoda::bf16*>(bias), static_cast<pagoda::bf16*>(y), y_stride, M, N, K);
+}
+
+// y[M, N] = x[M, K] . W^T (+ bias[N]), W = q * d + m by groups of gs along K: q as nibbles in the
+// panel layout (32 bytes per panel and k-pair; byte 2c + e: column c's code at k-pair element e
+// in the low nibble, column 16 + c's in the high one), d and m as f16 per panel and group
+// (d for its 32 columns, then m). K a multiple of gs, gs even.
+extern "C" void pagoda_qgemm_int4(const void* x, int64_t x_stride, const void* codes, const void* scales, int64_t gs,
+                                  const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
+  pagoda::qgemm_int4(static_cast<const pagoda::bf16*>(x), x_stride, static_cast<const uint8_t*>(codes),
+                     static_cast<const uint16_t*>(scales), gs, static_cast<const pagoda::bf16*>(bias),
+                     static_cast<pagoda::bf16*>(y), y_stride, M, N, K);
 }

@@ -11,7 +11,7 @@ F.linear only in summation order (within one bf16 rounding of the output).
 Where the kernels have native bf16 dot products (the `avx512bf16` build), `prepack_for_cpu`
 packs each bf16 weight for the small-M GEMM kernel instead (`gemm_weight`, the only copy kept),
 which then computes every product of the layer, with the same numerics as the GEMV; int8
-per-channel quantized layers are repacked for its int8 variant the same way.
+(per channel) and int4 quantized layers are repacked for its quantized variants the same way.
 How the weight is stored and applied is the layer's linear method (`method`): unquantized
 (the paths above) by default; `pagoda.layers.quantization` swaps in packed int8/int4 or fp8
 methods after loading, or prepares GGUF-packed ones before it, without changing the layer's
@@ -126,7 +126,7 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # t
 
     With the native GEMM (`cpu_kernels.ops.gemm_is_native()`) each weight is packed for it, and
     that packed copy is the only one kept; so are quantized weights whose format it takes
-    (int8 per channel: the method's `use_gemm`). Otherwise, on CPUs where oneDNN has native bf16, each
+    (int8 per channel and int4: the method's `use_gemm`). Otherwise, on CPUs where oneDNN has native bf16, each
     weight is prepacked for oneDNN; where the (portable) kernels are available the plain weights
     stay too, for the GEMV kernel's small steps, at the cost of a second copy.
     Returns the number of layers packed.

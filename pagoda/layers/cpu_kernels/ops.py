@@ -179,17 +179,53 @@ class Int8Panels:
         return panels[ids // 32, :, ids % 32, :].reshape(len(ids), 2 * pairs)[:, :self.k]
 
 
-def qgemm(x: torch.Tensor, weight: Int8Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] bf16 (rows may be strided) times the int8 panels^T, scaled (+ bias): exact bf16
-    products of x and the codes, fp32 sums, times each column's scale, rounded once to bf16."""
+class Int4Panels:
+    """int4 codes q [n, k] in [0, 15] with f16 scales d and offsets m per group of `group_size`
+    along k (w = q * d + m), in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp): per panel
+    of 32 rows and k-pair, 32 bytes (byte 2c + e: row c's code in the low nibble, row 16 + c's
+    in the high one); per panel and group, d for its 32 rows then m."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> None:
+        n, k = q.shape
+        if k % group_size or group_size % 2 or d.shape != (n, k // group_size) or m.shape != d.shape:
+            raise ValueError(f"int4 codes {tuple(q.shape)}, scales {tuple(d.shape)}, offsets {tuple(m.shape)} "
+                             f"do not fit groups of {group_size}")
+        self.n, self.k, self.group_size = n, k, group_size
+        cols, groups = -(-n // 32) * 32, k // group_size
+        padded = torch.zeros(cols, k, dtype=torch.uint8)
+        padded[:n] = q
+        blocks = padded.view(cols // 32, 2, 16, k // 2, 2).permute(0, 3, 2, 4, 1)
+        self.data = (blocks[..., 0] | (blocks[..., 1] << 4)).contiguous().view(-1)
+        dm = torch.zeros(2, cols, groups, dtype=torch.float16)
+        dm[0, :n], dm[1, :n] = d, m
+        self.scales = dm.view(2, cols // 32, 32, groups).permute(1, 3, 0, 2).contiguous().view(-1)
+
+    def unpack(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q uint8 [rows, k], d f16 [rows, G], m f16 [rows, G]) of every row or of `rows`."""
+        ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
+        groups = self.k // self.group_size
+        blocks = self.data.view(-1, self.k // 2, 16, 2)[ids // 32, :, ids % 16, :]
+        q = torch.where((ids % 32 < 16)[:, None, None], blocks & 15, blocks >> 4).reshape(len(ids), self.k)
+        dm = self.scales.view(-1, groups, 2, 32)[ids // 32, :, :, ids % 32]
+        return q, dm[:, :, 0], dm[:, :, 1]
+
+
+def qgemm(x: torch.Tensor, weight: Int8Panels | Int4Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 (rows may be strided) times the quantized panels^T (+ bias): exact bf16
+    products of x and the codes, fp32 sums, scaled per column (int8) or per column and group
+    (int4, its offsets through x's group sums), rounded once to bf16."""
     _check_rows(x, x.shape[-1])
     m, k = x.shape
     if k != weight.k or x.dtype != torch.bfloat16:
-        raise ValueError(f"x {x.dtype} {tuple(x.shape)} against int8 panels [{weight.n}, {weight.k}]")
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} against quantized panels [{weight.n}, {weight.k}]")
     out = torch.empty(m, weight.n, dtype=x.dtype)
-    _lib().fn("qgemm_int8")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scales.data_ptr(),
-                            bias.data_ptr() if bias is not None else None, out.data_ptr(), weight.n, m,
-                            weight.n, k)
+    b = bias.data_ptr() if bias is not None else None
+    if isinstance(weight, Int8Panels):
+        _lib().fn("qgemm_int8")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scales.data_ptr(), b,
+                                out.data_ptr(), weight.n, m, weight.n, k)
+    else:
+        _lib().fn("qgemm_int4")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scales.data_ptr(),
+                                weight.group_size, b, out.data_ptr(), weight.n, m, weight.n, k)
     return out
 
 
