@@ -29,9 +29,10 @@
 // column's fp32 sum once, before the bias and the one rounding.
 //
 // int4 variant (pagoda_qgemm_int4, w = q * d + m with q in [0, 15] and f16 d, m per group of gs
-// along K): a panel's k-pair is 32 bytes, byte 2c + e holding column c's code (k-pair element e)
-// in its low nibble and column 16 + c's in its high one, so one load widened to 16 bits gives
-// both blocks' weight vectors as bf16 0x4300 | q, exactly 128 + q. A tile (up to kInt4TileRows
+// along K): a panel's two k-pairs p, p + 1 (p even) are 64 bytes, 16-bit lane 2c + e holding, from
+// its low nibble up, the codes of column c at p, column 16 + c at p, column c at p + 1, column
+// 16 + c at p + 1 (k-pair element e), so that a shift and a mask per vector turn one load into
+// four weight vectors of bf16 0x4300 | q, exactly 128 + q. A tile (up to kInt4TileRows
 // rows) sums each group's products in registers, then adds d * sum + (m - 128 d) * sx per column
 // to its fp32 sums in L1 (sx: the row's sum of x over the group, computed once per call). More
 // rows than one tile take K in chunks that stay in L1 while every tile converts them again.
@@ -349,36 +350,45 @@ struct Int4Problem {
 
 // Rows [0, MR) x one int4 panel over k-pairs [p0, p1) (whole groups); adds into `sums` (from zero
 // when `first`). Each group: sums of x * (128 + q) in registers, then sums += d * that + (m - 128 d)
-// * sx, per column.
+// * sx, per column. Two k-pairs a step: one 64-byte load holds their four weight vectors.
+// NOTE: one or two rows keep separate sums for the two k-pairs, so that four chains of
+// vdpbf16ps hide its latency.
 template <int MR, bool PF>
 void int4_tile(const Rows& rows, const Int4Problem& Q, const uint8_t* w, const uint16_t* dm, const float* sx,
                int64_t p0, int64_t p1, bool first, Sums sums) {
+  constexpr int kSplit = MR <= 2 ? 2 : 1;
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
   const __m512i low = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
-  for (int64_t g0 = p0; g0 < p1; g0 += Q.group_pairs) {
-    __m512 part[MR][2];
+  int64_t g = p0 / Q.group_pairs;
+  for (int64_t g0 = p0; g0 < p1; g0 += Q.group_pairs, ++g) {
+    __m512 part[MR][2 * kSplit];
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
-    for (int64_t p = g0; p < g0 + Q.group_pairs; ++p) {
+    for (int m = 0; m < MR; ++m)
+      for (int i = 0; i < 2 * kSplit; ++i) part[m][i] = _mm512_setzero_ps();
+    for (int64_t p = g0; p < g0 + Q.group_pairs; p += 2) {
       const uint8_t* src = w + p * kInt4PairBytes;
-      if constexpr (PF) {
-        if (p % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kInt4PairBytes), _MM_HINT_T1);
-      }
-      const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kInt4PairBytes), _MM_HINT_T1);
+      const __m512i raw = _mm512_loadu_si512(src);
       // bf16 0x4300 | q is exactly 128 + q (the offset term takes the 128 back out)
-      const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(raw, low, exponent, 0xEA);
-      const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(raw, 4), exponent);
+      __m512bh v[4];
+      v[0] = (__m512bh)_mm512_ternarylogic_epi32(raw, low, exponent, 0xEA);
+      v[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), low, exponent, 0xEA);
+      v[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 8), low, exponent, 0xEA);
+      v[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(raw, 12), exponent);
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        uint32_t pair;
-        std::memcpy(&pair, rows.x + m * rows.stride + 2 * p, sizeof(pair));
-        const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-        part[m][0] = _mm512_dpbf16_ps(part[m][0], lo, xv);
-        part[m][1] = _mm512_dpbf16_ps(part[m][1], hi, xv);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          uint32_t pair;
+          std::memcpy(&pair, rows.x + m * rows.stride + 2 * (p + h), sizeof(pair));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          __m512* acc = part[m] + (kSplit == 2 ? 2 * h : 0);
+          acc[0] = _mm512_dpbf16_ps(acc[0], v[2 * h], xv);
+          acc[1] = _mm512_dpbf16_ps(acc[1], v[2 * h + 1], xv);
+        }
       }
     }
-    const int64_t g = g0 / Q.group_pairs;
     const uint16_t* s = dm + g * 2 * kPanel;
     __m512 d[2], off[2];
     for (int b = 0; b < 2; ++b) {
@@ -390,8 +400,10 @@ void int4_tile(const Rows& rows, const Int4Problem& Q, const uint8_t* w, const u
     for (int m = 0; m < MR; ++m) {
       const __m512 xs = _mm512_set1_ps(sx[m * Q.G + g]);
       for (int b = 0; b < 2; ++b) {
+        __m512 sum = part[m][b];
+        if constexpr (kSplit == 2) sum = _mm512_add_ps(sum, part[m][2 + b]);
         float* out = sums + m * kSumsRow + b * kBlock;
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(d[b], part[m][b], _mm512_loadu_ps(out))));
+        _mm512_storeu_ps(out, _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(d[b], sum, _mm512_loadu_ps(out))));
       }
     }
   }
@@ -411,7 +423,7 @@ void int4_tile(const Rows& rows, const Int4Problem& Q, const uint8_t* w, const u
         float part = 0.f;
         for (int64_t p = g0; p < g0 + Q.group_pairs; ++p) {
           for (int e = 0; e < 2; ++e) {
-            const uint8_t b8 = w[p * kInt4PairBytes + (c % kBlock) * 2 + e];
+            const uint8_t b8 = w[(p & ~int64_t{1}) * kInt4PairBytes + ((c % kBlock) * 2 + e) * 2 + (p & 1)];
             const int q = c < kBlock ? (b8 & 15) : (b8 >> 4);
             part += static_cast<float>(128 + q) * to_float(rows.x[m * rows.stride + 2 * p + e]);
           }
@@ -482,15 +494,20 @@ void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16*
   });
 }
 
-// K a multiple of gs, gs even; x's group sums from the bf16 values themselves.
+// K a multiple of gs, gs a multiple of 16; x's group sums from the bf16 values themselves.
 void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint16_t* scales, int64_t gs, const bf16* bias,
                 bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / gs;
   thread_local std::vector<float> sx;
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
-    sx.assign(P.M * G, 0.f);
+    sx.resize(P.M * G);
     for (int64_t m = 0; m < P.M; ++m)
-      for (int64_t k = 0; k < K; ++k) sx[m * G + k / gs] += to_float(P.x[m * P.xs + k]);
+      for (int64_t g = 0; g < G; ++g) {
+        const bf16* xg = P.x + m * P.xs + g * gs;
+        Vf acc = load(xg);
+        for (int64_t i = kBlock; i < gs; i += kBlock) acc = acc + load(xg + i);
+        sx[m * G + g] = reduce_add(acc);
+      }
     int4_pass(P, Int4Problem{codes, scales, sx.data(), G, gs / 2});
   });
 }
@@ -535,9 +552,8 @@ extern "C" void pagoda_qgemm_int8(const void* x, int64_t x_stride, const void* c
 }
 
 // y[M, N] = x[M, K] . W^T (+ bias[N]), W = q * d + m by groups of gs along K: q as nibbles in the
-// panel layout (32 bytes per panel and k-pair; byte 2c + e: column c's code at k-pair element e
-// in the low nibble, column 16 + c's in the high one), d and m as f16 per panel and group
-// (d for its 32 columns, then m). K a multiple of gs, gs even.
+// panel layout (64 bytes per panel and two k-pairs, see the top of this file), d and m as f16 per
+// panel and group (d for its 32 columns, then m). K a multiple of gs, gs a multiple of 16.
 extern "C" void pagoda_qgemm_int4(const void* x, int64_t x_stride, const void* codes, const void* scales, int64_t gs,
                                   const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
   pagoda::qgemm_int4(static_cast<const pagoda::bf16*>(x), x_stride, static_cast<const uint8_t*>(codes),

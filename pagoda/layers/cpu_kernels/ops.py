@@ -182,19 +182,22 @@ class Int8Panels:
 class Int4Panels:
     """int4 codes q [n, k] in [0, 15] with f16 scales d and offsets m per group of `group_size`
     along k (w = q * d + m), in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp): per panel
-    of 32 rows and k-pair, 32 bytes (byte 2c + e: row c's code in the low nibble, row 16 + c's
-    in the high one); per panel and group, d for its 32 rows then m."""
+    of 32 rows and two k-pairs, 64 bytes (byte 2(2c + e) + h: row c's code at k-pair h, element
+    e, in the low nibble, row 16 + c's in the high one); per panel and group, d for its 32 rows
+    then m."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> None:
         n, k = q.shape
-        if k % group_size or group_size % 2 or d.shape != (n, k // group_size) or m.shape != d.shape:
+        if k % group_size or group_size % 16 or d.shape != (n, k // group_size) or m.shape != d.shape:
             raise ValueError(f"int4 codes {tuple(q.shape)}, scales {tuple(d.shape)}, offsets {tuple(m.shape)} "
                              f"do not fit groups of {group_size}")
         self.n, self.k, self.group_size = n, k, group_size
         cols, groups = -(-n // 32) * 32, k // group_size
         padded = torch.zeros(cols, k, dtype=torch.uint8)
         padded[:n] = q
-        blocks = padded.view(cols // 32, 2, 16, k // 2, 2).permute(0, 3, 2, 4, 1)
+        # [panel, block, column c, k-pair pair, k-pair within, element e] -> byte (pair, c, e,
+        # within), the block its nibble.
+        blocks = padded.view(cols // 32, 2, 16, k // 4, 2, 2).permute(0, 3, 2, 5, 4, 1)
         self.data = (blocks[..., 0] | (blocks[..., 1] << 4)).contiguous().view(-1)
         dm = torch.zeros(2, cols, groups, dtype=torch.float16)
         dm[0, :n], dm[1, :n] = d, m
@@ -204,8 +207,8 @@ class Int4Panels:
         """(q uint8 [rows, k], d f16 [rows, G], m f16 [rows, G]) of every row or of `rows`."""
         ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
         groups = self.k // self.group_size
-        blocks = self.data.view(-1, self.k // 2, 16, 2)[ids // 32, :, ids % 16, :]
-        q = torch.where((ids % 32 < 16)[:, None, None], blocks & 15, blocks >> 4).reshape(len(ids), self.k)
+        blocks = self.data.view(-1, self.k // 4, 16, 2, 2)[ids // 32, :, ids % 16].transpose(-1, -2)
+        q = torch.where((ids % 32 < 16)[:, None, None, None], blocks & 15, blocks >> 4).reshape(len(ids), self.k)
         dm = self.scales.view(-1, groups, 2, 32)[ids // 32, :, :, ids % 32]
         return q, dm[:, :, 0], dm[:, :, 1]
 
