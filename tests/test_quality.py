@@ -3,15 +3,17 @@
 `pagoda bench quality` on a small set (one 512-token perplexity window of Python's own docs,
 read back through the KV cache in chunks of 128; 4 prompts x 32 greedy tokens), bf16, against
 the unquantized model as pagoda serves it (the GGUF dequantized to bf16). Measured on this set
-(2026-11-30, bf16 linears through the small-M GEMM kernel): gguf +0.34% perplexity, first
-divergence 8.5 of 32; int4 (group 32) +0.37%, 21.5; int8 +0.67%, 10.5; fp8 (e4m3) KV cache
-+1.30%, 11.2. Bounds, and why:
+(2026-11-30, bf16 linears through the small-M GEMM kernel, int8 and int4 layers through its
+quantized variants at every step size): gguf +0.72% perplexity, first divergence 23.5 of 32;
+int4 (group 32) +0.18%, 21.5; int8 +0.70%, 10.5; fp8 (e4m3) KV cache +1.30%, 11.2. Bounds, and why:
 - gguf and int4: the Q4_1 blocks (gguf: the file's own; int4: requantized to the same grid,
-  with an int8 LM head) give prefill the dequantized weights (gguf) or within a rounding of
-  them (int4), so perplexity within 0.5% / 1%: 0.5% is the reference's own bf16 noise (the same
-  weights score 17.54 in fp32, 17.50 in bf16 through the GEMM kernel, 17.56 through oneDNN,
-  2026-11-30), which the gguf path, dequantizing for prefill, does not share; decoding multiplies the exact codes in fp32 where the reference
-  rounds weights to bf16, so greedy paths part at bf16 near-ties: at least 6 of 32 tokens;
+  with an int8 LM head), multiplied as exact codes against bf16 activations with fp32 sums
+  where the reference rounds each weight to bf16, so perplexity within 1%: the reference's own
+  bf16 noise is 0.5% (the same weights score 17.54 in fp32, 17.50 in bf16 through the GEMM
+  kernel, 17.56 through oneDNN; the GGUF's exact weights 17.57 in fp32, 2026-11-30), and
+  before prefill ran through the quantized GEMM (dequantizing to the reference's own bf16
+  weights instead) gguf scored +0.34%, int4 +0.37%. Greedy paths part at bf16 near-ties: at
+  least 6 of 32 tokens;
 - int8 (per channel, from the dequantized weights): within 1%, at least 6 of 32;
 - fp8 (e4m3) KV cache: within 2%. Its cost is the keys' 3-bit mantissa (keys alone +1.06%,
   values alone +0.19% on 4 x 1024 tokens), not the scale: the 1% target is missed by ~0.2 points
@@ -27,7 +29,7 @@ import pytest
 from pagoda.bench.quality import QualityResult, evaluate
 
 BOUNDS = {  # scheme: (max perplexity ratio, min mean first divergence of 32)
-    "gguf": (1.005, 6),
+    "gguf": (1.01, 6),
     "int4": (1.01, 6),
     "int8": (1.01, 6),
     "kv-fp8": (1.02, 1),

@@ -15,11 +15,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import CacheConfig, EngineConfig, ModelConfig
 from pagoda.distributed.group import ParallelGroup
 from pagoda.kv_cache import KVCacheSpec, num_blocks_for, resolve_kv_cache_dtype
+from pagoda.layers import cpu_kernels
 from pagoda.layers.linear import UNQUANTIZED, Linear
 from pagoda.layers.quantization import gguf as gguf_quant
 from pagoda.layers.quantization import packing, quantize_model
@@ -232,3 +234,42 @@ def test_tensor_parallel_int8_equals_one_process(tiny_llama) -> None:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()),
+                    reason="needs the native GEMM (avx512bf16 kernels)")
+def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
+    from torch import nn
+
+    from pagoda.layers.linear import prepack_for_cpu
+    from pagoda.layers.quantization import make_method
+
+    gen = torch.Generator().manual_seed(3)
+    model = nn.ModuleList([Linear(96, 70, bias=True), Linear(64, 45), Linear(128, 40, bias=True)]).to(torch.bfloat16)
+    for layer in model:
+        layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen) / 8)
+        if layer.bias is not None:
+            layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
+    model[0].method = make_method("int8", model[0].weight.data, 96)
+    # NOTE: group-wise int8 (GGUF's Q8_0) keeps its records.
+    model[1].method = PackedLinearMethod("int8", packing.quantize_int8(model[1].weight.data, 32), 64, 32)
+    model[2].method = make_method("int4", model[2].weight.data, 64)
+    dense = [m.method.dequantize(torch.float32) for m in model]
+    for layer in model:
+        layer.weight.data = torch.empty(0, dtype=torch.bfloat16)
+    assert prepack_for_cpu(model) == 2
+    cpu_kernels.enable(model, True)
+    assert model[1].method.panels is None and model[1].method.packed is not None
+    rows = torch.tensor([39, 0, 33, 32])
+    for layer, w in zip(model, dense, strict=True):
+        method = layer.method
+        assert layer is model[1] or (method.packed is None and method.panels is not None)
+        assert torch.equal(method.dequantize(torch.bfloat16, True, rows), w[rows].to(torch.bfloat16))
+        assert torch.equal(method.dequantize(torch.float32), w)
+        # NOTE: records above NATIVE_MAX_ROWS multiply a bf16-rounded dense weight: looser.
+        for m in (1, 17, 70) if method.panels is not None else (1, 16):
+            x = torch.randn(m, layer.in_features, generator=gen).to(torch.bfloat16)
+            want = F.linear(x.float(), w, layer.bias.float() if layer.bias is not None else None)
+            got = layer(x).float()
+            excess = (got - want).abs() - (2**-8 * want.abs() + 1e-4 * (x.float().abs() @ w.abs().t()))
+            assert excess.max().item() <= 0, f"{method.name}, {m} rows: max excess {excess.max().item():.3g}"

@@ -7,6 +7,8 @@ For both compiled variants. Tolerances:
   (fp32 summation order); int4 first rounds fp32 activations to bf16 (2^-9 relative each),
   which the bound takes as 2^-8 sum|x w|. A wrong scale, offset or nibble moves y by about
   |x w| of one element, far outside these bounds.
+- `qgemm` (int8 or int4 panels, bf16 activations) against the same reference: exact products,
+  fp32 sums, so the same bound as `qgemv` on bf16 activations.
 - `dequantize` equals the torch reference bit for bit (same operations, same order).
 - fp8 K/V writes equal torch's own conversion of the clamped, scaled values bit for bit;
   attention over an fp8 pool equals attention over the dequantized pool within the usual bound.
@@ -83,6 +85,92 @@ def test_qgemv_splits_rows_over_threads() -> None:
         test_qgemv_matches_dequantize_then_matmul("int8", 4096, 576, 576, 2, torch.bfloat16)
     finally:
         ops.set_num_threads(torch.get_num_threads())
+
+
+def check_qgemm(m: int, n: int, k: int, bias: bool, seed: int) -> None:
+    """`qgemm` on int8 panels against F.linear on the dequantized weight: exact products (bf16 x
+    int8 codes), fp32 sums, one bf16 rounding of the scaled output."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.rand(n, generator=gen) * 0.01
+    # NOTE: strided rows with NaN just past each row's K: an odd K must never read it.
+    base = torch.full((m, k + 3), float("nan")).to(torch.bfloat16)
+    base[:, :k] = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x = base[:, :k]
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    weight = ops.Int8Panels(codes, scales)
+    assert torch.equal(weight.codes(), codes)
+    got = ops.qgemm(x, weight, b).float()
+    w = codes.float() * scales[:, None]
+    want = F.linear(x.float(), w, b.float() if b is not None else None)
+    magnitude = x.float().abs() @ w.abs().t()
+    excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * magnitude + 1e-6)
+    assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
+
+
+# M covers one tile (1..12 rows: codes converted in registers), several tiles over decoded
+# chunks, wide tiles (96+); N and K cover SmolLM2's shapes, partial panels and blocks, odd K.
+@pytest.mark.parametrize("m", [1, 5, 6, 12, 13, 16, 25, 64, 96, 101])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 70, False), (77, 129, True),
+                                      (16, 2, False), (33, 1, True)])
+def test_qgemm_int8_matches_dequantize_then_matmul(m: int, n: int, k: int, bias: bool) -> None:
+    check_qgemm(m, n, k, bias, seed=m * 1000 + n + k)
+
+
+def test_qgemm_int8_random_shapes() -> None:
+    gen = torch.Generator().manual_seed(5)
+    for trial in range(30):
+        m, n, k = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (110, 300, 300))
+        check_qgemm(m, n, k, trial % 2 == 1, seed=trial)
+
+
+def check_qgemm_int4(m: int, n: int, k: int, group_size: int, bias: bool, seed: int) -> None:
+    """`qgemm` on int4 panels against F.linear on the dequantized weight (bf16 activations)."""
+    gen = torch.Generator().manual_seed(seed)
+    packed = packed_weight("int4", n, k, group_size, gen)
+    weight = ops.Int4Panels(*packing.unpack_int4(packed, k, group_size), group_size)
+    base = torch.full((m, k + 3), float("nan")).to(torch.bfloat16)
+    base[:, :k] = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x = base[:, :k]
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    got = ops.qgemm(x, weight, b).float()
+    w = dequantized("int4", packed, k, group_size)
+    want = F.linear(x.float(), w, b.float() if b is not None else None)
+    magnitude = x.float().abs() @ w.abs().t()
+    excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * magnitude + 1e-6)
+    assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 12, 13, 16, 25, 64, 101])
+@pytest.mark.parametrize("n,k,group_size,bias", [(960, 576, 32, False), (576, 1536, 32, True), (40, 128, 64, True),
+                                                 (77, 512, 128, False), (16, 64, 32, True), (33, 256, 64, False)])
+def test_qgemm_int4_matches_dequantize_then_matmul(m: int, n: int, k: int, group_size: int, bias: bool) -> None:
+    check_qgemm_int4(m, n, k, group_size, bias, seed=m * 1000 + n + k)
+
+
+def test_int4_panels_unpack_to_the_records() -> None:
+    gen = torch.Generator().manual_seed(2)
+    packed = packed_weight("int4", 45, 192, 64, gen)
+    q, d, m = packing.unpack_int4(packed, 192, 64)
+    weight = ops.Int4Panels(q, d, m, 64)
+    for got, want in zip(weight.unpack(), (q, d, m), strict=True):
+        assert torch.equal(got, want)
+    rows = torch.tensor([44, 0, 17, 16, 31, 32])
+    for got, want in zip(weight.unpack(rows), (q[rows], d[rows], m[rows]), strict=True):
+        assert torch.equal(got, want)
+
+
+def test_int8_panels_rows_and_refusals() -> None:
+    codes = torch.randint(-127, 128, (70, 64), dtype=torch.int8)
+    weight = ops.Int8Panels(codes, torch.ones(70))
+    rows = torch.tensor([69, 0, 33, 33])
+    assert torch.equal(weight.codes(rows), codes[rows])
+    with pytest.raises(ValueError):
+        ops.qgemm(torch.randn(4, 63).to(torch.bfloat16), weight)
+    with pytest.raises(ValueError):
+        ops.qgemm(torch.randn(4, 64), weight)
+    with pytest.raises(ValueError):
+        ops.Int8Panels(codes.float(), torch.ones(70))
 
 
 # ---------------------------------------------------------------- fp8 KV cache

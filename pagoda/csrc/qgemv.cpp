@@ -1,4 +1,7 @@
 // Weight-only quantized products for small M, and dequantization for large M.
+// NOTE: on the avx512bf16 build, int8 (per channel) and int4 layers with bf16 activations are
+// repacked at load for the GEMM's quantized variants (gemm.cpp), which run every step size; these
+// records serve the rest: group-wise int8 (GGUF Q8_0), fp32/f16 activations, the portable build.
 //
 // Two packed row formats, one record per output row so that a thread reads one sequential
 // stream (the bf16 GEMV's lesson, gemv.cpp):

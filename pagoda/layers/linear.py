@@ -10,7 +10,8 @@ kernel on the plain weight instead: fp32 sums of exact bf16 products, so it diff
 F.linear only in summation order (within one bf16 rounding of the output).
 Where the kernels have native bf16 dot products (the `avx512bf16` build), `prepack_for_cpu`
 packs each bf16 weight for the small-M GEMM kernel instead (`gemm_weight`, the only copy kept),
-which then computes every product of the layer, with the same numerics as the GEMV.
+which then computes every product of the layer, with the same numerics as the GEMV; int8
+(per channel) and int4 quantized layers are repacked for its quantized variants the same way.
 How the weight is stored and applied is the layer's linear method (`method`): unquantized
 (the paths above) by default; `pagoda.layers.quantization` swaps in packed int8/int4 or fp8
 methods after loading, or prepares GGUF-packed ones before it, without changing the layer's
@@ -124,7 +125,8 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # t
     """Packs every bf16 CPU `Linear` for its fastest kernel; frees the plain weights not in `keep` (ids).
 
     With the native GEMM (`cpu_kernels.ops.gemm_is_native()`) each weight is packed for it, and
-    that packed copy is the only one kept. Otherwise, on CPUs where oneDNN has native bf16, each
+    that packed copy is the only one kept; so are quantized weights whose format it takes
+    (int8 per channel and int4: the method's `use_gemm`). Otherwise, on CPUs where oneDNN has native bf16, each
     weight is prepacked for oneDNN; where the (portable) kernels are available the plain weights
     stay too, for the GEMV kernel's small steps, at the cost of a second copy.
     Returns the number of layers packed.
@@ -136,6 +138,11 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # t
     count = 0
     for module in model.modules():
         w = getattr(module, "weight", None)
+        if isinstance(module, Linear) and native_gemm and w is not None and w.dtype == torch.bfloat16:
+            use_gemm = getattr(module.method, "use_gemm", None)
+            if use_gemm is not None and use_gemm():
+                count += 1
+                continue
         if (not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu"
                 or module.method is not UNQUANTIZED or not w.numel()):
             continue

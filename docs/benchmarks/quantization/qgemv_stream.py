@@ -1,6 +1,6 @@
 """The linears of one SmolLM2 step as the engine reads them (30 layers of distinct weights +
-the 49152 x 576 LM head), M input rows: bf16 GEMV kernel, int8 and int4 `qgemv`, and, for
-larger M, oneDNN on bf16 against dequantize-then-matmul.
+the 49152 x 576 LM head), M input rows: bf16 GEMV kernel, int8 and int4 `qgemv`, the bf16
+small-M GEMM and its int8 and int4 (group 32) variants (`qgemm` over `Int8Panels`, `Int4Panels`).
 
 Usage: python qgemv_stream.py M [M ...]; env KT kernel threads (2), TT torch threads (2).
 Prints per M the median time of one pass over all weights and the bytes it read per second.
@@ -28,14 +28,33 @@ kinds = {
     "int8": [(packing.quantize_int8(w.float()), ops.INT8, w.shape[1], w.shape[1]) for w in dense],
     "int4-g32": [(packing.quantize_int4(w.float(), 32), ops.INT4, w.shape[1], 32) for w in dense],
     "int4-g64": [(packing.quantize_int4(w.float(), 64), ops.INT4, w.shape[1], 64) for w in dense],
+    "bf16-gemm": [(ops.PackedWeight(w),) for w in dense],
+    "int8-gemm": [(ops.Int8Panels(*packing.unpack_int8(packing.quantize_int8(w.float()), w.shape[1])),)
+                  for w in dense],
+    "int4-gemm": [(ops.Int4Panels(*packing.unpack_int4(packing.quantize_int4(w.float(), 32), w.shape[1], 32), 32),)
+                  for w in dense],
 }
-nbytes = {k: sum(t[0].numel() * t[0].element_size() for t in v) for k, v in kinds.items()}
+only = os.environ.get("KINDS")
+if only:
+    kinds = {k: v for k, v in kinds.items() if k in only.split(",")}
+def size(w) -> int:
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    scales = getattr(w, "scales", None)
+    return w.data.numel() * w.data.element_size() + (0 if scales is None else scales.numel() * scales.element_size())
+
+
+nbytes = {k: sum(size(t[0]) for t in v) for k, v in kinds.items()}
 
 
 def run(m: int, kind: str) -> float:
     xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (H, I)}
     t = time.perf_counter()
     for args in kinds[kind]:
+        if kind.endswith("gemm"):
+            w = args[0]
+            (ops.gemm if kind == "bf16-gemm" else ops.qgemm)(xs[w.k], w)  # type: ignore[operator]
+            continue
         x = xs[args[0].shape[1] if kind == "bf16-gemv" else args[2]]
         if kind == "bf16-gemv":
             ops.gemv(x, args[0])

@@ -155,6 +155,83 @@ def gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
     return out
 
 
+class Int8Panels:
+    """int8 codes [n, k] with one fp32 scale per output row, in the small-M GEMM's panel layout
+    (one byte an element where `PackedWeight` has two; pagoda/csrc/gemm.cpp): w = q * scale."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        if codes.dtype != torch.int8 or codes.dim() != 2 or not codes.numel() or scales.numel() != codes.shape[0]:
+            raise ValueError(f"expected int8 codes [n, k] and n scales, got {codes.dtype} {tuple(codes.shape)} "
+                             f"and {scales.numel()} scales")
+        self.n, self.k = codes.shape
+        cols, pairs = -(-self.n // 32) * 32, -(-self.k // 2)
+        padded = torch.zeros(cols, 2 * pairs, dtype=torch.int8)
+        padded[:self.n, :self.k] = codes
+        # NOTE: panel p, k-pair j, column c, k parity e at p * 64 * pairs + j * 64 + c * 2 + e.
+        self.data = padded.view(cols // 32, 32, pairs, 2).permute(0, 2, 1, 3).contiguous().view(-1)
+        self.scales = scales.float().reshape(-1).contiguous()
+
+    def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8 codes [n, k] (or of `rows`), back in row order."""
+        pairs = -(-self.k // 2)
+        panels = self.data.view(-1, pairs, 32, 2)
+        ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
+        return panels[ids // 32, :, ids % 32, :].reshape(len(ids), 2 * pairs)[:, :self.k]
+
+
+class Int4Panels:
+    """int4 codes q [n, k] in [0, 15] with f16 scales d and offsets m per group of `group_size`
+    along k (w = q * d + m), in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp): per panel
+    of 32 rows and two k-pairs, 64 bytes (byte 2(2c + e) + h: row c's code at k-pair h, element
+    e, in the low nibble, row 16 + c's in the high one); per panel and group, d for its 32 rows
+    then m."""
+
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> None:
+        n, k = q.shape
+        if k % group_size or group_size % 16 or d.shape != (n, k // group_size) or m.shape != d.shape:
+            raise ValueError(f"int4 codes {tuple(q.shape)}, scales {tuple(d.shape)}, offsets {tuple(m.shape)} "
+                             f"do not fit groups of {group_size}")
+        self.n, self.k, self.group_size = n, k, group_size
+        cols, groups = -(-n // 32) * 32, k // group_size
+        padded = torch.zeros(cols, k, dtype=torch.uint8)
+        padded[:n] = q
+        # [panel, block, column c, k-pair pair, k-pair within, element e] -> byte (pair, c, e,
+        # within), the block its nibble.
+        blocks = padded.view(cols // 32, 2, 16, k // 4, 2, 2).permute(0, 3, 2, 5, 4, 1)
+        self.data = (blocks[..., 0] | (blocks[..., 1] << 4)).contiguous().view(-1)
+        dm = torch.zeros(2, cols, groups, dtype=torch.float16)
+        dm[0, :n], dm[1, :n] = d, m
+        self.scales = dm.view(2, cols // 32, 32, groups).permute(1, 3, 0, 2).contiguous().view(-1)
+
+    def unpack(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q uint8 [rows, k], d f16 [rows, G], m f16 [rows, G]) of every row or of `rows`."""
+        ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
+        groups = self.k // self.group_size
+        blocks = self.data.view(-1, self.k // 4, 16, 2, 2)[ids // 32, :, ids % 16].transpose(-1, -2)
+        q = torch.where((ids % 32 < 16)[:, None, None, None], blocks & 15, blocks >> 4).reshape(len(ids), self.k)
+        dm = self.scales.view(-1, groups, 2, 32)[ids // 32, :, :, ids % 32]
+        return q, dm[:, :, 0], dm[:, :, 1]
+
+
+def qgemm(x: torch.Tensor, weight: Int8Panels | Int4Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 (rows may be strided) times the quantized panels^T (+ bias): exact bf16
+    products of x and the codes, fp32 sums, scaled per column (int8) or per column and group
+    (int4, its offsets through x's group sums), rounded once to bf16."""
+    _check_rows(x, x.shape[-1])
+    m, k = x.shape
+    if k != weight.k or x.dtype != torch.bfloat16:
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} against quantized panels [{weight.n}, {weight.k}]")
+    out = torch.empty(m, weight.n, dtype=x.dtype)
+    b = bias.data_ptr() if bias is not None else None
+    if isinstance(weight, Int8Panels):
+        _lib().fn("qgemm_int8")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scales.data_ptr(), b,
+                                out.data_ptr(), weight.n, m, weight.n, k)
+    else:
+        _lib().fn("qgemm_int4")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scales.data_ptr(),
+                                weight.group_size, b, out.data_ptr(), weight.n, m, weight.n, k)
+    return out
+
+
 # Packed weight formats of `qgemv` / `dequantize` (csrc/qgemv.cpp describes the records).
 INT4, INT8 = 0, 1
 

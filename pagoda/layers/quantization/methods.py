@@ -19,24 +19,29 @@ from pagoda.layers.quantization import packing
 if TYPE_CHECKING:
     from torch import nn
 
-# NOTE: a step of at most this many rows runs the packed weights through the native GEMV
+# NOTE: a step of at most this many rows runs the packed records through the native GEMV
 # (each weight read once per 8 rows, unpacked in registers); a larger one dequantizes the
 # layer to a dense matrix for oneDNN, whose blocked product wins once the unpacking is
-# amortized over enough rows (docs/performance.md, Quantized weights).
+# amortized over enough rows (docs/performance.md, Quantized weights). Layers repacked for the
+# GEMM (`use_gemm`: int8 per channel, int4) run every bf16 step through it instead; measured
+# over SmolLM2's weights (docs/benchmarks/quantization/qgemv_stream.py) it beats the GEMV from
+# 1 row on, by 3x from 8 rows.
 NATIVE_MAX_ROWS = 16
 
 
 class PackedLinearMethod:
-    """int4 or int8 records (packing.py) for one `Linear`.
+    """int4 or int8 records (packing.py) for one `Linear`, or the GEMM's panels of them.
 
     Attributes:
         scheme: 'int4' or 'int8'.
-        packed: uint8 [out_features, record bytes].
+        packed: uint8 [out_features, record bytes]; None once repacked into `panels`.
+        panels: the codes in the small-M GEMM's layout (`use_gemm`), or None.
     """
 
     def __init__(self, scheme: str, packed: torch.Tensor, in_features: int, group_size: int) -> None:
         self.scheme = scheme
-        self.packed = packed
+        self.packed: torch.Tensor | None = packed
+        self.panels: cpu_kernels.ops.Int8Panels | cpu_kernels.ops.Int4Panels | None = None
         self.in_features = in_features
         self.group_size = group_size
         self.fmt = cpu_kernels.ops.INT4 if scheme == "int4" else cpu_kernels.ops.INT8
@@ -46,8 +51,27 @@ class PackedLinearMethod:
         per = "channel" if self.group_size == self.in_features else f"group {self.group_size}"
         return f"{self.scheme} ({per})"
 
+    def use_gemm(self) -> bool:
+        """Repacks the records into the GEMM's panels, the only copy kept (the caller checks that
+        the native GEMM exists and activations are bf16): int8 per channel and int4. Returns
+        whether this layer has panels (group-wise int8, GGUF's Q8_0, keeps its records)."""
+        if self.packed is None:
+            return self.panels is not None
+        if self.scheme == "int4":
+            q, d, m = packing.unpack_int4(self.packed, self.in_features, self.group_size)
+            self.panels = cpu_kernels.ops.Int4Panels(q, d, m, self.group_size)
+        elif self.group_size == self.in_features:
+            q, d = packing.unpack_int8(self.packed, self.in_features)
+            self.panels = cpu_kernels.ops.Int8Panels(q, d)
+        else:
+            return False
+        self.packed = None
+        return True
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.native and x.shape[0] <= NATIVE_MAX_ROWS:
+        if self.panels is not None and x.dtype == torch.bfloat16:
+            return cpu_kernels.ops.qgemm(x, self.panels, bias)
+        if self.packed is not None and layer.native and x.shape[0] <= NATIVE_MAX_ROWS:
             return cpu_kernels.ops.qgemv(x, self.packed, self.fmt, self.in_features, self.group_size, bias)
         if self.scheme == "int4" and x.dtype != torch.bfloat16:
             # NOTE: the int4 kernel multiplies bf16 activations (vdpbf16ps); every path rounds
@@ -58,6 +82,10 @@ class PackedLinearMethod:
     def dequantize(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
                    ) -> torch.Tensor:
         """The dense weight (or its `rows`) in `dtype`, by the kernel when `native`."""
+        if self.panels is not None:
+            w = self._dequantize_panels(self.panels, rows).to(dtype)
+            return w if rows is None else w.view(*rows.shape, self.in_features)
+        assert self.packed is not None
         packed = self.packed if rows is None else self.packed[rows]
         if native:
             return cpu_kernels.ops.dequantize(packed, self.fmt, self.in_features, self.group_size, dtype)
@@ -65,7 +93,21 @@ class PackedLinearMethod:
             return packing.dequantize_int4(packed, self.in_features, self.group_size, dtype)
         return packing.dequantize_int8(packed, self.in_features, self.group_size, dtype)
 
+    def _dequantize_panels(self, panels: cpu_kernels.ops.Int8Panels | cpu_kernels.ops.Int4Panels,
+                           rows: torch.Tensor | None) -> torch.Tensor:
+        """fp32 [rows, K]: q * d (+ m), as packing's dequantize computes them."""
+        if isinstance(panels, cpu_kernels.ops.Int8Panels):
+            scales = panels.scales if rows is None else panels.scales[rows.reshape(-1)]
+            return panels.codes(rows).float() * scales[:, None]
+        q, d, m = panels.unpack(rows)
+        groups = q.float().view(q.shape[0], -1, self.group_size) * d.float()[..., None] + m.float()[..., None]
+        return groups.view(q.shape[0], self.in_features)
+
     def weight_bytes(self) -> int:
+        if self.panels is not None:
+            scales = self.panels.scales
+            return self.panels.data.numel() + scales.numel() * scales.element_size()
+        assert self.packed is not None
         return self.packed.numel()
 
 

@@ -8,7 +8,9 @@ row slice:
   the kernel's stream order (`stream_order`, csrc/qgemv.cpp says why): stream position
   64c + p (p < 32) is the low nibble of byte 32c + p, position 64c + 32 + p its high nibble.
 - int8: [K x int8][G x f32 scale d], w = q * d with q in [-127, 127] (G = 1: per channel).
-Dequantizing computes q * d, then + m, in fp32, and rounds once to the target dtype: the
+Where the native GEMM runs (avx512bf16), int8 per-channel and int4 layers trade these records
+for its panel layout at load (`PackedLinearMethod.use_gemm`, cpu_kernels.ops.Int8Panels and
+Int4Panels). Dequantizing computes q * d, then + m, in fp32, and rounds once to the target dtype: the
 same operations, in the same order, as the native `dequantize` kernel.
 """
 
