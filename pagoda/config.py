@@ -186,6 +186,8 @@ class SpeculativeConfig:
         prompt_lookup_max / prompt_lookup_min: the n-gram sizes tried, longest first.
         model: the draft model (a directory, .gguf or alias) for "draft_model".
         disable_by_batch_size: no drafting in steps with at least this many running requests.
+        quantization: the draft model's weight quantization (as `ModelConfig.quantization`);
+            None: the target's.
     """
 
     method: str = "ngram"
@@ -194,6 +196,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: str | None = None
     disable_by_batch_size: int | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and self.method == "ngram":
@@ -207,6 +210,8 @@ class SpeculativeConfig:
                self.prompt_lookup_min, f"must be in [1, prompt_lookup_max={self.prompt_lookup_max}]")
         _check(self.disable_by_batch_size is None or self.disable_by_batch_size > 0,
                "disable_by_batch_size", self.disable_by_batch_size, "must be positive")
+        _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+               self.quantization, f"must be None or one of {QUANTIZATIONS}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:

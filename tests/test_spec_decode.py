@@ -143,10 +143,27 @@ def test_sampling_follows_the_target_distribution(tiny_llama: Path, plain: LLM):
     assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
 
 
+def test_quantized_draft_keeps_greedy_output(tiny_llama: Path, plain: LLM):
+    """vLLM's `quantization` key quantizes the draft alone; the target's output is unchanged."""
+    ps = prompts()
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = run(plain, params, ps)
+    llm = LLM(str(tiny_llama), num_kv_blocks=256, speculative_config={
+        "model": str(tiny_llama), "num_speculative_tokens": 3, "quantization": "int8"}, **ENGINE)
+    stats = SpecStats()
+    llm.engine.stat_loggers.append(stats)
+    assert run(llm, params, ps) == expected
+    assert stats.drafts > 10 and stats.accepted > 0
+    draft = llm.engine.proposer.runner.model  # type: ignore[union-attr]
+    target = llm.engine.runner.model
+    assert {m.method.name for m in draft.modules() if hasattr(m, "method")} == {"int8 (channel)"}
+    assert {m.method.name for m in target.modules() if hasattr(m, "method")} == {"unquantized"}
+
+
 def test_bad_speculative_configs_are_refused(tiny_llama: Path):
     for bad, words in [({"method": "medusa"}, "method"), ({"num_speculative_tokens": 0}, "[1, 16]"),
                        ({"method": "draft_model"}, "model"), ('{"oops', "JSON"),
-                       ({"bogus": 1}, "Unknown")]:
+                       ({"bogus": 1}, "Unknown"), ({"model": "smollm2", "quantization": "int3"}, "quantization")]:
         with pytest.raises(ValueError, match=words):
             LLM(str(tiny_llama), speculative_config=bad, **ENGINE)
 

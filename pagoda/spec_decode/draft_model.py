@@ -44,8 +44,9 @@ class DraftModelProposer:
         from pagoda.engine_setup import build_engine_parts
 
         assert spec.model is not None
+        quantization = spec.quantization if spec.quantization is not None else config.model.quantization
         draft_config = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, model=spec.model),
+            config, model=dataclasses.replace(config.model, model=spec.model, quantization=quantization),
             cache=dataclasses.replace(config.cache, enable_prefix_caching=False),
             speculative=None)
         parts = build_engine_parts(draft_config)
@@ -59,8 +60,8 @@ class DraftModelProposer:
                              f"target's ({target_vocab_size}); it must share the tokenizer.")
         self.shadows: dict[Request, Request] = {}
         self._params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
-        logger.info("Draft model %s: %d speculative tokens, %d KV blocks", spec.model,
-                    self.num_tokens, parts.num_blocks)
+        logger.info("Draft model %s (%s): %d speculative tokens, %d KV blocks", spec.model,
+                    quantization or config.model.dtype, self.num_tokens, parts.num_blocks)
 
     def propose(self, requests: list[Request]) -> None:
         self._free_stale()
