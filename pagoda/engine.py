@@ -31,6 +31,7 @@ from pagoda.scheduler import Scheduler, SchedulerOutput
 from pagoda.spec_decode import build_proposer
 from pagoda.spec_decode.eligibility import trim_to_grammar
 from pagoda.stats import IterationStats, SchedulerStats, SpecDecodingStats
+from pagoda.structured_output import GrammarError
 
 logger = logging.getLogger("pagoda")
 
@@ -208,8 +209,10 @@ class LLMEngine:
             request.cumulative_logprob += logprobs[token][0]
         record_token_timing(request, now, stats)
         if request.grammar is not None and not request.grammar.accept(token):
-            raise RuntimeError(f"token {token} is outside the request's grammar "
-                               f"({request.grammar.error or 'not allowed'})")
+            # NOTE: the sampler masks every token the grammar rejects, so a rejected token means
+            # the mask left none of the model's tokens: the constraint cannot go on here.
+            raise GrammarError(f"no token of this model's vocabulary can continue the constraint "
+                               f"(sampled token {token}: {request.grammar.error or 'not allowed'})")
         sample = self.states[request.request_id].samples[request.sample_index]
         stopped_by_string = sample.add_token(token)
         if stopped_by_string:
@@ -230,6 +233,7 @@ class LLMEngine:
             self._finish(request, RequestStatus.FINISHED_ERROR, stats)
             return
         state.error = f"{reason}: {exc}"
+        state.error_is_request = isinstance(exc, GrammarError)
         for sample in state.samples:  # NOTE: the user request has failed as a whole.
             self._finish(sample.request, RequestStatus.FINISHED_ERROR, stats)
 

@@ -71,6 +71,7 @@ class RequestState:
         self.prompt = prompt
         self.samples = [SampleState(i, c, tokenizer) for i, c in enumerate(children)]
         self.error: str | None = None
+        self.error_is_request = False  # the request's own fault (its constraint), not the engine's
 
     @property
     def finished(self) -> bool:
@@ -85,6 +86,7 @@ class RequestState:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=first.prompt_token_ids,
             outputs=deltas, finished=self.finished, metrics=first.metrics,
             num_cached_tokens=max(s.request.num_cached_tokens for s in self.samples), error=self.error,
+            error_is_request=self.error_is_request,
         )
 
 

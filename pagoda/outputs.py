@@ -71,4 +71,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_is_request: bool = False  # the error is the request's own (e.g. an unsatisfiable constraint)
     extra: dict[str, object] = field(default_factory=dict)

@@ -134,6 +134,24 @@ def fuzz_client(fuzz_engine: AsyncLLM) -> Iterator[httpx.Client]:
         yield client
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_the_vocabulary_cannot_follow_is_the_requests_error(fuzz_client: httpx.Client,
+                                                                         stream: bool) -> None:
+    """Found by the fuzzer: a choice of one control character compiles, but no token of the tiny
+    vocabulary starts it, so the mask leaves nothing: a 400 (an error event once streaming),
+    never a 500, and other requests are untouched."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "guided_choice": ["\x16"], "max_tokens": 4, "stream": stream}
+    r = fuzz_client.post("/v1/chat/completions", json=body)
+    text = r.text.replace(" ", "")
+    if stream:
+        assert r.status_code == 200 and '"code":400' in text and "vocabulary" in text, r.text[-300:]
+    else:
+        assert r.status_code == 400 and "vocabulary" in r.text, r.text[:300]
+    ok = fuzz_client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+
+
 def test_the_pool_is_whole_after_fuzzing(fuzz_engine: AsyncLLM) -> None:
     import time
 

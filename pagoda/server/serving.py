@@ -231,6 +231,8 @@ class Generation:
         try:
             async for i, out in merge(streams):
                 if out.error:
+                    if out.error_is_request:
+                        raise APIError(400, f"Generation stopped: {out.error}")
                     raise APIError(500, f"Generation failed: {out.error}")
                 self.num_cached_tokens[i] = out.num_cached_tokens
                 self.finished[i] = out.finished
