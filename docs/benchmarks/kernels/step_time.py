@@ -1,10 +1,12 @@
 """Median LLMEngine.step() time in steady decode: --batch sequences of --prompt random tokens,
 after the prefill and 5 warm-up steps; --profile prints torch.profiler's operator table for 5
-steps first. Env KT sets the kernels' thread count.
+steps first; --scheme takes `pagoda bench quality`'s names (bf16, int8, int4, gguf, kv-fp8, ...).
+Env KT sets the kernels' thread count.
 """
 import os, time, statistics, argparse
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
+from pagoda.bench.quality import SCHEME_ARGS
 from pagoda.engine import LLMEngine
 from pagoda.sampling_params import SamplingParams
 
@@ -14,9 +16,10 @@ ap.add_argument("--prompt", type=int, default=32)
 ap.add_argument("--steps", type=int, default=60)
 ap.add_argument("--dtype", default="bfloat16")
 ap.add_argument("--profile", action="store_true")
+ap.add_argument("--scheme", default="bf16", choices=list(SCHEME_ARGS))
 a = ap.parse_args()
 eng = LLMEngine.from_engine_args("smollm2", (), dtype=a.dtype, log_stats=False, enable_prefix_caching=False,
-                                 max_num_batched_tokens=max(4096, a.batch * a.prompt))
+                                 max_num_batched_tokens=max(4096, a.batch * a.prompt), **SCHEME_ARGS[a.scheme])
 if os.environ.get("KT"):
     from pagoda.layers.cpu_kernels import ops
     ops.set_num_threads(int(os.environ["KT"]))
@@ -35,4 +38,4 @@ if a.profile:
 for _ in range(a.steps):
     t = time.perf_counter(); eng.step(); times.append(time.perf_counter() - t)
 med = statistics.median(times)
-print(f"batch={a.batch} prompt={a.prompt} dtype={a.dtype} step median {med*1e3:.2f} ms  p10 {sorted(times)[len(times)//10]*1e3:.2f}  -> {a.batch/med:.1f} tok/s")
+print(f"batch={a.batch} prompt={a.prompt} dtype={a.dtype} step median {med*1e3:.2f} ms  p10 {sorted(times)[len(times)//10]*1e3:.2f}  -> {a.batch/med:.1f} tok/s  scheme={a.scheme}")
