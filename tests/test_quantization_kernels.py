@@ -7,7 +7,7 @@ For both compiled variants. Tolerances:
   (fp32 summation order); int4 first rounds fp32 activations to bf16 (2^-9 relative each),
   which the bound takes as 2^-8 sum|x w|. A wrong scale, offset or nibble moves y by about
   |x w| of one element, far outside these bounds.
-- `qgemm` (int8 or int4 panels, bf16 activations) against the same reference: exact products,
+- `gemm` on int8 or int4 panels (bf16 activations) against the same reference: exact products,
   fp32 sums, so the same bound as `qgemv` on bf16 activations.
 - `dequantize` equals the torch reference bit for bit (same operations, same order).
 - fp8 K/V writes equal torch's own conversion of the clamped, scaled values bit for bit;
@@ -88,7 +88,7 @@ def test_qgemv_splits_rows_over_threads() -> None:
 
 
 def check_qgemm(m: int, n: int, k: int, bias: bool, seed: int) -> None:
-    """`qgemm` on int8 panels against F.linear on the dequantized weight: exact products (bf16 x
+    """`gemm` on int8 panels against F.linear on the dequantized weight: exact products (bf16 x
     int8 codes), fp32 sums, one bf16 rounding of the scaled output."""
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -100,7 +100,7 @@ def check_qgemm(m: int, n: int, k: int, bias: bool, seed: int) -> None:
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     weight = ops.Int8Panels(codes, scales)
     assert torch.equal(weight.codes(), codes)
-    got = ops.qgemm(x, weight, b).float()
+    got = ops.gemm(x, weight, b).float()
     w = codes.float() * scales[:, None]
     want = F.linear(x.float(), w, b.float() if b is not None else None)
     magnitude = x.float().abs() @ w.abs().t()
@@ -125,7 +125,7 @@ def test_qgemm_int8_random_shapes() -> None:
 
 
 def check_qgemm_int4(m: int, n: int, k: int, group_size: int, bias: bool, seed: int) -> None:
-    """`qgemm` on int4 panels against F.linear on the dequantized weight (bf16 activations)."""
+    """`gemm` on int4 panels against F.linear on the dequantized weight (bf16 activations)."""
     gen = torch.Generator().manual_seed(seed)
     packed = packed_weight("int4", n, k, group_size, gen)
     weight = ops.Int4Panels(*packing.unpack_int4(packed, k, group_size), group_size)
@@ -133,7 +133,7 @@ def check_qgemm_int4(m: int, n: int, k: int, group_size: int, bias: bool, seed: 
     base[:, :k] = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     x = base[:, :k]
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
-    got = ops.qgemm(x, weight, b).float()
+    got = ops.gemm(x, weight, b).float()
     w = dequantized("int4", packed, k, group_size)
     want = F.linear(x.float(), w, b.float() if b is not None else None)
     magnitude = x.float().abs() @ w.abs().t()
@@ -166,9 +166,9 @@ def test_int8_panels_rows_and_refusals() -> None:
     rows = torch.tensor([69, 0, 33, 33])
     assert torch.equal(weight.codes(rows), codes[rows])
     with pytest.raises(ValueError):
-        ops.qgemm(torch.randn(4, 63).to(torch.bfloat16), weight)
+        ops.gemm(torch.randn(4, 63).to(torch.bfloat16), weight)
     with pytest.raises(ValueError):
-        ops.qgemm(torch.randn(4, 64), weight)
+        ops.gemm(torch.randn(4, 64), weight)
     with pytest.raises(ValueError):
         ops.Int8Panels(codes.float(), torch.ones(70))
 

@@ -1,6 +1,6 @@
 """The linears of one SmolLM2 step as the engine reads them (30 layers of distinct weights +
 the 49152 x 576 LM head), M input rows: bf16 GEMV kernel, int8 and int4 `qgemv`, the bf16
-small-M GEMM and its int8 and int4 (group 32) variants (`qgemm` over `Int8Panels`, `Int4Panels`).
+small-M GEMM and its int8 and int4 (group 32) variants (`gemm` over `Int8Panels`, `Int4Panels`).
 
 Usage: python qgemv_stream.py M [M ...]; env KT kernel threads (2), TT torch threads (2).
 Prints per M the median time of one pass over all weights and the bytes it read per second.
@@ -53,7 +53,7 @@ def run(m: int, kind: str) -> float:
     for args in kinds[kind]:
         if kind.endswith("gemm"):
             w = args[0]
-            (ops.gemm if kind == "bf16-gemm" else ops.qgemm)(xs[w.k], w)  # type: ignore[operator]
+            ops.gemm(xs[w.k], w)
             continue
         x = xs[args[0].shape[1] if kind == "bf16-gemv" else args[2]]
         if kind == "bf16-gemv":

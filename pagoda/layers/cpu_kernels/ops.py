@@ -143,18 +143,6 @@ def gemm_is_native() -> bool:
     return _lib().variant == "avx512bf16"
 
 
-def gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (rows may be strided) times the packed weight^T (+ bias): bf16, fp32 sums."""
-    _check_rows(x, x.shape[-1])
-    m, k = x.shape
-    if k != weight.k or x.dtype != torch.bfloat16:
-        raise ValueError(f"x {x.dtype} {tuple(x.shape)} against a packed bf16 weight [{weight.n}, {weight.k}]")
-    out = torch.empty(m, weight.n, dtype=x.dtype)
-    _lib().fn("gemm_bf16")(x.data_ptr(), x.stride(0), weight.data.data_ptr(),
-                           bias.data_ptr() if bias is not None else None, out.data_ptr(), weight.n, m, weight.n, k)
-    return out
-
-
 class Int8Panels:
     """int8 codes [n, k] with one fp32 scale per output row, in the small-M GEMM's panel layout
     (one byte an element where `PackedWeight` has two; pagoda/csrc/gemm.cpp): w = q * scale."""
@@ -213,17 +201,21 @@ class Int4Panels:
         return q, dm[:, :, 0], dm[:, :, 1]
 
 
-def qgemm(x: torch.Tensor, weight: Int8Panels | Int4Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] bf16 (rows may be strided) times the quantized panels^T (+ bias): exact bf16
-    products of x and the codes, fp32 sums, scaled per column (int8) or per column and group
-    (int4, its offsets through x's group sums), rounded once to bf16."""
+def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 (rows may be strided) times a packed weight^T (+ bias): exact bf16 products
+    of x and the weight (bf16 values, or int8/int4 codes), fp32 sums, scaled per column (int8)
+    or per column and group (int4, its offsets through x's group sums), rounded once to bf16."""
     _check_rows(x, x.shape[-1])
     m, k = x.shape
     if k != weight.k or x.dtype != torch.bfloat16:
-        raise ValueError(f"x {x.dtype} {tuple(x.shape)} against quantized panels [{weight.n}, {weight.k}]")
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} against a packed weight [{weight.n}, {weight.k}]")
     out = torch.empty(m, weight.n, dtype=x.dtype)
     b = bias.data_ptr() if bias is not None else None
-    if isinstance(weight, Int8Panels):
+    if isinstance(weight, PackedWeight):
+        _lib().fn("gemm_bf16")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), b, out.data_ptr(), weight.n, m,
+                               weight.n, k)
+    elif isinstance(weight, Int8Panels):
         _lib().fn("qgemm_int8")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scales.data_ptr(), b,
                                 out.data_ptr(), weight.n, m, weight.n, k)
     else:

@@ -70,7 +70,7 @@ class PackedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.panels is not None and x.dtype == torch.bfloat16:
-            return cpu_kernels.ops.qgemm(x, self.panels, bias)
+            return cpu_kernels.ops.gemm(x, self.panels, bias)
         if self.packed is not None and layer.native and x.shape[0] <= NATIVE_MAX_ROWS:
             return cpu_kernels.ops.qgemv(x, self.packed, self.fmt, self.in_features, self.group_size, bias)
         if self.scheme == "int4" and x.dtype != torch.bfloat16:
