@@ -13,6 +13,7 @@ from pagoda.layers import cpu_kernels
 from pagoda.layers.cpu_kernels.memory import advise_huge_pages
 from pagoda.model_inputs import InputPreparer, ModelInputs
 from pagoda.models.llama import LlamaForCausalLM
+from pagoda.models.native_decoder import NativeDecoder
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
 from pagoda.scheduler import SchedulerOutput
@@ -42,6 +43,8 @@ class ModelRunner:
             if self.use_cpu_kernel:
                 advise_huge_pages(k)
                 advise_huge_pages(v)
+        if self.use_cpu_kernel:
+            self.model.native_decoder = NativeDecoder.build(self.model)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:

@@ -15,6 +15,7 @@ normalize" is one step (`RMSNorm.forward_with_residual`); the sums are those of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from pagoda.layers.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+
+if TYPE_CHECKING:
+    from pagoda.models.native_decoder import NativeDecoder
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
         inv_freq, scaling = inv_freq_for(config, d.head_dim)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
+        # NOTE: set by the model runner where the whole stack runs as one native call.
+        self.native_decoder: NativeDecoder | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
@@ -176,10 +182,13 @@ class LlamaForCausalLM(nn.Module):
             h, residual = self.embed_tokens(input_ids), None
         else:
             h, residual = intermediate
-        rope = self.rotary(positions, h.dtype)
-        for layer in self.layers:
-            if not isinstance(layer, MissingLayer):
-                h, residual = layer(h, residual, rope, meta)
+        if self.native_decoder is not None and self.native_decoder.takes(h, positions, meta):
+            h, residual = self.native_decoder(h, residual, positions, meta)
+        else:
+            rope = self.rotary(positions, h.dtype)
+            for layer in self.layers:
+                if not isinstance(layer, MissingLayer):
+                    h, residual = layer(h, residual, rope, meta)
         if self.norm is None:
             return h, residual
         if residual is None:

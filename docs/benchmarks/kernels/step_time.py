@@ -1,6 +1,7 @@
 """Median LLMEngine.step() time in steady decode: --batch sequences of --prompt random tokens,
 after the prefill and 5 warm-up steps; --profile prints torch.profiler's operator table for 5
-steps first; --scheme takes `pagoda bench quality`'s names (bf16, int8, int4, gguf, kv-fp8, ...).
+steps first; --scheme takes `pagoda bench quality`'s names (bf16, int8, int4, gguf, kv-fp8, ...);
+--layer-path runs decode steps layer by layer instead of the one-call native decoder stack.
 Env KT sets the kernels' thread count.
 """
 import os, time, statistics, argparse
@@ -16,10 +17,13 @@ ap.add_argument("--prompt", type=int, default=32)
 ap.add_argument("--steps", type=int, default=60)
 ap.add_argument("--dtype", default="bfloat16")
 ap.add_argument("--profile", action="store_true")
+ap.add_argument("--layer-path", action="store_true")
 ap.add_argument("--scheme", default="bf16", choices=list(SCHEME_ARGS))
 a = ap.parse_args()
 eng = LLMEngine.from_engine_args("smollm2", (), dtype=a.dtype, log_stats=False, enable_prefix_caching=False,
                                  max_num_batched_tokens=max(4096, a.batch * a.prompt), **SCHEME_ARGS[a.scheme])
+if a.layer_path:
+    eng.runner.model.native_decoder = None
 if os.environ.get("KT"):
     from pagoda.layers.cpu_kernels import ops
     ops.set_num_threads(int(os.environ["KT"]))
@@ -38,4 +42,4 @@ if a.profile:
 for _ in range(a.steps):
     t = time.perf_counter(); eng.step(); times.append(time.perf_counter() - t)
 med = statistics.median(times)
-print(f"batch={a.batch} prompt={a.prompt} dtype={a.dtype} step median {med*1e3:.2f} ms  p10 {sorted(times)[len(times)//10]*1e3:.2f}  -> {a.batch/med:.1f} tok/s  scheme={a.scheme}")
+print(f"batch={a.batch} prompt={a.prompt} dtype={a.dtype} step median {med*1e3:.2f} ms  p10 {sorted(times)[len(times)//10]*1e3:.2f}  -> {a.batch/med:.1f} tok/s  scheme={a.scheme}{' layer-path' if a.layer_path else ''}")

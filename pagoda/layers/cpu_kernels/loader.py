@@ -43,6 +43,7 @@ _PLAIN: dict[str, ArgTypes] = {
     "qgemm_int8": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _L],
     "qgemm_int4": [_P, _L, _P, _P, _L, _P, _P, _L, _L, _L, _L],
     "set_num_threads": [_I],
+    "decoder_stack_bf16": [_P, _P, _L],
 }
 _RETURNING: dict[str, tuple[ArgTypes, type]] = {
     "gemm_packed_size_bf16": ([_L, _L], _L),

@@ -1,0 +1,160 @@
+// A decode step's whole stack of Llama decoder layers in one call (bf16 activations).
+//
+// The Python path calls ~10 kernels a layer through ctypes and nn.Module (~60 us a layer,
+// ~2 ms a step for 30 layers: as much as the attention at one stream). This runs the same
+// kernels, in the same order, on the same buffers, from C++: per layer
+//   (layer 0) residual = h, h = rms_norm(h); (others) residual += h, h = rms_norm(residual)
+//   qkv = h . Wqkv^T; rotate q and k in place; write k, v to their slots; attn = paged
+//   attention; h = attn . Wo^T; residual += h, h = rms_norm(residual); gate_up = h . Wgu^T;
+//   act = silu(gate) * up; h = act . Wdown^T
+// so its results are bit for bit those of the Python path. The caller applies the final norm.
+// Each linear is a bf16 packed weight, int8 panels (per-column scales) or int4 panels
+// (group-wise d, m), as pagoda/csrc/gemm.cpp lays them out.
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+void pagoda_rms_norm_bf16(const void* x, const void* weight, void* out, int64_t rows, int n, int64_t x_stride,
+                          int64_t out_stride, float eps);
+void pagoda_fused_add_rms_norm_bf16(void* x, void* residual, const void* weight, int64_t rows, int n, float eps);
+void pagoda_silu_and_mul_bf16(const void* x, void* out, int64_t rows, int n);
+void pagoda_rotary_bf16(void* x, const int64_t* positions, const float* cos, const float* sin, int64_t num_tokens,
+                        int num_heads, int head_dim, int64_t token_stride, int64_t head_stride);
+#define PAGODA_DECLARE_CACHE(SUFFIX)                                                                         \
+  void pagoda_reshape_and_cache_##SUFFIX(const void* k, const void* v, void* k_cache, void* v_cache,         \
+                                         const int64_t* slots, int64_t num_tokens, int64_t row_len,          \
+                                         int64_t k_stride, int64_t v_stride, float k_scale, float v_scale);  \
+  void pagoda_paged_attention_##SUFFIX(const void* q, const void* k_cache, const void* v_cache, void* out,    \
+                                       const int64_t* block_tables, const int64_t* seq_lens,                  \
+                                       const int64_t* query_start_loc, int num_seqs, int num_heads,           \
+                                       int num_kv_heads, int head_dim, int block_size, int max_blocks,        \
+                                       int64_t q_stride, int64_t out_stride, float scale, int64_t window,     \
+                                       float k_scale, float v_scale);
+PAGODA_DECLARE_CACHE(bf16)
+PAGODA_DECLARE_CACHE(bf16_e4m3)
+PAGODA_DECLARE_CACHE(bf16_e5m2)
+#undef PAGODA_DECLARE_CACHE
+void pagoda_gemm_bf16(const void* x, int64_t x_stride, const void* packed, const void* bias, void* y,
+                      int64_t y_stride, int64_t M, int64_t N, int64_t K);
+void pagoda_qgemm_int8(const void* x, int64_t x_stride, const void* codes, const float* scales, const void* bias,
+                       void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);
+void pagoda_qgemm_int4(const void* x, int64_t x_stride, const void* codes, const void* scales, int64_t gs,
+                       const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);
+}
+
+namespace pagoda {
+namespace {
+
+// Mirrored by ctypes Structures in pagoda/models/native_decoder.py: keep the field order.
+enum WeightKind : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
+enum CacheKind : int64_t { kCacheBf16 = 0, kCacheE4m3 = 1, kCacheE5m2 = 2 };
+
+struct LinearWeight {
+  int64_t kind;
+  const void* data;
+  const void* scales;  // int8: fp32 per column; int4: f16 d, m per panel and group
+  int64_t group_size;  // int4 only
+  const void* bias;    // bf16 [n] or null
+  int64_t n, k;
+};
+
+struct DecoderLayer {
+  const void* input_norm;
+  const void* post_norm;
+  LinearWeight qkv, o, gate_up, down;
+  void* k_cache;
+  void* v_cache;
+  float k_scale, v_scale;
+};
+
+struct DecoderStack {
+  const DecoderLayer* layers;
+  int64_t num_layers;
+  int64_t hidden, intermediate;
+  int64_t num_heads, num_kv_heads, head_dim, block_size;
+  int64_t cache_kind;
+  float eps, scale;
+  const float* cos;  // fp32 [max_positions, head_dim]
+  const float* sin;
+};
+
+struct DecodeStep {
+  int64_t num_tokens, num_seqs, max_blocks;
+  int64_t window;  // sliding window in tokens, 0 for none
+  const int64_t* positions;
+  const int64_t* slots;
+  const int64_t* block_tables;
+  const int64_t* seq_lens;
+  const int64_t* query_start_loc;
+  void* h;         // [T, hidden]: in, the embedded tokens; out, the last layer's MLP output
+  void* residual;  // [T, hidden]: out, the residual stream before that output is added
+  void* qkv;       // scratch [T, q + 2 kv]
+  void* attn;      // scratch [T, q]
+  void* gate_up;   // scratch [T, 2 intermediate]
+  void* act;       // scratch [T, intermediate]
+};
+
+// y[M, w.n] (row stride w.n) = x[M, w.k] . W^T (+ bias).
+void project(const LinearWeight& w, const void* x, void* y, int64_t M) {
+  switch (w.kind) {
+    case kInt8:
+      pagoda_qgemm_int8(x, w.k, w.data, static_cast<const float*>(w.scales), w.bias, y, w.n, M, w.n, w.k);
+      break;
+    case kInt4:
+      pagoda_qgemm_int4(x, w.k, w.data, w.scales, w.group_size, w.bias, y, w.n, M, w.n, w.k);
+      break;
+    default:
+      pagoda_gemm_bf16(x, w.k, w.data, w.bias, y, w.n, M, w.n, w.k);
+  }
+}
+
+void attend(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, char* qkv, int64_t row) {
+  const int64_t T = t.num_tokens, q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
+  char* q = qkv;  // bf16 rows of `row` elements: q, then k, then v
+  char* k = qkv + q_size * 2;
+  char* v = k + kv_size * 2;
+  const int H = static_cast<int>(s.num_heads), KV = static_cast<int>(s.num_kv_heads);
+  const int D = static_cast<int>(s.head_dim), B = static_cast<int>(s.block_size);
+  pagoda_rotary_bf16(q, t.positions, s.cos, s.sin, T, H, D, row, D);
+  pagoda_rotary_bf16(k, t.positions, s.cos, s.sin, T, KV, D, row, D);
+  auto run = [&](auto write, auto attention) {
+    write(k, v, l.k_cache, l.v_cache, t.slots, T, kv_size, row, row, l.k_scale, l.v_scale);
+    attention(q, l.k_cache, l.v_cache, t.attn, t.block_tables, t.seq_lens, t.query_start_loc,
+              static_cast<int>(t.num_seqs), H, KV, D, B, static_cast<int>(t.max_blocks), row, q_size, s.scale,
+              t.window, l.k_scale, l.v_scale);
+  };
+  switch (s.cache_kind) {
+    case kCacheE4m3: run(pagoda_reshape_and_cache_bf16_e4m3, pagoda_paged_attention_bf16_e4m3); break;
+    case kCacheE5m2: run(pagoda_reshape_and_cache_bf16_e5m2, pagoda_paged_attention_bf16_e5m2); break;
+    default: run(pagoda_reshape_and_cache_bf16, pagoda_paged_attention_bf16);
+  }
+}
+
+void decode_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, bool first) {
+  const int64_t T = t.num_tokens;
+  const int n = static_cast<int>(s.hidden);
+  if (first) {
+    std::memcpy(t.residual, t.h, size_t(T * s.hidden) * 2);
+    pagoda_rms_norm_bf16(t.residual, l.input_norm, t.h, T, n, s.hidden, s.hidden, s.eps);
+  } else {
+    pagoda_fused_add_rms_norm_bf16(t.h, t.residual, l.input_norm, T, n, s.eps);
+  }
+  project(l.qkv, t.h, t.qkv, T);
+  attend(s, l, t, static_cast<char*>(t.qkv), l.qkv.n);
+  project(l.o, t.attn, t.h, T);
+  pagoda_fused_add_rms_norm_bf16(t.h, t.residual, l.post_norm, T, n, s.eps);
+  project(l.gate_up, t.h, t.gate_up, T);
+  pagoda_silu_and_mul_bf16(t.gate_up, t.act, T, static_cast<int>(s.intermediate));
+  project(l.down, t.act, t.h, T);
+}
+
+}  // namespace
+}  // namespace pagoda
+
+// Runs every layer of `stack` over one decode step. has_residual = 0: step->h holds the
+// embedded tokens (layer 0 starts the residual stream); 1: step->residual already holds it.
+extern "C" void pagoda_decoder_stack_bf16(const void* stack, const void* step, int64_t has_residual) {
+  const auto& s = *static_cast<const pagoda::DecoderStack*>(stack);
+  const auto& t = *static_cast<const pagoda::DecodeStep*>(step);
+  for (int64_t i = 0; i < s.num_layers; ++i) pagoda::decode_layer(s, s.layers[i], t, i == 0 && !has_residual);
+}

@@ -1,0 +1,149 @@
+"""A decode step's whole stack of Llama decoder layers as one native call (CPU, bf16).
+
+The layer-by-layer path makes ~10 kernel calls a layer through ctypes and nn.Module, ~2 ms
+a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention at one stream.
+`pagoda_decoder_stack_bf16` (pagoda/csrc/decoder.cpp) runs the same kernels in the same order
+on the same buffers, so its output is bit for bit the layer path's (tested).
+`NativeDecoder.build` returns None unless the whole model fits: one process (no tensor or
+pipeline parallelism), bf16, every linear on the small-M GEMM's packed weights (bf16, int8 or
+int4 panels), no per-head q/k norm (Qwen3), a bf16 or fp8 KV pool bound. The model runner
+builds it when it binds the KV pool; the model calls it in place of its layer loop for steps
+whose rows all decode (`takes`), and runs its layers otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagoda.layers import cpu_kernels
+from pagoda.layers.linear import Linear
+from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from pagoda.layers.attention import AttentionMetadata
+
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+CACHE_KINDS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+BF16, INT8, INT4 = 0, 1, 2
+
+
+# NOTE: these mirror the structs of pagoda/csrc/decoder.cpp field for field.
+class _LinearWeight(ctypes.Structure):
+    _fields_ = [("kind", _I64), ("data", _PTR), ("scales", _PTR), ("group_size", _I64), ("bias", _PTR),
+                ("n", _I64), ("k", _I64)]
+
+
+class _DecoderLayer(ctypes.Structure):
+    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _LinearWeight), ("o", _LinearWeight),
+                ("gate_up", _LinearWeight), ("down", _LinearWeight), ("k_cache", _PTR), ("v_cache", _PTR),
+                ("k_scale", _F32), ("v_scale", _F32)]
+
+
+class _DecoderStack(ctypes.Structure):
+    _fields_ = [("layers", _PTR), ("num_layers", _I64), ("hidden", _I64), ("intermediate", _I64),
+                ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64),
+                ("cache_kind", _I64), ("eps", _F32), ("scale", _F32), ("cos", _PTR), ("sin", _PTR)]
+
+
+class _DecodeStep(ctypes.Structure):
+    _fields_ = [("num_tokens", _I64), ("num_seqs", _I64), ("max_blocks", _I64), ("window", _I64),
+                ("positions", _PTR), ("slots", _PTR), ("block_tables", _PTR), ("seq_lens", _PTR),
+                ("query_start_loc", _PTR), ("h", _PTR), ("residual", _PTR), ("qkv", _PTR), ("attn", _PTR),
+                ("gate_up", _PTR), ("act", _PTR)]
+
+
+def linear_weight(layer: Linear) -> _LinearWeight | None:
+    """The layer's packed weight as the native stack takes it; None if it has none."""
+    bias = layer.bias
+    if bias is not None and bias.dtype != torch.bfloat16:
+        return None
+    b = bias.data_ptr() if bias is not None else None
+    if layer.gemm_weight is not None:
+        return _LinearWeight(BF16, layer.gemm_weight.data.data_ptr(), None, 0, b, layer.out_features,
+                             layer.in_features)
+    panels = getattr(layer.method, "panels", None)
+    if isinstance(panels, cpu_kernels.ops.Int8Panels):
+        return _LinearWeight(INT8, panels.data.data_ptr(), panels.scales.data_ptr(), 0, b, panels.n, panels.k)
+    if isinstance(panels, cpu_kernels.ops.Int4Panels):
+        return _LinearWeight(INT4, panels.data.data_ptr(), panels.scales.data_ptr(), panels.group_size, b,
+                             panels.n, panels.k)
+    return None
+
+
+class NativeDecoder:
+    """Runs every decoder layer of a decode step in one native call."""
+
+    def __init__(self, model: LlamaForCausalLM, first: LlamaDecoderLayer, layers: list[_DecoderLayer],
+                 cache_kind: int) -> None:
+        d = model.dims
+        attn = first.self_attn
+        self._layers = (_DecoderLayer * len(layers))(*layers)
+        cos: torch.Tensor = model.rotary.cos  # type: ignore[assignment]
+        sin: torch.Tensor = model.rotary.sin  # type: ignore[assignment]
+        # NOTE: the struct holds raw pointers: `model` keeps every weight, pool and table alive.
+        self._model = model
+        self._stack = _DecoderStack(ctypes.addressof(self._layers), len(layers), d.hidden_size,
+                                    d.intermediate_size, attn.num_heads, attn.num_kv_heads, d.head_dim,
+                                    attn.attn.k_cache.shape[1], cache_kind, d.rms_norm_eps, attn.attn.scale,
+                                    cos.data_ptr(), sin.data_ptr())
+        self._widths = (attn.qkv_proj.out_features, attn.q_size, 2 * d.intermediate_size, d.intermediate_size)
+        self._fn = cpu_kernels.library().fn("decoder_stack_bf16")  # type: ignore[union-attr]
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM) -> NativeDecoder | None:
+        """The native stack for `model`'s weights and bound KV pool, or None where it does not fit."""
+        lib = cpu_kernels.library()
+        if lib is None or not cpu_kernels.ops.gemm_is_native() or model.embed_tokens is None or model.norm is None:
+            return None
+        if model.embed_tokens.tp.size != 1 or model.rotary.cos.dtype != torch.float32:
+            return None
+        decoder_layers = [layer for layer in model.layers if isinstance(layer, LlamaDecoderLayer)]
+        if not decoder_layers or len(decoder_layers) != len(model.layers):
+            return None
+        layers = []
+        for layer in decoder_layers:
+            native = cls._layer(layer)
+            if native is None:
+                return None
+            layers.append(native)
+        cache_kind = CACHE_KINDS.get(decoder_layers[0].self_attn.attn.k_cache.dtype)
+        return None if cache_kind is None else cls(model, decoder_layers[0], layers, cache_kind)
+
+    @staticmethod
+    def _layer(layer: LlamaDecoderLayer) -> _DecoderLayer | None:
+        attn = layer.self_attn
+        if attn.q_norm is not None:
+            return None
+        weights = [linear_weight(m) for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
+                                              layer.mlp.down_proj)]
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        k, v = attn.attn.k_cache, attn.attn.v_cache
+        if (any(w is None for w in weights) or any(n.dtype != torch.bfloat16 for n in norms)
+                or not k.numel() or k.dtype not in CACHE_KINDS):
+            return None
+        return _DecoderLayer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, k.data_ptr(), v.data_ptr(),
+                             attn.attn.k_scale, attn.attn.v_scale)
+
+    def takes(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step's rows all decode, with the kernel's metadata, in bf16."""
+        return (meta.num_decode_tokens == h.shape[0] and not meta.prefills and h.dtype == torch.bfloat16
+                and meta.decode_block_tables is not None and h.is_contiguous()
+                and positions.dtype == torch.int64)
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's MLP output, the residual stream before it), computed in h's buffer."""
+        tables, seq_lens, starts = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_start_loc
+        assert tables is not None and seq_lens is not None and starts is not None
+        rows = h.shape[0]
+        res = torch.empty_like(h) if residual is None else residual
+        qkv, attn, gate_up, act = (torch.empty(rows, w, dtype=h.dtype) for w in self._widths)
+        step = _DecodeStep(rows, seq_lens.shape[0], tables.shape[1], meta.sliding_window, positions.data_ptr(),
+                           meta.slot_mapping.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), starts.data_ptr(),
+                           h.data_ptr(), res.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
+                           act.data_ptr())
+        self._fn(ctypes.byref(self._stack), ctypes.byref(step), int(residual is not None))
+        return h, res
