@@ -43,6 +43,27 @@ def _needs_full_path(requests: list[Request]) -> bool:
     return False
 
 
+def argmax_rows(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """x.argmax(dim=-1) of a 2-D x, the same indices (the first maximum; NaN counts as one).
+
+    NOTE: torch's CPU argmax is not vectorized: 2.6 ms for 64 rows of SmolLM2's 49,152 logits
+    on one thread, against 0.34 ms here: every chunk's maximum (amax is vectorized), the first
+    chunk holding the row's maximum, then argmax within that chunk alone.
+    """
+    rows, vocab = x.shape
+    n = vocab // chunk
+    if n < 2:
+        return x.argmax(dim=-1)
+    maxima = x[:, :n * chunk].reshape(rows, n, chunk).amax(dim=-1)
+    if vocab > n * chunk:
+        maxima = torch.cat([maxima, x[:, n * chunk:].amax(dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1, keepdim=True) * chunk
+    # NOTE: in the last, shorter chunk the clamped indices repeat the final logit after its
+    # own position, so the first maximum is still found first.
+    idx = (start + torch.arange(chunk, device=x.device)).clamp_(max=vocab - 1)
+    return start.squeeze(1) + x.gather(1, idx).argmax(dim=-1)
+
+
 def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> None:
     """Grammar bitmasks, allowed_token_ids and logit_bias, in place, on the rows that ask."""
     grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
@@ -68,19 +89,23 @@ def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> No
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        raw = logits.float()
-        logits = raw
-        if any(r.sampling_params.constrains_tokens for r in requests):
-            logits = raw.clone()
-            apply_token_constraints(logits, requests)
+        """`logits` (any float dtype) stay as they are: log-probabilities are of these."""
+        constrained = any(r.sampling_params.constrains_tokens for r in requests)
+        work = logits.float()
+        if not constrained and not _needs_full_path(requests):
+            tokens = argmax_rows(work).tolist()
+            return SamplerOutput(tokens, compute_logprobs(logits, requests, tokens))
+        if work is logits:
+            work = logits.clone()
+        if constrained:
+            apply_token_constraints(work, requests)
         if not _needs_full_path(requests):
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = argmax_rows(work).tolist()
         else:
-            logits = logits.clone() if logits is raw else logits
-            self._apply_penalties(logits, requests)
-            self._suppress_stops(logits, requests)
-            tokens = self._sample(logits, requests)
-        return SamplerOutput(tokens, compute_logprobs(raw, requests, tokens))
+            self._apply_penalties(work, requests)
+            self._suppress_stops(work, requests)
+            tokens = self._sample(work, requests)
+        return SamplerOutput(tokens, compute_logprobs(logits, requests, tokens))
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
         for row, r in enumerate(requests):
@@ -98,21 +123,36 @@ class Sampler:
                 logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
 
     def _suppress_stops(self, logits: torch.Tensor, requests: list[Request]) -> None:
+        rows: list[int] = []
+        ids: list[int] = []
         for row, r in enumerate(requests):
             p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens:
-                # NOTE: as vLLM: EOS is masked until min_tokens even with ignore_eos, so that
-                # forced-length benchmarks generate the same tokens on every engine.
-                ids = sorted(set(p.stop_token_ids) | r.eos_token_ids)
-                if ids:
-                    kept = logits[row, ids].clone()
-                    logits[row, ids] = float("-inf")
-                    if not torch.isfinite(logits[row]).any():
-                        # NOTE: a grammar that allows only EOS now wins over min_tokens.
-                        logits[row, ids] = kept
+            if r.num_output_tokens >= p.min_tokens:
+                continue
+            # NOTE: as vLLM: EOS is masked until min_tokens even with ignore_eos, so that
+            # forced-length benchmarks generate the same tokens on every engine.
+            stops = sorted(set(p.stop_token_ids) | r.eos_token_ids)
+            if p.constrains_tokens:
+                self._suppress_constrained(logits[row], stops)
+            else:
+                rows += [row] * len(stops)
+                ids += stops
+        if rows:
+            logits[rows, ids] = float("-inf")
+
+    @staticmethod
+    def _suppress_constrained(row: torch.Tensor, stops: list[int]) -> None:
+        """Masks `stops` unless nothing else is left (a grammar that allows only EOS wins over
+        min_tokens)."""
+        if not stops:
+            return
+        kept = row[stops].clone()
+        row[stops] = float("-inf")
+        if not torch.isfinite(row).any():
+            row[stops] = kept
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = argmax_rows(logits).tolist()
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if not rows:
             return tokens

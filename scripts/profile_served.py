@@ -30,6 +30,7 @@ import httpx
 
 # (phase, pattern matched against "function (file)" frames, innermost first)
 PHASES: list[tuple[str, str]] = [
+    ("decoder stack (one native call)", r"NativeDecoder\.__call__"),
     ("attention", r"paged_attention|_decode_native|PagedAttention\._(decode|prefill)|scaled_dot"),
     ("kv write", r"reshape_and_cache|index_copy"),
     ("linear", r"\bgemv\b|Linear\.forward|_linear_pointwise|OpOverloadPacket"),

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagoda.request import Request
-from pagoda.sampler import Sampler
+from pagoda.sampler import Sampler, argmax_rows
 
 VOCAB = 16
 
@@ -46,6 +47,28 @@ def test_min_tokens_masks_eos():
     logits[0, 2] = 10.0
     assert Sampler()(logits, [_request([], temperature=0.0, min_tokens=2)]).token_ids == [3]
     assert Sampler()(logits, [_request([5, 6], temperature=0.0, min_tokens=2)]).token_ids == [2]
+
+
+def test_min_tokens_masks_each_rows_own_stops_in_one_batch():
+    logits = _logits().repeat(3, 1)
+    logits[:, 2], logits[:, 9] = 10.0, 9.0
+    batch = [_request([], temperature=0.0, min_tokens=2),  # EOS 2 masked -> 9
+             _request([], temperature=0.0, min_tokens=2, stop_token_ids=[9]),  # 2 and 9 masked -> 3
+             _request([5, 6], temperature=0.0, min_tokens=2)]  # past min_tokens -> 2
+    assert Sampler()(logits, batch).token_ids == [9, 3, 2]
+
+
+@pytest.mark.parametrize("vocab", [5, 1024, 3000, 49152, 151936])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_equals_torch_argmax(vocab: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen).to(dtype)
+    x[1] = x[1].round()  # many ties: the first maximum wins
+    x[2] = float("-inf")
+    x[3, vocab // 2] = float("nan")  # NaN counts as the maximum
+    x[4, -1] = 100.0  # the maximum in the last (shorter) chunk
+    x[5, :] = 1.0
+    assert torch.equal(argmax_rows(x.float()), x.float().argmax(dim=-1))
 
 
 def test_top_k_top_p_min_p_restrict_support():

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.request import Request
-from pagoda.sampler import Sampler, SamplerOutput
+from pagoda.sampler import Sampler, SamplerOutput, argmax_rows
 from pagoda.structured_output import apply_bitmask
 
 
@@ -34,7 +34,7 @@ def verify(logits: torch.Tensor, draft: list[int], request: Request,
     """
     params = request.sampling_params
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = argmax_rows(logits).tolist()
         accepted = 0
         while accepted < len(draft) and draft[accepted] == target[accepted]:
             accepted += 1
