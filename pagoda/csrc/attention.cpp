@@ -22,7 +22,7 @@ namespace {
 
 constexpr int kQueryTile = 16;
 constexpr int kKeyTile = 16;
-constexpr int kPrefetchTiles = 2;
+constexpr int kPrefetchTiles = 4;
 constexpr int kItemsPerThread = 8;
 constexpr int64_t kMinParallelKeyRows = 4096;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -147,19 +147,21 @@ inline void softmax_step(Scratch& w, int r, int d, int lo, int hi) {
 }
 
 // acc[r] += sum_j p[r][j] * v[j] for RB rows at once, DC 16-lane chunks of head_dim held in
-// registers (DC = 0: head_dim known only at run time).
-template <int DC, int RB>
-void accumulate_rows(Scratch& w, int r0, int rows, int n, int d) {
+// registers (DC = 0: head_dim known only at run time). V rows come from `v` (row stride
+// v_stride): the tile widened to fp32 (w.vf), or, when one pass covers every row, the pool
+// itself, widened in registers as it is read.
+template <int DC, int RB, typename V>
+void accumulate_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int rows, int n, int d) {
   constexpr int kMax = DC > 0 ? DC : 16;
   const int dc = DC > 0 ? DC : (d + kLanes - 1) / kLanes;
   Vf x[RB][kMax];
   for (int r = 0; r < rows; ++r)
     for (int c = 0; c < dc; ++c) x[r][c] = load(&w.acc[(r0 + r) * d + c * kLanes], tail_mask(d - c * kLanes));
   for (int j = 0; j < n; ++j) {
-    const float* vj = &w.vf[j * d];
+    const V* vj = v + j * v_stride;
     for (int c = 0; c < dc; ++c) {
-      const Vf v = load(vj + c * kLanes, tail_mask(d - c * kLanes));
-      for (int r = 0; r < rows; ++r) x[r][c] = vfma(vset1(w.s[(r0 + r) * kKeyTile + j]), v, x[r][c]);
+      const Vf vv = load(vj + c * kLanes, tail_mask(d - c * kLanes));
+      for (int r = 0; r < rows; ++r) x[r][c] = vfma(vset1(w.s[(r0 + r) * kKeyTile + j]), vv, x[r][c]);
     }
   }
   for (int r = 0; r < rows; ++r)
@@ -167,16 +169,27 @@ void accumulate_rows(Scratch& w, int r0, int rows, int n, int d) {
 }
 
 template <int DC>
-void accumulate(Scratch& w, int rows, int n, int d) {
-  constexpr int RB = DC > 0 && DC <= 4 ? 4 : (DC > 0 && DC <= 8 ? 2 : 1);
-  for (int r0 = 0; r0 < rows; r0 += RB) accumulate_rows<DC, RB>(w, r0, std::min(RB, rows - r0), n, d);
+constexpr int kRowBlock = DC > 0 && DC <= 4 ? 4 : (DC > 0 && DC <= 8 ? 2 : 1);
+
+// NOTE: a decode tile (a GQA group of up to kRowBlock query heads, one row) reads V straight
+// from the pool: widening it into w.vf first cost a store and a reload per value, ~20% of a
+// warm decode call.
+template <int DC, typename T, typename C>
+void accumulate(const Tile<T, C>& t, Scratch& w, int rows, int d) {
+  constexpr int RB = kRowBlock<DC>;
+  if (rows <= RB) {
+    accumulate_rows<DC, RB>(w, t.v, t.kv_stride, 0, rows, t.n, d);
+    return;
+  }
+  for (int j = 0; j < t.n; ++j) widen_row(t.v + j * t.kv_stride, &w.vf[j * d], d);
+  for (int r0 = 0; r0 < rows; r0 += RB)
+    accumulate_rows<DC, RB>(w, w.vf.data(), int64_t(d), r0, std::min(RB, rows - r0), t.n, d);
 }
 
 template <int DC, typename T, typename C>
 void attend_keys(const Tile<T, C>& t, const AttnArgs& a, Scratch& w, int64_t key0, int64_t pos0) {
   score_tile(t, a, w);
   const int d = a.head_dim;
-  for (int j = 0; j < t.n; ++j) widen_row(t.v + j * t.kv_stride, &w.vf[j * d], d);
   for (int r = 0; r < t.rows * t.group; ++r) {
     const int64_t pos = pos0 + r / t.group;
     const int64_t first = a.window > 0 ? pos - a.window + 1 : 0;
@@ -184,7 +197,7 @@ void attend_keys(const Tile<T, C>& t, const AttnArgs& a, Scratch& w, int64_t key
     const int hi = static_cast<int>(std::clamp<int64_t>(pos + 1 - key0, 0, t.n));
     softmax_step(w, r, d, lo, hi);
   }
-  accumulate<DC>(w, t.rows * t.group, t.n, d);
+  accumulate<DC>(t, w, t.rows * t.group, d);
 }
 
 // Loads query rows of head `kvh` (scaled, fp32) into w.qf and clears its running state.

@@ -7,7 +7,8 @@
 // it sleeps or is counted and woken). `state_` holds the job's closed bit and the number of
 // workers inside it: a worker joins by incrementing it (and backs out if the job is closed);
 // the caller closes the job when its own share is done and waits (spinning 20 us, then on a
-// futex, woken by the last worker out) only while someone is still inside.
+// futex, woken by the last worker out) only while someone is still inside; the next job opens
+// only once a late worker has backed out of the closed one.
 #include <chrono>
 #include <cstdlib>
 #include <mutex>
@@ -62,7 +63,7 @@ class Pool {
     grow(n - 1);
     fn_ = fn;
     ctx_ = ctx;
-    state_.store(0);
+    reopen();
     generation_.fetch_add(1);
     if (sleepers_.load() > 0) futex_wake_all(&generation_);
     fn(ctx);
@@ -110,6 +111,15 @@ class Pool {
     }
     sleepers_.fetch_sub(1);
     return g;
+  }
+
+  // Opens the next job: closed with no one inside -> open, empty.
+  // NOTE: a compare-exchange, not a store: a worker that saw the previous job late may be
+  // between its join (count + 1) and its back-out (count - 1) of that closed job; a plain
+  // store of 0 lost its count, its back-out then wrapped the count around, and the next
+  // caller waited forever (found by back-to-back calls from pagoda_decoder_stack_bf16).
+  void reopen() {
+    for (uint32_t expected = kClosed; !state_.compare_exchange_weak(expected, 0); expected = kClosed) PAGODA_PAUSE();
   }
 
   // Waits until no worker is inside the (closed) job: a short spin, then a futex sleep.
