@@ -8,10 +8,11 @@
 //   attention; h = attn . Wo^T; residual += h, h = rms_norm(residual); gate_up = h . Wgu^T;
 //   act = silu(gate) * up; h = act . Wdown^T
 // so its results are bit for bit those of the Python path. The caller applies the final norm.
-// Each linear is a bf16 packed weight, int8 panels (per-column scales) or int4 panels
-// (group-wise d, m), as pagoda/csrc/gemm.cpp lays them out.
+// Each linear is a packed weight of the small-M GEMM (bf16, int8 or int4 panels: gemm.h).
 #include <cstdint>
 #include <cstring>
+
+#include "gemm.h"
 
 extern "C" {
 void pagoda_rms_norm_bf16(const void* x, const void* weight, void* out, int64_t rows, int n, int64_t x_stride,
@@ -34,28 +35,17 @@ PAGODA_DECLARE_CACHE(bf16)
 PAGODA_DECLARE_CACHE(bf16_e4m3)
 PAGODA_DECLARE_CACHE(bf16_e5m2)
 #undef PAGODA_DECLARE_CACHE
-void pagoda_gemm_bf16(const void* x, int64_t x_stride, const void* packed, const void* bias, void* y,
-                      int64_t y_stride, int64_t M, int64_t N, int64_t K);
-void pagoda_qgemm_int8(const void* x, int64_t x_stride, const void* codes, const float* scales, const void* bias,
-                       void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);
-void pagoda_qgemm_int4(const void* x, int64_t x_stride, const void* codes, const void* scales, int64_t gs,
-                       const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K);
 }
 
 namespace pagoda {
 namespace {
 
 // Mirrored by ctypes Structures in pagoda/models/native_decoder.py: keep the field order.
-enum WeightKind : int64_t { kBf16 = 0, kInt8 = 1, kInt4 = 2 };
 enum CacheKind : int64_t { kCacheBf16 = 0, kCacheE4m3 = 1, kCacheE5m2 = 2 };
 
 struct LinearWeight {
-  int64_t kind;
-  const void* data;
-  const void* scales;  // int8: fp32 per column; int4: f16 d, m per panel and group
-  int64_t group_size;  // int4 only
-  const void* bias;    // bf16 [n] or null
-  int64_t n, k;
+  GemmWeight weight;
+  const void* bias;  // bf16 [n] or null
 };
 
 struct DecoderLayer {
@@ -94,18 +84,9 @@ struct DecodeStep {
   void* act;       // scratch [T, intermediate]
 };
 
-// y[M, w.n] (row stride w.n) = x[M, w.k] . W^T (+ bias).
-void project(const LinearWeight& w, const void* x, void* y, int64_t M) {
-  switch (w.kind) {
-    case kInt8:
-      pagoda_qgemm_int8(x, w.k, w.data, static_cast<const float*>(w.scales), w.bias, y, w.n, M, w.n, w.k);
-      break;
-    case kInt4:
-      pagoda_qgemm_int4(x, w.k, w.data, w.scales, w.group_size, w.bias, y, w.n, M, w.n, w.k);
-      break;
-    default:
-      pagoda_gemm_bf16(x, w.k, w.data, w.bias, y, w.n, M, w.n, w.k);
-  }
+// y[M, n] (row stride n) = x[M, k] . W^T (+ bias).
+void project(const LinearWeight& l, const void* x, void* y, int64_t M) {
+  pagoda_gemm_packed(&l.weight, x, l.weight.k, l.bias, y, l.weight.n, M);
 }
 
 void attend(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, char* qkv, int64_t row) {
@@ -140,7 +121,7 @@ void decode_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep
     pagoda_fused_add_rms_norm_bf16(t.h, t.residual, l.input_norm, T, n, s.eps);
   }
   project(l.qkv, t.h, t.qkv, T);
-  attend(s, l, t, static_cast<char*>(t.qkv), l.qkv.n);
+  attend(s, l, t, static_cast<char*>(t.qkv), l.qkv.weight.n);
   project(l.o, t.attn, t.h, T);
   pagoda_fused_add_rms_norm_bf16(t.h, t.residual, l.post_norm, T, n, s.eps);
   project(l.gate_up, t.h, t.gate_up, T);

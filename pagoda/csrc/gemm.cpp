@@ -42,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "gemm.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -536,27 +537,27 @@ extern "C" void pagoda_gemm_pack_bf16(const void* w, int64_t w_stride, void* pac
   pagoda::gemm_pack(static_cast<const pagoda::bf16*>(w), w_stride, static_cast<pagoda::bf16*>(packed), N, K);
 }
 
-// y[M, N] (row stride y_stride) = x[M, K] (row stride x_stride) . W^T (+ bias[N]).
-extern "C" void pagoda_gemm_bf16(const void* x, int64_t x_stride, const void* packed, const void* bias, void* y,
-                                 int64_t y_stride, int64_t M, int64_t N, int64_t K) {
-  pagoda::gemm(static_cast<const pagoda::bf16*>(x), x_stride, static_cast<const pagoda::bf16*>(packed),
-               static_cast<const pagoda::bf16*>(bias), static_cast<pagoda::bf16*>(y), y_stride, M, N, K);
-}
-
-// y[M, N] = x[M, K] . (W^T * scales) (+ bias[N]): W as int8 codes in the panel layout
-// (gemm_packed_size bytes, zero padded), one fp32 scale per output column (N of them).
-extern "C" void pagoda_qgemm_int8(const void* x, int64_t x_stride, const void* codes, const float* scales,
-                                  const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
-  pagoda::qgemm_int8(static_cast<const pagoda::bf16*>(x), x_stride, static_cast<const int8_t*>(codes), scales,
-                     static_cast<const pagoda::bf16*>(bias), static_cast<pagoda::bf16*>(y), y_stride, M, N, K);
-}
-
-// y[M, N] = x[M, K] . W^T (+ bias[N]), W = q * d + m by groups of gs along K: q as nibbles in the
-// panel layout (64 bytes per panel and two k-pairs, see the top of this file), d and m as f16 per
-// panel and group (d for its 32 columns, then m). K a multiple of gs, gs a multiple of 16.
-extern "C" void pagoda_qgemm_int4(const void* x, int64_t x_stride, const void* codes, const void* scales, int64_t gs,
-                                  const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K) {
-  pagoda::qgemm_int4(static_cast<const pagoda::bf16*>(x), x_stride, static_cast<const uint8_t*>(codes),
-                     static_cast<const uint16_t*>(scales), gs, static_cast<const pagoda::bf16*>(bias),
-                     static_cast<pagoda::bf16*>(y), y_stride, M, N, K);
+// bf16: y = x . W^T; int8: the codes (panel layout, zero padded) times one fp32 scale per
+// column; int4: W = q * d + m by groups of gs along K, q as nibbles in the panel layout (64 bytes
+// per panel and two k-pairs, see the top of this file), d and m as f16 per panel and group (d for
+// its 32 columns, then m), K a multiple of gs, gs a multiple of 16.
+extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_stride, const void* bias, void* y,
+                                   int64_t y_stride, int64_t M) {
+  using pagoda::bf16;
+  const auto& w = *static_cast<const pagoda::GemmWeight*>(weight);
+  const auto* xb = static_cast<const bf16*>(x);
+  const auto* b = static_cast<const bf16*>(bias);
+  auto* yb = static_cast<bf16*>(y);
+  switch (w.kind) {
+    case pagoda::kPackedInt8:
+      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), static_cast<const float*>(w.scales), b, yb,
+                         y_stride, M, w.n, w.k);
+      break;
+    case pagoda::kPackedInt4:
+      pagoda::qgemm_int4(xb, x_stride, static_cast<const uint8_t*>(w.data), static_cast<const uint16_t*>(w.scales),
+                         w.group_size, b, yb, y_stride, M, w.n, w.k);
+      break;
+    default:
+      pagoda::gemm(xb, x_stride, static_cast<const bf16*>(w.data), b, yb, y_stride, M, w.n, w.k);
+  }
 }

@@ -27,13 +27,11 @@ if TYPE_CHECKING:
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 CACHE_KINDS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
-BF16, INT8, INT4 = 0, 1, 2
 
 
 # NOTE: these mirror the structs of pagoda/csrc/decoder.cpp field for field.
 class _LinearWeight(ctypes.Structure):
-    _fields_ = [("kind", _I64), ("data", _PTR), ("scales", _PTR), ("group_size", _I64), ("bias", _PTR),
-                ("n", _I64), ("k", _I64)]
+    _fields_ = [("weight", cpu_kernels.ops.GemmWeight), ("bias", _PTR)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -56,21 +54,12 @@ class _DecodeStep(ctypes.Structure):
 
 
 def linear_weight(layer: Linear) -> _LinearWeight | None:
-    """The layer's packed weight as the native stack takes it; None if it has none."""
+    """The layer's packed weight (bf16, int8 or int4 panels) and bias; None if it has none."""
     bias = layer.bias
-    if bias is not None and bias.dtype != torch.bfloat16:
+    packed = layer.gemm_weight or getattr(layer.method, "panels", None)
+    if packed is None or (bias is not None and bias.dtype != torch.bfloat16):
         return None
-    b = bias.data_ptr() if bias is not None else None
-    if layer.gemm_weight is not None:
-        return _LinearWeight(BF16, layer.gemm_weight.data.data_ptr(), None, 0, b, layer.out_features,
-                             layer.in_features)
-    panels = getattr(layer.method, "panels", None)
-    if isinstance(panels, cpu_kernels.ops.Int8Panels):
-        return _LinearWeight(INT8, panels.data.data_ptr(), panels.scales.data_ptr(), 0, b, panels.n, panels.k)
-    if isinstance(panels, cpu_kernels.ops.Int4Panels):
-        return _LinearWeight(INT4, panels.data.data_ptr(), panels.scales.data_ptr(), panels.group_size, b,
-                             panels.n, panels.k)
-    return None
+    return _LinearWeight(packed.desc, bias.data_ptr() if bias is not None else None)
 
 
 class NativeDecoder:

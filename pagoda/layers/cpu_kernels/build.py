@@ -21,7 +21,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 SOURCES = ("attention.cpp", "cache.cpp", "decoder.cpp", "elementwise.cpp", "gemm.cpp", "gemv.cpp", "pool.cpp", "qgemv.cpp")
-HEADERS = ("vec.h", "parallel.h")
+HEADERS = ("gemm.h", "vec.h", "parallel.h")
 COMMON_FLAGS = ("-O3", "-std=c++20", "-pthread", "-shared", "-fPIC", "-ffp-contract=off")
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 VARIANTS: dict[str, tuple[str, ...]] = {

@@ -38,10 +38,8 @@ _CACHE_TYPED: dict[str, ArgTypes] = {
 }
 _PLAIN: dict[str, ArgTypes] = {
     "gemv_bf16": [_P, _L, _P, _P, _P, _L, _L, _L, _L],
-    "gemm_bf16": [_P, _L, _P, _P, _P, _L, _L, _L, _L],
+    "gemm_packed": [_P, _P, _L, _P, _P, _L, _L],
     "gemm_pack_bf16": [_P, _L, _P, _L, _L],
-    "qgemm_int8": [_P, _L, _P, _P, _P, _P, _L, _L, _L, _L],
-    "qgemm_int4": [_P, _L, _P, _P, _L, _P, _P, _L, _L, _L, _L],
     "set_num_threads": [_I],
     "decoder_stack_bf16": [_P, _P, _L],
 }

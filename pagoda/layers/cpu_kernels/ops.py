@@ -10,6 +10,8 @@ headers, so the build takes seconds and one library serves every torch version.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from pagoda.layers.cpu_kernels.loader import KernelLibrary
@@ -124,6 +126,24 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     return out
 
 
+class GemmWeight(ctypes.Structure):
+    """How the GEMM sees a packed weight (pagoda/csrc/gemm.h's `GemmWeight`, field for field);
+    each packed type below describes itself with one, which holds raw pointers into it."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("data", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("group_size", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+BF16_PANELS, INT8_PANELS, INT4_PANELS = 0, 1, 2
+
+
+def describe(kind: int, data: torch.Tensor, scales: torch.Tensor | None, group_size: int, n: int,
+             k: int) -> tuple[GemmWeight, int]:
+    """(the descriptor, its address) of a packed weight whose tensors the caller keeps alive."""
+    desc = GemmWeight(kind, data.data_ptr(), scales.data_ptr() if scales is not None else None, group_size, n, k)
+    return desc, ctypes.addressof(desc)
+
+
 class PackedWeight:
     """A bf16 weight [n, k] in the small-M GEMM's panel layout (see pagoda/csrc/gemm.cpp)."""
 
@@ -135,6 +155,7 @@ class PackedWeight:
         self.n, self.k = weight.shape
         self.data = torch.zeros(lib.fn("gemm_packed_size_bf16")(self.n, self.k), dtype=torch.bfloat16)
         lib.fn("gemm_pack_bf16")(weight.data_ptr(), weight.stride(0), self.data.data_ptr(), self.n, self.k)
+        self.desc, self.desc_ptr = describe(BF16_PANELS, self.data, None, 0, self.n, self.k)
 
 
 def gemm_is_native() -> bool:
@@ -158,6 +179,7 @@ class Int8Panels:
         # NOTE: panel p, k-pair j, column c, k parity e at p * 64 * pairs + j * 64 + c * 2 + e.
         self.data = padded.view(cols // 32, 32, pairs, 2).permute(0, 2, 1, 3).contiguous().view(-1)
         self.scales = scales.float().reshape(-1).contiguous()
+        self.desc, self.desc_ptr = describe(INT8_PANELS, self.data, self.scales, 0, self.n, self.k)
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 codes [n, k] (or of `rows`), back in row order."""
@@ -190,6 +212,7 @@ class Int4Panels:
         dm = torch.zeros(2, cols, groups, dtype=torch.float16)
         dm[0, :n], dm[1, :n] = d, m
         self.scales = dm.view(2, cols // 32, 32, groups).permute(1, 3, 0, 2).contiguous().view(-1)
+        self.desc, self.desc_ptr = describe(INT4_PANELS, self.data, self.scales, group_size, n, k)
 
     def unpack(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q uint8 [rows, k], d f16 [rows, G], m f16 [rows, G]) of every row or of `rows`."""
@@ -211,16 +234,8 @@ def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels,
     if k != weight.k or x.dtype != torch.bfloat16:
         raise ValueError(f"x {x.dtype} {tuple(x.shape)} against a packed weight [{weight.n}, {weight.k}]")
     out = torch.empty(m, weight.n, dtype=x.dtype)
-    b = bias.data_ptr() if bias is not None else None
-    if isinstance(weight, PackedWeight):
-        _lib().fn("gemm_bf16")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), b, out.data_ptr(), weight.n, m,
-                               weight.n, k)
-    elif isinstance(weight, Int8Panels):
-        _lib().fn("qgemm_int8")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scales.data_ptr(), b,
-                                out.data_ptr(), weight.n, m, weight.n, k)
-    else:
-        _lib().fn("qgemm_int4")(x.data_ptr(), x.stride(0), weight.data.data_ptr(), weight.scales.data_ptr(),
-                                weight.group_size, b, out.data_ptr(), weight.n, m, weight.n, k)
+    _lib().fn("gemm_packed")(weight.desc_ptr, x.data_ptr(), x.stride(0),
+                             bias.data_ptr() if bias is not None else None, out.data_ptr(), weight.n, m)
     return out
 
 

@@ -1,0 +1,25 @@
+// The small-M GEMM's one entry point (gemm.cpp), shared by ctypes (pagoda/layers/cpu_kernels/
+// ops.py) and the native decoder stack (decoder.cpp).
+#pragma once
+
+#include <cstdint>
+
+namespace pagoda {
+
+enum PackedKind : int64_t { kPackedBf16 = 0, kPackedInt8 = 1, kPackedInt4 = 2 };
+
+// A weight [n, k] packed once at load; mirrored by ops.py's `GemmWeight` field for field.
+struct GemmWeight {
+  int64_t kind;        // PackedKind
+  const void* data;    // bf16 values, int8 codes or int4 nibbles in the panel layout
+  const void* scales;  // int8: fp32 per column; int4: f16 d, m per panel and group; bf16: null
+  int64_t group_size;  // int4 only
+  int64_t n, k;
+};
+
+}  // namespace pagoda
+
+// y[M, n] (row stride y_stride) = x[M, k] (row stride x_stride) . W^T (+ bias[n]), W a
+// `pagoda::GemmWeight`.
+extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_stride, const void* bias, void* y,
+                                   int64_t y_stride, int64_t M);
