@@ -1,6 +1,6 @@
 """Quantized weight kernels and fp8 KV kernels against dequantize-then-compute references.
 
-For both compiled variants. Tolerances:
+For every compiled variant. Tolerances:
 - `qgemv` against F.linear on the dequantized weight in fp32: the kernel's products are exact
   (int4 codes and bf16 activations, int8 codes and fp32 activations), its sums fp32 in another
   order and a bf16 output rounded once, so |y - ref| <= 2^-8 |ref| (bf16 output) + 1e-5 sum|x w|
@@ -160,9 +160,28 @@ def test_int4_panels_unpack_to_the_records() -> None:
         assert torch.equal(got, want)
 
 
-def test_int8_panels_rows_and_refusals() -> None:
+def test_panels_gathered_in_huge_pages_compute_the_same() -> None:
+    """`gather_in_huge_pages` moves int8 and int4 panels (codes and scales) into one buffer;
+    the GEMM then reads them there and gives the same bits."""
+    gen = torch.Generator().manual_seed(4)
+    int8 = ops.Int8Panels(torch.randint(-127, 128, (40, 64), generator=gen, dtype=torch.int8), torch.rand(40, generator=gen))
+    int4 = ops.Int4Panels(*packing.unpack_int4(packed_weight("int4", 33, 128, 32, gen), 128, 32), 32)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    x4 = torch.randn(5, 128, generator=gen).to(torch.bfloat16)
+    before = ops.gemm(x, int8), ops.gemm(x4, int4), int8.codes(), int4.unpack()
+    old = int8.data.data_ptr(), int4.scales.data_ptr()
+    ops.gather_in_huge_pages([int8, int4])
+    assert int8.data.data_ptr() % (2 << 20) == 0 and (int8.data.data_ptr(), int4.scales.data_ptr()) != old
+    assert int8.desc.data == int8.data.data_ptr() and int4.desc.scales == int4.scales.data_ptr()
+    assert torch.equal(ops.gemm(x, int8), before[0]) and torch.equal(ops.gemm(x4, int4), before[1])
+    assert torch.equal(int8.codes(), before[2])
+    assert all(torch.equal(a, b) for a, b in zip(int4.unpack(), before[3], strict=True))
+
+
+def test_int8_panels_rows_and_refusals(variant: str) -> None:  # noqa: F811 - the fixture
     codes = torch.randint(-127, 128, (70, 64), dtype=torch.int8)
     weight = ops.Int8Panels(codes, torch.ones(70))
+    assert weight.format == (1 if variant == "avx512vbmi" else 0)
     rows = torch.tensor([69, 0, 33, 33])
     assert torch.equal(weight.codes(rows), codes[rows])
     with pytest.raises(ValueError):
@@ -171,6 +190,9 @@ def test_int8_panels_rows_and_refusals() -> None:
         ops.gemm(torch.randn(4, 64), weight)
     with pytest.raises(ValueError):
         ops.Int8Panels(codes.float(), torch.ones(70))
+    codes[3, 5] = -128  # NOTE: sign-magnitude codes have no -128
+    with pytest.raises(ValueError, match="-128"):
+        ops.Int8Panels(codes, torch.ones(70))
 
 
 # ---------------------------------------------------------------- fp8 KV cache

@@ -24,8 +24,13 @@
 // int8 variant (pagoda_qgemm_int8, quantized weights with one scale per output column): the same
 // panels with one int8 code an element (64 bytes per k-pair), the same tiles and threads. Every
 // int8 is exactly a bf16, so the products stay exact: one tile (up to kTileRows rows) converts
-// the codes in registers as it streams them (int8 -> int32 -> fp32 -> bf16); more rows decode
-// each chunk once into an L1 bf16 buffer that all the tiles then read. The scale multiplies each
+// the codes in registers as it streams them; more rows decode each chunk once into an L1 bf16
+// buffer that all the tiles then read. With AVX512_VBMI (the avx512vbmi build) a k-pair's 64
+// codes are sign-magnitude bytes, the two blocks interleaved 8 bytes at a time in each 16-byte
+// lane, so that one load, two byte-table lookups (vpermi2b: a magnitude's bf16 low and high
+// byte), an or of the sign and two byte unpacks give both weight vectors (5 vector ops for 64
+// codes); without it they are two's complement in the bf16 layout, converted int8 -> int32 ->
+// fp32 -> bf16 (14 ops). Codes are in [-127, 127] (what per-channel quantization gives). The scale multiplies each
 // column's fp32 sum once, before the bias and the one rounding.
 //
 // int4 variant (pagoda_qgemm_int4, w = q * d + m with q in [0, 15] and f16 d, m per group of gs
@@ -68,6 +73,14 @@ constexpr int64_t kPrefetchPairs = kChunkPairs;
 int64_t padded_cols(int64_t N) { return (N + kPanel - 1) / kPanel * kPanel; }
 int64_t num_pairs(int64_t K) { return (K + 1) / 2; }
 
+// How int8 panels hold their codes (see the top of this file): 1, sign-magnitude and interleaved
+// for the VBMI table lookups; 0, two's complement in the bf16 layout.
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+constexpr int kInt8Format = 1;
+#else
+constexpr int kInt8Format = 0;
+#endif
+
 // A tile's running sums: row m, column c of its (up to two) panels at sums[m * kSumsRow + c].
 using Sums = float*;
 constexpr int kSumsRow = 2 * kPanel;
@@ -80,18 +93,53 @@ struct Rows {
 
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
 
-// A weight vector: 16 columns at a k-pair, 32 elements from `src` as bf16 (int8 converted exactly).
-template <class W>
-inline __m512bh weight_vector(const W* src) {
-  if constexpr (std::is_same_v<W, int8_t>) {
-    const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
-    const __m512 b =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + kBlock))));
-    return _mm512_cvtne2ps_pbh(b, a);
-  } else {
-    return (__m512bh)_mm512_loadu_si512(src);
+// A weight vector: 16 columns at a k-pair, 32 bf16 values at `src`.
+inline __m512bh weight_vector(const bf16* src) { return (__m512bh)_mm512_loadu_si512(src); }
+
+#if defined(__AVX512VBMI__)
+
+// bf16 of v in [0, 127], split in bytes: the tables vpermi2b looks the magnitudes up in.
+struct Bf16Bytes {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+  constexpr Bf16Bytes() : lo(), hi() {
+    for (int v = 1; v < 128; ++v) {
+      int e = 0;
+      while ((v >> (e + 1)) != 0) ++e;
+      const int bits = (127 + e) << 7 | ((v << (7 - e)) & 0x7F);
+      lo[v] = static_cast<uint8_t>(bits & 0xFF);
+      hi[v] = static_cast<uint8_t>(bits >> 8);
+    }
+  }
+};
+constexpr Bf16Bytes kBf16Bytes;
+
+// A k-pair's two weight vectors from its 64 codes (sign-magnitude, the two blocks interleaved
+// by 8 bytes a 16-byte lane): each magnitude's bf16 bytes by two table lookups, the sign
+// or-ed into the high byte, the bytes paired by two unpacks.
+inline void int8_vectors(const int8_t* src, __m512bh out[2]) {
+  const __m512i raw = _mm512_loadu_si512(src);
+  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(kBf16Bytes.lo), raw, _mm512_load_si512(kBf16Bytes.lo + 64));
+  const __m512i hi = _mm512_ternarylogic_epi32(
+      _mm512_permutex2var_epi8(_mm512_load_si512(kBf16Bytes.hi), raw, _mm512_load_si512(kBf16Bytes.hi + 64)), raw,
+      _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // a | (b & c)
+  out[0] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
+  out[1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
+}
+#else
+
+// A k-pair's two weight vectors from its 64 codes (two's complement, block by block): int8 ->
+// int32 -> fp32 -> bf16, exact.
+inline void int8_vectors(const int8_t* src, __m512bh out[2]) {
+  for (int b = 0; b < 2; ++b) {
+    const int8_t* s = src + b * 2 * kBlock;
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kBlock))));
+    out[b] = _mm512_cvtne2ps_pbh(hi, lo);
   }
 }
+#endif
 
 // Rows [0, MR) of `rows` x NP panels (`w`, then `panel_stride` elements on) over k-pairs
 // [p0, p1); adds into `sums` (from zero when `first`); with PF, prefetches kPrefetchPairs ahead.
@@ -107,11 +155,17 @@ void tile(const Rows& rows, const W* w, int64_t p0, int64_t p1, bool first, Sums
   auto step = [&](int64_t p, auto pair_of) {
     const W* wp = w + p * kPanelPair;
     __m512bh wv[NB];
+    if constexpr (std::is_same_v<W, int8_t>) {
+      static_assert(NB == 2, "int8 tiles take one panel");
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+      int8_vectors(wp, wv);
+    } else {
 #pragma GCC unroll 4
-    for (int b = 0; b < NB; ++b) {
-      const W* src = wp + (b / 2) * panel_stride + (b % 2) * 2 * kBlock;
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
-      wv[b] = weight_vector(src);
+      for (int b = 0; b < NB; ++b) {
+        const W* src = wp + (b / 2) * panel_stride + (b % 2) * 2 * kBlock;
+        if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+        wv[b] = weight_vector(src);
+      }
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
@@ -237,12 +291,10 @@ void decode_int8(const int8_t* panel, int64_t p0, int64_t p1, bf16* out, bool pr
     bf16* d = out + (p - p0) * kPanelPair;
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
     if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
-    for (int h = 0; h < kPanelPair; h += 2 * kBlock) {
-      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + h))));
-      const __m512 b =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + h + kBlock))));
-      _mm512_storeu_si512(d + h, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-    }
+    __m512bh v[2];
+    int8_vectors(s, v);
+    _mm512_storeu_si512(d, (__m512i)v[0]);
+    _mm512_storeu_si512(d + 2 * kBlock, (__m512i)v[1]);
 #else
     (void)prefetch;
     for (int i = 0; i < kPanelPair; ++i) store_one(static_cast<float>(s[i]), d + i);
@@ -529,6 +581,8 @@ void gemm_pack(const bf16* w, int64_t w_stride, bf16* packed, int64_t N, int64_t
 }
 
 }  // namespace pagoda
+
+extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }
 
 extern "C" int64_t pagoda_gemm_packed_size_bf16(int64_t N, int64_t K) { return pagoda::gemm_packed_size(N, K); }
 

@@ -128,7 +128,8 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # t
     that packed copy is the only one kept; so are quantized weights whose format it takes
     (int8 per channel and int4: the method's `use_gemm`). Otherwise, on CPUs where oneDNN has native bf16, each
     weight is prepacked for oneDNN; where the (portable) kernels are available the plain weights
-    stay too, for the GEMV kernel's small steps, at the cost of a second copy.
+    stay too, for the GEMV kernel's small steps, at the cost of a second copy. The GEMM's packed
+    weights end in one huge-page buffer, in module order (`ops.gather_in_huge_pages`).
     Returns the number of layers packed.
     """
     native_gemm = cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()
@@ -153,4 +154,19 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # t
         if id(w) not in keep and not keep_all:
             w.data = torch.empty(0, dtype=w.dtype)
         count += 1
+    if native_gemm:
+        cpu_kernels.ops.gather_in_huge_pages(packed_weights(model))
     return count
+
+
+def packed_weights(model: nn.Module) -> list[cpu_kernels.ops.PackedWeight | cpu_kernels.ops.Int8Panels
+                                              | cpu_kernels.ops.Int4Panels]:
+    """Every Linear's packed weight for the small-M GEMM (bf16, or a quantized method's panels),
+    in module order: the order a step reads them."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, Linear):
+            packed = module.gemm_weight or getattr(module.method, "panels", None)
+            if packed is not None:
+                found.append(packed)
+    return found

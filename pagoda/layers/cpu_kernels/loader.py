@@ -1,7 +1,8 @@
 """Finding, loading and binding the compiled kernels.
 
-The variant comes from the CPU's flags (`avx512bf16` where AVX-512 F/BW/VL and AVX512_BF16 are
-all present, else `portable`), or from PAGODA_CPU_KERNEL_VARIANT. The library is looked up in
+The variant comes from the CPU's flags (`avx512vbmi` where AVX-512 F/BW/VL, AVX512_BF16 and
+AVX512_VBMI are all present, `avx512bf16` without VBMI, else `portable`), or from
+PAGODA_CPU_KERNEL_VARIANT. The library is looked up in
 the package's build folder (written by `make install`), then in the user cache; if neither
 holds a build of the current sources, it is compiled into the first writable one, with a
 warning (the first request would otherwise pay for it). PAGODA_DISABLE_CPU_KERNELS=1 disables
@@ -45,9 +46,15 @@ _PLAIN: dict[str, ArgTypes] = {
 }
 _RETURNING: dict[str, tuple[ArgTypes, type]] = {
     "gemm_packed_size_bf16": ([_L, _L], _L),
+    "gemm_int8_format": ([], _L),
 }
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 CACHE_SUFFIXES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+
+
+_AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+# NOTE: build.VARIANTS lists the variants best first; each needs these /proc/cpuinfo flags.
+REQUIRED_FLAGS = {"avx512vbmi": _AVX512_BF16 | {"avx512vbmi"}, "avx512bf16": _AVX512_BF16}
 
 
 def cpu_flags() -> set[str]:
@@ -65,8 +72,13 @@ def pick_variant() -> str:
         if forced not in build.VARIANTS:
             raise ValueError(f"PAGODA_CPU_KERNEL_VARIANT={forced!r}; known: {sorted(build.VARIANTS)}")
         return forced
-    needed = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
-    return "avx512bf16" if build.IS_X86 and needed <= cpu_flags() else "portable"
+    return next(v for v in build.VARIANTS if runs_here(v))
+
+
+def runs_here(variant: str) -> bool:
+    """Whether this CPU has every instruction set `variant` is compiled for."""
+    needed = REQUIRED_FLAGS.get(variant, set())
+    return not needed or (build.IS_X86 and needed <= cpu_flags())
 
 
 class KernelLibrary:
@@ -137,6 +149,10 @@ def load(variant: str | None = None) -> KernelLibrary | None:
     if os.environ.get("PAGODA_DISABLE_CPU_KERNELS"):
         return None
     variant = variant or pick_variant()
+    if not runs_here(variant):
+        logger.warning("CPU kernels (%s) need instructions this CPU lacks: %s", variant,
+                       sorted(REQUIRED_FLAGS[variant] - cpu_flags()))
+        return None
     try:
         return KernelLibrary(locate(variant), variant)
     except (OSError, build.BuildError) as exc:

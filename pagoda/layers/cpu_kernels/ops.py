@@ -14,6 +14,7 @@ import ctypes
 
 import torch
 
+from pagoda.layers.cpu_kernels import memory
 from pagoda.layers.cpu_kernels.loader import KernelLibrary
 
 # NOTE: set by `cpu_kernels.library()` / `use_variant()`; read here without an import or a
@@ -147,6 +148,8 @@ def describe(kind: int, data: torch.Tensor, scales: torch.Tensor | None, group_s
 class PackedWeight:
     """A bf16 weight [n, k] in the small-M GEMM's panel layout (see pagoda/csrc/gemm.cpp)."""
 
+    kind = BF16_PANELS
+
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.stride(-1) != 1 or not weight.numel():
             raise ValueError(f"expected a non-empty 2-D bf16 weight with contiguous rows, got {weight.dtype} "
@@ -155,38 +158,63 @@ class PackedWeight:
         self.n, self.k = weight.shape
         self.data = torch.zeros(lib.fn("gemm_packed_size_bf16")(self.n, self.k), dtype=torch.bfloat16)
         lib.fn("gemm_pack_bf16")(weight.data_ptr(), weight.stride(0), self.data.data_ptr(), self.n, self.k)
+        self.scales: torch.Tensor | None = None
+        self.group_size = 0
         self.desc, self.desc_ptr = describe(BF16_PANELS, self.data, None, 0, self.n, self.k)
 
 
 def gemm_is_native() -> bool:
     """Whether `gemm` runs on native bf16 dot products (faster than oneDNN); elsewhere it is a
     plain fp32 loop, correct but slow, and layers keep their oneDNN/GEMV paths."""
-    return _lib().variant == "avx512bf16"
+    return _lib().variant in ("avx512vbmi", "avx512bf16")
 
 
 class Int8Panels:
-    """int8 codes [n, k] with one fp32 scale per output row, in the small-M GEMM's panel layout
-    (one byte an element where `PackedWeight` has two; pagoda/csrc/gemm.cpp): w = q * scale."""
+    """int8 codes [n, k] in [-127, 127] with one fp32 scale per output row, in the small-M
+    GEMM's panel layout (one byte an element where `PackedWeight` has two; pagoda/csrc/gemm.cpp):
+    w = q * scale. Where the kernels have VBMI (`gemm_int8_format` 1) each k-pair's 64 codes are
+    sign-magnitude bytes, its two blocks of 32 interleaved 8 bytes at a time."""
+
+    kind = INT8_PANELS
+    group_size = 0
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
         if codes.dtype != torch.int8 or codes.dim() != 2 or not codes.numel() or scales.numel() != codes.shape[0]:
             raise ValueError(f"expected int8 codes [n, k] and n scales, got {codes.dtype} {tuple(codes.shape)} "
                              f"and {scales.numel()} scales")
+        if bool((codes == -128).any()):
+            raise ValueError("int8 panels take codes in [-127, 127] (symmetric quantization); -128 found")
         self.n, self.k = codes.shape
+        self.format = int(_lib().fn("gemm_int8_format")())
         cols, pairs = -(-self.n // 32) * 32, -(-self.k // 2)
         padded = torch.zeros(cols, 2 * pairs, dtype=torch.int8)
         padded[:self.n, :self.k] = codes
         # NOTE: panel p, k-pair j, column c, k parity e at p * 64 * pairs + j * 64 + c * 2 + e.
-        self.data = padded.view(cols // 32, 32, pairs, 2).permute(0, 2, 1, 3).contiguous().view(-1)
+        panels = padded.view(cols // 32, 32, pairs, 2).permute(0, 2, 1, 3).contiguous()
+        if self.format == 1:
+            magnitude = panels.abs().view(torch.uint8)
+            signed = torch.where(panels < 0, magnitude | 0x80, magnitude)
+            # block b, 16-byte lane l, byte i -> lane l, block b, byte i
+            panels = signed.view(-1, pairs, 2, 4, 8).transpose(2, 3).contiguous().view(torch.int8)
+        self.data = panels.view(-1)
         self.scales = scales.float().reshape(-1).contiguous()
         self.desc, self.desc_ptr = describe(INT8_PANELS, self.data, self.scales, 0, self.n, self.k)
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The int8 codes [n, k] (or of `rows`), back in row order."""
+        """The int8 codes [n, k] (or of `rows`), back in row order; reads only those rows."""
         pairs = -(-self.k // 2)
-        panels = self.data.view(-1, pairs, 32, 2)
         ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
-        return panels[ids // 32, :, ids % 32, :].reshape(len(ids), 2 * pairs)[:, :self.k]
+        block, within = (ids % 32).div(16, rounding_mode="floor")[:, None], 2 * (ids % 16)[:, None] + torch.arange(2)
+        if self.format == 1:
+            offset = 16 * within.div(8, rounding_mode="floor") + 8 * block + within % 8
+        else:
+            offset = 32 * block + within
+        index = ((ids // 32) * 64 * pairs)[:, None, None] + 64 * torch.arange(pairs)[None, :, None] + offset[:, None, :]
+        picked = self.data[index.reshape(len(ids), 2 * pairs)[:, :self.k]]
+        if self.format == 1:
+            magnitude = picked & 0x7F
+            picked = torch.where(picked < 0, -magnitude, magnitude)
+        return picked
 
 
 class Int4Panels:
@@ -195,6 +223,8 @@ class Int4Panels:
     of 32 rows and two k-pairs, 64 bytes (byte 2(2c + e) + h: row c's code at k-pair h, element
     e, in the low nibble, row 16 + c's in the high one); per panel and group, d for its 32 rows
     then m."""
+
+    kind = INT4_PANELS
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> None:
         n, k = q.shape
@@ -222,6 +252,18 @@ class Int4Panels:
         q = torch.where((ids % 32 < 16)[:, None, None, None], blocks & 15, blocks >> 4).reshape(len(ids), self.k)
         dm = self.scales.view(-1, groups, 2, 32)[ids // 32, :, :, ids % 32]
         return q, dm[:, :, 0], dm[:, :, 1]
+
+
+def gather_in_huge_pages(weights: list[PackedWeight | Int8Panels | Int4Panels]) -> None:
+    """Moves the weights' tensors, in order, into one huge-page buffer (`memory`), each weight's
+    descriptor pointing at its new place; the old copies are freed once nothing else holds them."""
+    tensors = [t for w in weights for t in (w.data, w.scales) if t is not None]
+    moved = iter(memory.gather_in_huge_pages(tensors))
+    for w in weights:
+        w.data = next(moved)
+        if w.scales is not None:
+            w.scales = next(moved)
+        w.desc, w.desc_ptr = describe(w.kind, w.data, w.scales, w.group_size, w.n, w.k)
 
 
 def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels,
