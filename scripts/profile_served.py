@@ -63,7 +63,7 @@ def phase_of(thread: str, frames: list[str]) -> str | None:
                     return name
         return "engine (other)"
     if "MainThread" in thread:
-        if any(re.search(r"model_dump_json|sse \(|json", f) for f in frames[-4:]):
+        if any(re.search(r"model_dump_json|sse \(|json|chunks\.py", f) for f in frames[-4:]):
             return "HTTP/SSE: serialize"
         return "HTTP/SSE: server"
     if "asyncio" in thread:

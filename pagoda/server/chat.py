@@ -9,7 +9,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagoda.outputs import Logprob
+from pagoda.outputs import CompletionOutput, Logprob
+from pagoda.server.chunks import (
+    NULL,
+    ROLE_DELTA,
+    ChunkEncoder,
+    chat_choice,
+    content_delta,
+    part_json,
+)
 from pagoda.server.errors import bad_request
 from pagoda.server.protocol import (
     AssistantMessage,
@@ -17,12 +25,9 @@ from pagoda.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
-    ChatCompletionStreamChoice,
-    ChatCompletionStreamResponse,
     ChatLogProb,
     ChatLogProbsContent,
     ChatMessage,
-    DeltaMessage,
     random_id,
 )
 from pagoda.server.serving import (
@@ -172,38 +177,43 @@ def full_chat(gen: Generation, model: str, num_logprobs: int | None,
 
 
 async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
-                      num_logprobs: int | None, plan: ToolPlan
-                      ) -> AsyncIterator[ChatCompletionStreamResponse]:
-    def chunk(choices: list[ChatCompletionStreamChoice]) -> ChatCompletionStreamResponse:
-        return ChatCompletionStreamResponse(id=gen.request_id, created=gen.created, model=model,
-                                            choices=choices,
-                                            usage=gen.usage() if req.continuous_usage else None)
+                      num_logprobs: int | None, plan: ToolPlan) -> AsyncIterator[str]:
+    """The chunks' JSON: a role chunk per choice, then one per content or tool-call delta,
+    then the usage chunk if asked for."""
+    chunks = ChunkEncoder(gen.request_id, "chat.completion.chunk", gen.created, model)
+
+    def chunk(choice: str) -> str:
+        return chunks.encode(choice, part_json(gen.usage() if req.continuous_usage else None))
 
     streams = [ToolStream(plan) for _ in gen.choices]
     for index in range(len(gen.choices)):
-        yield chunk([ChatCompletionStreamChoice(
-            index=index, delta=DeltaMessage(role="assistant", content=""))])
+        yield chunk(chat_choice(index, ROLE_DELTA))
     async for index, delta in gen.deltas():
         wants_logprobs = num_logprobs is not None and bool(delta.token_ids)
         if not (delta.text or delta.finish_reason or wants_logprobs):
             continue
-        logprobs = None
+        logprobs = NULL
         if num_logprobs is not None:
-            logprobs = chat_logprobs(gen.ctx, delta.token_ids, delta.logprobs or [], num_logprobs)
-        pieces, called = [DeltaMessage(content=delta.text)], False
+            logprobs = part_json(chat_logprobs(gen.ctx, delta.token_ids, delta.logprobs or [],
+                                               num_logprobs))
+        pieces, called = [content_delta(delta.text)], False
         if plan.calls_tools:
-            pieces = streams[index].feed(delta.text)
-            if delta.finish_reason is not None:
-                tail, called = streams[index].finish()
-                pieces += tail
-        pieces = pieces or [DeltaMessage(content="")]
+            pieces, called = _tool_pieces(streams[index], delta)
+        pieces = pieces or [content_delta("")]
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
-            yield chunk([ChatCompletionStreamChoice(
-                index=index, delta=piece, logprobs=logprobs if i == 0 else None,
-                finish_reason=_finish_reason(plan, delta.finish_reason, called) if last else None,
-                stop_reason=delta.stop_reason if last else None)])
+            yield chunk(chat_choice(
+                index, piece, logprobs if i == 0 else NULL,
+                _finish_reason(plan, delta.finish_reason, called) if last else None,
+                delta.stop_reason if last else None))
     if req.include_usage:
-        usage_chunk = chunk([])
-        usage_chunk.usage = gen.usage()
-        yield usage_chunk
+        yield chunks.encode(None, part_json(gen.usage()))
+
+
+def _tool_pieces(stream: ToolStream, delta: CompletionOutput) -> tuple[list[str], bool]:
+    """The delta's content and tool-call pieces (JSON), and whether the choice called tools."""
+    messages, called = stream.feed(delta.text), False
+    if delta.finish_reason is not None:
+        tail, called = stream.finish()
+        messages += tail
+    return [part_json(message) for message in messages], called

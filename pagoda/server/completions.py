@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.outputs import Logprob
+from pagoda.server.chunks import NULL, ChunkEncoder, completion_choice, part_json
 from pagoda.server.errors import bad_request
 from pagoda.server.protocol import (
     CompletionLogProbs,
@@ -106,24 +107,21 @@ def full_completion(gen: Generation, req: CompletionRequest, model: str) -> Comp
 
 
 async def stream_completion(gen: Generation, req: CompletionRequest, model: str
-                            ) -> AsyncIterator[CompletionResponse]:
+                            ) -> AsyncIterator[str]:
+    """The chunks' JSON: one per delta, then the usage chunk if asked for."""
     ctx, echoed = gen.ctx, set()
+    chunks = ChunkEncoder(gen.request_id, "text_completion", gen.created, model)
     async for index, delta in gen.deltas():
         text = delta.text
         if req.echo and index not in echoed:
             echoed.add(index)
             text = echo_text(ctx, gen.prompts[index // gen.n]) + text
-        logprobs = None
+        logprobs = NULL
         if req.logprobs is not None:
             offset = len(gen.choices[index].text) - len(delta.text)
-            logprobs = completion_logprobs(ctx, delta.token_ids, delta.logprobs or [],
-                                           req.logprobs, offset)
-        choice = CompletionResponseChoice(index=index, text=text, logprobs=logprobs,
-                                          finish_reason=delta.finish_reason,
-                                          stop_reason=delta.stop_reason)
-        yield CompletionResponse(id=gen.request_id, created=gen.created, model=model,
-                                 choices=[choice],
-                                 usage=gen.usage() if req.continuous_usage else None)
+            logprobs = part_json(completion_logprobs(ctx, delta.token_ids, delta.logprobs or [],
+                                                     req.logprobs, offset))
+        choice = completion_choice(index, text, logprobs, delta.finish_reason, delta.stop_reason)
+        yield chunks.encode(choice, part_json(gen.usage() if req.continuous_usage else None))
     if req.include_usage:
-        yield CompletionResponse(id=gen.request_id, created=gen.created, model=model, choices=[],
-                                 usage=gen.usage())
+        yield chunks.encode(None, part_json(gen.usage()))

@@ -8,7 +8,6 @@ import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
 from starlette.requests import Request
 
 from pagoda.server.errors import APIError, sse_error
@@ -72,11 +71,12 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     return None
 
 
-async def sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
-    """Server-sent events: one `data:` line per chunk, an error event on failure, [DONE]."""
+async def sse(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Server-sent events: one `data:` line per chunk (its JSON), an error event on failure,
+    [DONE]."""
     try:
         async for chunk in chunks:
-            yield f"data: {chunk.model_dump_json()}\n\n"
+            yield f"data: {chunk}\n\n"
     except APIError as e:
         yield sse_error(e)
     except Exception as e:
