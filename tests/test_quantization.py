@@ -193,6 +193,13 @@ def test_schemes_compose_with_chunking_prefix_caching_and_preemption(scheme: dic
     assert busy.engine.scheduler.num_preemptions > 0 and busy.engine.block_manager.prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("cache_dtype,rotated", [("auto", False), ("fp8", True), ("fp8_e5m2", True)])
+def test_q_and_k_rotated_over_an_fp8_pool_only(cache_dtype: str, rotated: bool, tiny_llama) -> None:
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=32, kv_cache_dtype=cache_dtype)
+    layers = llm.engine.runner.model.attention_layers()
+    assert [a.rotates_qk for a in layers] == [rotated] * len(layers)
+
+
 def test_fp8_weights_refused_on_cpu_naming_alternatives(tiny_llama) -> None:
     with pytest.raises(ValueError, match="int8.*int4") as info:
         LLM(str(tiny_llama), dtype="float32", quantization="fp8", device="cpu")

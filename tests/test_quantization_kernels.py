@@ -197,6 +197,42 @@ def test_int8_panels_rows_and_refusals(variant: str) -> None:  # noqa: F811 - th
 
 # ---------------------------------------------------------------- fp8 KV cache
 
+def hadamard_matrix(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n**0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_hadamard_kernel_equals_torch_bit_for_bit_and_keeps_dot_products(dtype: torch.dtype, head_dim: int) -> None:
+    """The kernel and `rotate_heads` give the same bits (same butterflies, same order, one
+    rounding); both are x . H within that rounding, and q.k is what it was."""
+    from pagoda.layers.attention import rotate_heads
+
+    gen = torch.Generator().manual_seed(head_dim)
+    # NOTE: heads strided inside rows strided apart, as q and k sit in the fused qkv output.
+    base = (torch.randn(9, 7 * head_dim + 5, generator=gen) * 4).to(dtype)
+    x = base[:, :6 * head_dim].view(9, 3, 2 * head_dim)[:, :, :head_dim]
+    want = rotate_heads(x)
+    got = x.clone()
+    ops.hadamard_inplace(x)
+    assert torch.equal(x, want) and not torch.equal(x, got)
+    exact = got.double() @ hadamard_matrix(head_dim)
+    eps = {torch.float32: 1e-6, torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
+    assert ((want.double() - exact).abs() <= eps * exact.abs() + 1e-5 * got.double().abs().amax()).all()
+    q, k = got[:, :1].double(), got[:, 1:].double()
+    qr, kr = want[:, :1].double(), want[:, 1:].double()
+    assert torch.allclose((qr * kr).sum(-1), (q * k).sum(-1), rtol=4 * eps, atol=4 * eps * head_dim * 16)
+
+
+def test_hadamard_refuses_what_it_cannot_rotate() -> None:
+    for shape in [(2, 3, 48), (2, 3, 512)]:
+        with pytest.raises(ValueError, match="power of two"):
+            ops.hadamard_inplace(torch.zeros(shape))
+
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 

@@ -8,6 +8,13 @@
 // `rotary_inplace` rotates heads with the neox layout (halves, as Hugging Face's
 // rotate_half) and rounds like Hugging Face's `x * cos + rotate_half(x) * sin` in the storage
 // dtype: cos/sin cast to T, each product rounded to T, the sum rounded to T.
+// `hadamard_inplace` multiplies each head by the normalized Walsh-Hadamard matrix (head_dim a
+// power of two, at most kMaxHadamard): butterflies of strides 1, 2, 4, ... in fp32, then the
+// scale 1 / sqrt(head_dim), rounded once to T; the same operations in the same order as
+// pagoda/layers/attention.py's torch version, so both give the same bits. An fp8 pool stores
+// K rotated so (Q too): e4m3's error spreads over every channel instead of the few that carry
+// most of a key's magnitude.
+#include <cmath>
 #include <cstring>
 
 #include "parallel.h"
@@ -78,6 +85,38 @@ void rotary_inplace(T* x, const int64_t* positions, const float* cos, const floa
   }
 }
 
+constexpr int kMaxHadamard = 256;
+
+template <typename T>
+void hadamard_head(T* x, int head_dim, float scale) {
+  float v[kMaxHadamard];
+  for (int i = 0; i < head_dim; ++i) v[i] = to_float(x[i]);
+  for (int h = 1; h < head_dim; h *= 2)
+    for (int j = 0; j < head_dim; j += 2 * h)
+      for (int i = j; i < j + h; ++i) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+  for (int i = 0; i < head_dim; ++i) store_one(v[i] * scale, x + i);
+}
+
+template <typename T>
+void hadamard_inplace(T* x, int64_t num_tokens, int num_heads, int head_dim, int64_t token_stride,
+                      int64_t head_stride) {
+  if (head_dim > kMaxHadamard || (head_dim & (head_dim - 1)) != 0) return;  // refused in Python
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  auto rotate = [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int h = 0; h < num_heads; ++h) hadamard_head(x + t * token_stride + h * head_stride, head_dim, scale);
+  };
+  if (num_tokens < kParallelTokens) {
+    rotate(0, num_tokens);
+  } else {
+    parallel_ranges(num_tokens, 16, rotate);
+  }
+}
+
 }  // namespace
 }  // namespace pagoda
 
@@ -99,6 +138,11 @@ void rotary_inplace(T* x, const int64_t* positions, const float* cos, const floa
                                          int head_dim, int64_t token_stride, int64_t head_stride) {  \
     pagoda::rotary_inplace(static_cast<T*>(x), positions, cos, sin, num_tokens, num_heads, head_dim, \
                            token_stride, head_stride);                                               \
+  }                                                                                                   \
+  extern "C" void pagoda_hadamard_##SUFFIX(void* x, int64_t num_tokens, int num_heads, int head_dim,  \
+                                           int64_t token_stride, int64_t head_stride) {               \
+    pagoda::hadamard_inplace(static_cast<T*>(x), num_tokens, num_heads, head_dim, token_stride,      \
+                             head_stride);                                                            \
   }
 
 PAGODA_CACHE(f32, float)

@@ -4,7 +4,8 @@
 // ~2 ms a step for 30 layers: as much as the attention at one stream). This runs the same
 // kernels, in the same order, on the same buffers, from C++: per layer
 //   (layer 0) residual = h, h = rms_norm(h); (others) residual += h, h = rms_norm(residual)
-//   qkv = h . Wqkv^T; rotate q and k in place; write k, v to their slots; attn = paged
+//   qkv = h . Wqkv^T; rotate q and k in place (rotary, then over an fp8 pool the Hadamard
+//   rotation of PagedAttention); write k, v to their slots; attn = paged
 //   attention; h = attn . Wo^T; residual += h, h = rms_norm(residual); gate_up = h . Wgu^T;
 //   act = silu(gate) * up; h = act . Wdown^T
 // so its results are bit for bit those of the Python path. The caller applies the final norm.
@@ -21,6 +22,8 @@ void pagoda_fused_add_rms_norm_bf16(void* x, void* residual, const void* weight,
 void pagoda_silu_and_mul_bf16(const void* x, void* out, int64_t rows, int n);
 void pagoda_rotary_bf16(void* x, const int64_t* positions, const float* cos, const float* sin, int64_t num_tokens,
                         int num_heads, int head_dim, int64_t token_stride, int64_t head_stride);
+void pagoda_hadamard_bf16(void* x, int64_t num_tokens, int num_heads, int head_dim, int64_t token_stride,
+                          int64_t head_stride);
 #define PAGODA_DECLARE_CACHE(SUFFIX)                                                                         \
   void pagoda_reshape_and_cache_##SUFFIX(const void* k, const void* v, void* k_cache, void* v_cache,         \
                                          const int64_t* slots, int64_t num_tokens, int64_t row_len,          \
@@ -63,6 +66,7 @@ struct DecoderStack {
   int64_t hidden, intermediate;
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   int64_t cache_kind;
+  int64_t rotate_qk;  // 1: q and k rotated by the Hadamard matrix after rotary (an fp8 pool)
   float eps, scale;
   const float* cos;  // fp32 [max_positions, head_dim]
   const float* sin;
@@ -98,6 +102,10 @@ void attend(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, c
   const int D = static_cast<int>(s.head_dim), B = static_cast<int>(s.block_size);
   pagoda_rotary_bf16(q, t.positions, s.cos, s.sin, T, H, D, row, D);
   pagoda_rotary_bf16(k, t.positions, s.cos, s.sin, T, KV, D, row, D);
+  if (s.rotate_qk) {
+    pagoda_hadamard_bf16(q, T, H, D, row, D);
+    pagoda_hadamard_bf16(k, T, KV, D, row, D);
+  }
   auto run = [&](auto write, auto attention) {
     write(k, v, l.k_cache, l.v_cache, t.slots, T, kv_size, row, row, l.k_scale, l.v_scale);
     attention(q, l.k_cache, l.v_cache, t.attn, t.block_tables, t.seq_lens, t.query_start_loc,

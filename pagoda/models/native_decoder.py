@@ -43,7 +43,8 @@ class _DecoderLayer(ctypes.Structure):
 class _DecoderStack(ctypes.Structure):
     _fields_ = [("layers", _PTR), ("num_layers", _I64), ("hidden", _I64), ("intermediate", _I64),
                 ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64),
-                ("cache_kind", _I64), ("eps", _F32), ("scale", _F32), ("cos", _PTR), ("sin", _PTR)]
+                ("cache_kind", _I64), ("rotate_qk", _I64), ("eps", _F32), ("scale", _F32), ("cos", _PTR),
+                ("sin", _PTR)]
 
 
 class _DecodeStep(ctypes.Structure):
@@ -76,7 +77,8 @@ class NativeDecoder:
         self._model = model
         self._stack = _DecoderStack(ctypes.addressof(self._layers), len(layers), d.hidden_size,
                                     d.intermediate_size, attn.num_heads, attn.num_kv_heads, d.head_dim,
-                                    attn.attn.k_cache.shape[1], cache_kind, d.rms_norm_eps, attn.attn.scale,
+                                    attn.attn.k_cache.shape[1], cache_kind, int(attn.attn.rotates_qk),
+                                    d.rms_norm_eps, attn.attn.scale,
                                     cos.data_ptr(), sin.data_ptr())
         self._widths = (attn.qkv_proj.out_features, attn.q_size, 2 * d.intermediate_size, d.intermediate_size)
         self._fn = cpu_kernels.library().fn("decoder_stack_bf16")  # type: ignore[union-attr]

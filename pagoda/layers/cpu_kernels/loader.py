@@ -26,6 +26,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 ArgTypes = list[type]
 _DTYPED: dict[str, ArgTypes] = {
     "rotary": [_P] * 4 + [_L, _I, _I, _L, _L],
+    "hadamard": [_P, _L, _I, _I, _L, _L],
     "rms_norm": [_P] * 3 + [_L, _I, _L, _L, _F],
     "fused_add_rms_norm": [_P] * 3 + [_L, _I, _F],
     "silu_and_mul": [_P] * 2 + [_L, _I],

@@ -90,6 +90,15 @@ def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
                                  num_tokens, num_heads, head_dim, x.stride(0), x.stride(1))
 
 
+def hadamard_inplace(x: torch.Tensor) -> None:
+    """Multiplies each head of x ([num_tokens, num_heads, head_dim], heads may be strided; head_dim a
+    power of two up to 256) by the normalized Walsh-Hadamard matrix, in place."""
+    num_tokens, num_heads, head_dim = x.shape
+    if x.stride(-1) != 1 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"hadamard needs contiguous heads of a power of two up to 256, got {tuple(x.shape)}")
+    _lib().fn("hadamard", x.dtype)(x.data_ptr(), num_tokens, num_heads, head_dim, x.stride(0), x.stride(1))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's RMSNorm over the last dimension of a 2-D x (rows may be strided)."""
     _check_rows(x, x.shape[-1])
