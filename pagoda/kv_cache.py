@@ -13,11 +13,13 @@ memory holds twice the tokens.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
 
 from pagoda.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig
+from pagoda.layers.cpu_kernels import memory
 
 logger = logging.getLogger("pagoda")
 
@@ -81,9 +83,17 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int, devic
 
     `zero` is needed where attention reads padded slots (the torch decode path masks them,
     and a masked NaN would still poison the sum); the CPU kernel reads only written slots, so
-    its pool is left untouched and the OS commits memory only as blocks are used.
+    its pool is left untouched and the OS commits memory only as blocks are used (each tensor
+    in a mapping of its own: `cpu_kernels.memory.untouched`).
     """
-    make = torch.zeros if zero else torch.empty
     shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [(make(shape, dtype=spec.dtype, device=device), make(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)]
+
+    def make() -> torch.Tensor:
+        if zero:
+            return torch.zeros(shape, dtype=spec.dtype, device=device)
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=spec.dtype, device=device)
+        nbytes = math.prod(shape) * spec.dtype.itemsize
+        return memory.untouched(nbytes).view(spec.dtype).view(shape)
+
+    return [(make(), make()) for _ in range(spec.num_layers)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from pagoda.layers import cpu_kernels
-from pagoda.layers.cpu_kernels.memory import advise_huge_pages
 from pagoda.model_inputs import InputPreparer, ModelInputs
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.native_decoder import NativeDecoder
@@ -40,9 +39,6 @@ class ModelRunner:
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):
             attn.k_cache, attn.v_cache = k, v
-            if self.use_cpu_kernel:
-                advise_huge_pages(k)
-                advise_huge_pages(v)
         if self.use_cpu_kernel:
             self.model.native_decoder = NativeDecoder.build(self.model)
 

@@ -68,6 +68,22 @@ def test_fp8_pool_holds_twice_the_blocks(cache_dtype: str) -> None:
     assert num_blocks_for(fp8, cache, cpu) in (2 * num_blocks_for(bf16, cache, cpu), 2 * num_blocks_for(bf16, cache, cpu) + 1)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_untouched_cpu_pool_tensors_each_have_a_mapping_of_their_own(cache_dtype: torch.dtype) -> None:
+    from pagoda.kv_cache import allocate_kv_cache
+
+    spec = KVCacheSpec(2, 3, 64, cache_dtype)
+    pools = allocate_kv_cache(spec, 5, 16, torch.device("cpu"), zero=False)
+    tensors = [t for pair in pools for t in pair]
+    assert all(t.shape == (5, 16, 3, 64) and t.dtype == cache_dtype for t in tensors)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 4
+    assert all(t.data_ptr() % 4096 == 0 for t in tensors)  # NOTE: mmap'ed, page-aligned: not heap space
+    tensors[1].view(torch.uint8).fill_(7)  # writable, and apart from its neighbours
+    assert int(tensors[1].view(torch.uint8).min()) == 7 and int(tensors[0].view(torch.uint8).max()) == 0
+    zeroed = allocate_kv_cache(spec, 5, 16, torch.device("cpu"))
+    assert all(int(t.view(torch.uint8).abs().max()) == 0 for pair in zeroed for t in pair)
+
+
 # ---------------------------------------------------------------- packing
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])

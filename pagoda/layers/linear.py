@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.layers import cpu_kernels
+from pagoda.layers.cpu_kernels import memory
 
 # NOTE: measured (docs/performance.md, Kernels), one thread each, SmolLM2's 30 layers of distinct
 # weights: the GEMV kernel streams them 1.4-1.6x faster than oneDNN's prepacked bf16 path at 1
@@ -129,44 +130,47 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # t
     (int8 per channel and int4: the method's `use_gemm`). Otherwise, on CPUs where oneDNN has native bf16, each
     weight is prepacked for oneDNN; where the (portable) kernels are available the plain weights
     stay too, for the GEMV kernel's small steps, at the cost of a second copy. The GEMM's packed
-    weights end in one huge-page buffer, in module order (`ops.gather_in_huge_pages`).
+    weights live in huge pages, in module order: the bf16 ones packed straight into one buffer,
+    the quantized panels gathered into another (`cpu_kernels.memory`).
     Returns the number of layers packed.
     """
     native_gemm = cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()
     if not native_gemm and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return 0
     keep_all = cpu_kernels.available() and not native_gemm
-    count = 0
+    dense, quantized = [], []
     for module in model.modules():
         w = getattr(module, "weight", None)
         if isinstance(module, Linear) and native_gemm and w is not None and w.dtype == torch.bfloat16:
             use_gemm = getattr(module.method, "use_gemm", None)
             if use_gemm is not None and use_gemm():
-                count += 1
+                quantized.append(getattr(module.method, "panels"))  # noqa: B009 - set by use_gemm()
                 continue
-        if (not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16 or w.device.type != "cpu"
-                or module.method is not UNQUANTIZED or not w.numel()):
-            continue
-        if native_gemm:
-            module.gemm_weight = cpu_kernels.ops.PackedWeight(w.detach())
-        else:
+        if (isinstance(module, Linear) and w is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+                and module.method is UNQUANTIZED and w.numel()):
+            dense.append(module)
+    if native_gemm:
+        _pack_in_huge_pages(dense)
+        if quantized:
+            cpu_kernels.ops.gather_in_huge_pages(quantized)
+    for module in dense:
+        w = module.weight
+        if not native_gemm:
             module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         if id(w) not in keep and not keep_all:
             w.data = torch.empty(0, dtype=w.dtype)
-        count += 1
-    if native_gemm:
-        cpu_kernels.ops.gather_in_huge_pages(packed_weights(model))
-    return count
+    return len(dense) + len(quantized)
 
 
-def packed_weights(model: nn.Module) -> list[cpu_kernels.ops.PackedWeight | cpu_kernels.ops.Int8Panels
-                                              | cpu_kernels.ops.Int4Panels]:
-    """Every Linear's packed weight for the small-M GEMM (bf16, or a quantized method's panels),
-    in module order: the order a step reads them."""
-    found = []
-    for module in model.modules():
-        if isinstance(module, Linear):
-            packed = module.gemm_weight or getattr(module.method, "panels", None)
-            if packed is not None:
-                found.append(packed)
-    return found
+def _pack_in_huge_pages(modules: list[Linear]) -> None:
+    """Packs each module's bf16 weight for the GEMM straight into one huge-page buffer, in module
+    order: the order a step reads them.
+
+    NOTE: packed in place, not packed then gathered: a few hundred MB freed in the heap's middle
+    were not always given back to the system (resident memory +70-200 MB from run to run)."""
+    if not modules:
+        return
+    sizes = [cpu_kernels.ops.packed_bytes(*m.weight.shape) for m in modules]
+    views = memory.carve(memory.huge_page_buffer(sum(memory.aligned(n) for n in sizes)), sizes)
+    for module, view in zip(modules, views, strict=True):
+        module.gemm_weight = cpu_kernels.ops.PackedWeight(module.weight.detach(), out=view)

@@ -1,8 +1,9 @@
 """The int8 GEMM over one SmolLM2 step's linears as the engine reads them (30 layers of distinct
 weights, 106 MB of codes; the LM head left out: it is the same in every build), M input rows,
 each kernel build's own panels: `avx512vbmi` (codes turned into bf16 by byte-table lookups)
-against `avx512bf16` (int8 -> int32 -> fp32 -> bf16), the bf16 GEMM beside them. Medians of 9
-passes (the first dropped), the builds interleaved pass by pass.
+against `avx512bf16` (int8 -> int32 -> fp32 -> bf16), the bf16 GEMM beside them; each set
+gathered into one huge-page buffer, as the engine does. Medians of 9 passes (the first
+dropped), the builds interleaved pass by pass.
 
 Usage: python int8_gemm.py M [M ...]        Env: KT kernel threads (2).
 """
@@ -21,6 +22,8 @@ for variant in ("avx512vbmi", "avx512bf16"):
     cpu_kernels.use_variant(variant)
     builds[variant] = [[ops.Int8Panels(c, scales[j]) for j, c in enumerate(cs)] for cs in codes]
 builds["bf16 (avx512vbmi)"] = [[ops.PackedWeight((c.float() * 0.01).to(torch.bfloat16)) for c in cs] for cs in codes]
+for weights in builds.values():
+    ops.gather_in_huge_pages([w for ws in weights for w in ws])
 
 
 def run(M, kind):

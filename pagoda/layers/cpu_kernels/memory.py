@@ -1,19 +1,21 @@
-"""Huge pages under the CPU KV pool and the packed weights.
+"""Where big CPU buffers live: the packed weights in huge pages, the KV pool untouched.
 
-Decode attention reads cached K/V rows from blocks scattered over the pool; with 4 KB pages
-nearly every tile is a TLB miss. Where transparent huge pages are in `madvise` mode (the
-default here) memory must ask before it is first touched; the CPU pool is allocated with
-`torch.empty` and first written by the slot-write kernel, so advising it at bind time works.
-Measured: decode attention over 30 cold layers 5-15% faster (docs/performance.md, Kernels).
-A decode step streams every packed weight once, in layer order: `gather_in_huge_pages` copies
-them into one buffer, in that order, advised before its first touch (a step at one stream
-reads them ~10% faster: docs/performance.md, Weights in huge pages).
-A hint only: where the kernel declines, memory stays in small pages and works the same.
+A decode step streams every packed weight once, in layer order. With each weight its own
+allocation in 4 KB pages the GEMM read them at ~29 GB/s where the same threads stream one
+buffer at 40-50 GB/s; `huge_page_buffer` gives one 2 MB-aligned buffer advised MADV_HUGEPAGE
+before its first touch (transparent huge pages in `madvise` mode, the default here, need the
+advice first), which the weights are packed or gathered into in the order a step reads them:
+a step at one stream ~10% faster (docs/performance.md, Packed weights in huge pages). A hint
+only: where the kernel declines, the buffer stays in small pages and works the same.
+The KV pool is not advised: its blocks are committed as they are first written, and with
+2 MB pages one short request would commit 2 MB in each of its 60 tensors (+114 MB resident,
+measured); each tensor gets a mapping of its own (`untouched`), never reused heap space.
 """
 
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import torch
@@ -40,16 +42,42 @@ def advise_huge_pages(t: torch.Tensor) -> None:
         _madvise(aligned, length, _MADV_HUGEPAGE)
 
 
-def gather_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies CPU tensors, in order, into one 2 MB-aligned buffer advised for huge pages; returns
-    views of it, one per tensor (same dtype and shape; each keeps the buffer alive)."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += -(-size // _ALIGN) * _ALIGN
-    raw = torch.empty(total + _HUGE_PAGE, dtype=torch.uint8)
+def untouched(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes] in an anonymous mapping of its own, not yet touched.
+
+    NOTE: not `torch.empty`: malloc serves big requests from free heap space first (the plain
+    weights freed at packing, ~200 MB), and a pool placed there, advised for huge pages, kept a
+    varying part of that space resident (+0-200 MB from run to run, measured)."""
+    mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
+    """uint8 [nbytes], 2 MB-aligned, advised for huge pages and not yet touched (its first write
+    faults them in)."""
+    raw = untouched(nbytes + _HUGE_PAGE)
     start = -raw.data_ptr() % _HUGE_PAGE
-    advise_huge_pages(raw[start:start + total])
-    return [raw[start + o:start + o + size].view(t.dtype).view(t.shape).copy_(t)
-            for t, o, size in zip(tensors, offsets, sizes, strict=True)]
+    buffer = raw[start:start + nbytes]
+    advise_huge_pages(buffer)
+    return buffer
+
+
+def carve(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Consecutive uint8 views of `buffer`, one per size, each 64-byte aligned."""
+    views, offset = [], 0
+    for size in sizes:
+        views.append(buffer[offset:offset + size])
+        offset += aligned(size)
+    return views
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def gather_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies CPU tensors, in order, into one `huge_page_buffer`; returns views of it, one per
+    tensor (same dtype and shape; each keeps the buffer alive)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    views = carve(huge_page_buffer(sum(aligned(n) for n in sizes)), sizes)
+    return [v.view(t.dtype).view(t.shape).copy_(t) for v, t in zip(views, tensors, strict=True)]

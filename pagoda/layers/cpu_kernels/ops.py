@@ -159,17 +159,27 @@ class PackedWeight:
 
     kind = BF16_PANELS
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, out: torch.Tensor | None = None) -> None:
+        """Packs `weight` into `out` (uint8, `packed_bytes` long: a slice of a bigger buffer) or
+        into a tensor of its own."""
         if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.stride(-1) != 1 or not weight.numel():
             raise ValueError(f"expected a non-empty 2-D bf16 weight with contiguous rows, got {weight.dtype} "
                              f"{tuple(weight.shape)} strides {weight.stride()}")
         lib = _lib()
         self.n, self.k = weight.shape
-        self.data = torch.zeros(lib.fn("gemm_packed_size_bf16")(self.n, self.k), dtype=torch.bfloat16)
+        size = lib.fn("gemm_packed_size_bf16")(self.n, self.k)
+        self.data = torch.zeros(size, dtype=torch.bfloat16) if out is None else out.view(torch.bfloat16).zero_()
+        if self.data.numel() != size:
+            raise ValueError(f"a packed [{self.n}, {self.k}] weight takes {2 * size} bytes, got {2 * self.data.numel()}")
         lib.fn("gemm_pack_bf16")(weight.data_ptr(), weight.stride(0), self.data.data_ptr(), self.n, self.k)
         self.scales: torch.Tensor | None = None
         self.group_size = 0
         self.desc, self.desc_ptr = describe(BF16_PANELS, self.data, None, 0, self.n, self.k)
+
+
+def packed_bytes(n: int, k: int) -> int:
+    """Bytes of a bf16 [n, k] weight in the GEMM's panel layout (`PackedWeight`)."""
+    return 2 * int(_lib().fn("gemm_packed_size_bf16")(n, k))
 
 
 def gemm_is_native() -> bool:
