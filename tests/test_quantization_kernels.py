@@ -205,7 +205,7 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("head_dim", [8, 16, 64, 128, 256])
 def test_hadamard_kernel_equals_torch_bit_for_bit_and_keeps_dot_products(dtype: torch.dtype, head_dim: int) -> None:
     """The kernel and `rotate_heads` give the same bits (same butterflies, same order, one
     rounding); both are x . H within that rounding, and q.k is what it was."""

@@ -9,8 +9,9 @@
 // rotate_half) and rounds like Hugging Face's `x * cos + rotate_half(x) * sin` in the storage
 // dtype: cos/sin cast to T, each product rounded to T, the sum rounded to T.
 // `hadamard_inplace` multiplies each head by the normalized Walsh-Hadamard matrix (head_dim a
-// power of two, at most kMaxHadamard): butterflies of strides 1, 2, 4, ... in fp32, then the
-// scale 1 / sqrt(head_dim), rounded once to T; the same operations in the same order as
+// power of two, at most kMaxHadamard): butterflies of strides 1, 2, 4, ... in fp32 (on
+// 16-lane vectors where head_dim allows), then the scale 1 / sqrt(head_dim), rounded once to
+// T; the same operations in the same order as
 // pagoda/layers/attention.py's torch version, so both give the same bits. An fp8 pool stores
 // K rotated so (Q too): e4m3's error spreads over every channel instead of the few that carry
 // most of a key's magnitude.
@@ -101,6 +102,37 @@ void hadamard_head(T* x, int head_dim, float scale) {
   for (int i = 0; i < head_dim; ++i) store_one(v[i] * scale, x + i);
 }
 
+#ifdef PAGODA_AVX512
+// Butterfly stage h < 16 inside one vector: lane i pairs with lane i ^ h; the lower lane of a
+// pair gets self + partner, the upper partner - self (the scalar loop's a + b and a - b).
+inline Vf butterfly_in_vector(Vf x, int h) {
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 partner = _mm512_permutexvar_ps(_mm512_xor_si512(lanes, _mm512_set1_epi32(h)), x.v);
+  const __mmask16 upper = _mm512_test_epi32_mask(lanes, _mm512_set1_epi32(h));
+  return {_mm512_mask_mov_ps(_mm512_add_ps(x.v, partner), upper, _mm512_sub_ps(partner, x.v))};
+}
+
+// hadamard_head with head_dim a multiple of 16: the same operations on every element, in the
+// same order (stages 1-8 inside each vector, then across vectors), so the same bits.
+template <typename T>
+void hadamard_head_vectors(T* x, int head_dim, float scale) {
+  Vf v[kMaxHadamard / kLanes];
+  const int n = head_dim / kLanes;
+  for (int j = 0; j < n; ++j) v[j] = load(x + j * kLanes);
+  for (int h = 1; h < kLanes; h *= 2)
+    for (int j = 0; j < n; ++j) v[j] = butterfly_in_vector(v[j], h);
+  for (int h = 1; h < n; h *= 2)
+    for (int j = 0; j < n; j += 2 * h)
+      for (int i = j; i < j + h; ++i) {
+        const Vf a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+  const Vf s = vset1(scale);
+  for (int j = 0; j < n; ++j) store(x + j * kLanes, v[j] * s);
+}
+#endif
+
 template <typename T>
 void hadamard_inplace(T* x, int64_t num_tokens, int num_heads, int head_dim, int64_t token_stride,
                       int64_t head_stride) {
@@ -108,7 +140,16 @@ void hadamard_inplace(T* x, int64_t num_tokens, int num_heads, int head_dim, int
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   auto rotate = [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for (int h = 0; h < num_heads; ++h) hadamard_head(x + t * token_stride + h * head_stride, head_dim, scale);
+      for (int h = 0; h < num_heads; ++h) {
+        T* head = x + t * token_stride + h * head_stride;
+#ifdef PAGODA_AVX512
+        if (head_dim % kLanes == 0) {
+          hadamard_head_vectors(head, head_dim, scale);
+          continue;
+        }
+#endif
+        hadamard_head(head, head_dim, scale);
+      }
   };
   if (num_tokens < kParallelTokens) {
     rotate(0, num_tokens);
