@@ -88,17 +88,23 @@ void rotary_inplace(T* x, const int64_t* positions, const float* cos, const floa
 
 constexpr int kMaxHadamard = 256;
 
+// Butterfly stages of strides 1, 2, 4, ... < n over v[0, n): v[i], v[i + h] = a + b, a - b.
+template <typename V>
+void butterflies(V* v, int n) {
+  for (int h = 1; h < n; h *= 2)
+    for (int j = 0; j < n; j += 2 * h)
+      for (int i = j; i < j + h; ++i) {
+        const V a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+}
+
 template <typename T>
 void hadamard_head(T* x, int head_dim, float scale) {
   float v[kMaxHadamard];
   for (int i = 0; i < head_dim; ++i) v[i] = to_float(x[i]);
-  for (int h = 1; h < head_dim; h *= 2)
-    for (int j = 0; j < head_dim; j += 2 * h)
-      for (int i = j; i < j + h; ++i) {
-        const float a = v[i], b = v[i + h];
-        v[i] = a + b;
-        v[i + h] = a - b;
-      }
+  butterflies(v, head_dim);
   for (int i = 0; i < head_dim; ++i) store_one(v[i] * scale, x + i);
 }
 
@@ -121,13 +127,7 @@ void hadamard_head_vectors(T* x, int head_dim, float scale) {
   for (int j = 0; j < n; ++j) v[j] = load(x + j * kLanes);
   for (int h = 1; h < kLanes; h *= 2)
     for (int j = 0; j < n; ++j) v[j] = butterfly_in_vector(v[j], h);
-  for (int h = 1; h < n; h *= 2)
-    for (int j = 0; j < n; j += 2 * h)
-      for (int i = j; i < j + h; ++i) {
-        const Vf a = v[i], b = v[i + h];
-        v[i] = a + b;
-        v[i + h] = a - b;
-      }
+  butterflies(v, n);
   const Vf s = vset1(scale);
   for (int j = 0; j < n; ++j) store(x + j * kLanes, v[j] * s);
 }
