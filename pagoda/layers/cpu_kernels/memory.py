@@ -48,6 +48,8 @@ def untouched(nbytes: int) -> torch.Tensor:
     NOTE: not `torch.empty`: malloc serves big requests from free heap space first (the plain
     weights freed at packing, ~200 MB), and a pool placed there, advised for huge pages, kept a
     varying part of that space resident (+0-200 MB from run to run, measured)."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # NOTE: Windows: no flags; the allocator then
+        return torch.empty(nbytes, dtype=torch.uint8)
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
 
