@@ -91,15 +91,16 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """`logits` (any float dtype) stay as they are: log-probabilities are of these."""
         constrained = any(r.sampling_params.constrains_tokens for r in requests)
+        full = _needs_full_path(requests)
         work = logits.float()
-        if not constrained and not _needs_full_path(requests):
+        if not constrained and not full:
             tokens = argmax_rows(work).tolist()
             return SamplerOutput(tokens, compute_logprobs(logits, requests, tokens))
         if work is logits:
             work = logits.clone()
         if constrained:
             apply_token_constraints(work, requests)
-        if not _needs_full_path(requests):
+        if not full:
             tokens = argmax_rows(work).tolist()
         else:
             self._apply_penalties(work, requests)

@@ -170,7 +170,6 @@ def _pack_in_huge_pages(modules: list[Linear]) -> None:
     were not always given back to the system (resident memory +70-200 MB from run to run)."""
     if not modules:
         return
-    sizes = [cpu_kernels.ops.packed_bytes(*m.weight.shape) for m in modules]
-    views = memory.carve(memory.huge_page_buffer(sum(memory.aligned(n) for n in sizes)), sizes)
+    views = memory.huge_page_slices([cpu_kernels.ops.packed_bytes(*m.weight.shape) for m in modules])
     for module, view in zip(modules, views, strict=True):
         module.gemm_weight = cpu_kernels.ops.PackedWeight(module.weight.detach(), out=view)

@@ -64,22 +64,16 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return buffer
 
 
-def carve(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Consecutive uint8 views of `buffer`, one per size, each 64-byte aligned."""
-    views, offset = [], 0
-    for size in sizes:
-        views.append(buffer[offset:offset + size])
-        offset += aligned(size)
-    return views
-
-
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+def huge_page_slices(sizes: list[int]) -> list[torch.Tensor]:
+    """Consecutive uint8 slices of one `huge_page_buffer`, one per size, each 64-byte aligned
+    (each keeps the buffer alive)."""
+    aligned = [-(-n // _ALIGN) * _ALIGN for n in sizes]
+    buffer = huge_page_buffer(sum(aligned))
+    starts = [sum(aligned[:i]) for i in range(len(sizes))]
+    return [buffer[start:start + n] for start, n in zip(starts, sizes, strict=True)]
 
 
 def gather_in_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies CPU tensors, in order, into one `huge_page_buffer`; returns views of it, one per
-    tensor (same dtype and shape; each keeps the buffer alive)."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    views = carve(huge_page_buffer(sum(aligned(n) for n in sizes)), sizes)
-    return [v.view(t.dtype).view(t.shape).copy_(t) for v, t in zip(views, tensors, strict=True)]
+    """Copies CPU tensors, in order, into `huge_page_slices`; returns them (same dtype and shape)."""
+    slices = huge_page_slices([t.numel() * t.element_size() for t in tensors])
+    return [s.view(t.dtype).view(t.shape).copy_(t) for s, t in zip(slices, tensors, strict=True)]
