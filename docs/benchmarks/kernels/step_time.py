@@ -3,7 +3,7 @@ after the prefill and 5 warm-up steps; --profile prints torch.profiler's operato
 steps first; --scheme takes `pagoda bench quality`'s names (bf16, int8, int4, gguf, kv-fp8, ...);
 --layer-path runs decode steps layer by layer instead of the one-call native decoder stack;
 --small-pages leaves each packed weight where it was packed (4 KB pages) instead of gathering
-them into one huge-page buffer.
+them into one huge-page buffer; --no-rotation keeps Q and K unrotated over an fp8 pool.
 Env KT sets the kernels' thread count.
 """
 import os, time, statistics, argparse
@@ -22,10 +22,19 @@ ap.add_argument("--profile", action="store_true")
 ap.add_argument("--layer-path", action="store_true")
 ap.add_argument("--scheme", default="bf16", choices=list(SCHEME_ARGS))
 ap.add_argument("--small-pages", action="store_true")
+ap.add_argument("--no-rotation", action="store_true")
 a = ap.parse_args()
+if a.no_rotation:
+    from pagoda.layers.attention import PagedAttention
+    PagedAttention.rotates_qk = property(lambda self: False)
 if a.small_pages:
+    from pagoda.layers import linear
     from pagoda.layers.cpu_kernels import ops
     ops.gather_in_huge_pages = lambda weights: None
+    def each_on_its_own(modules):
+        for m in modules:
+            m.gemm_weight = ops.PackedWeight(m.weight.detach())
+    linear._pack_in_huge_pages = each_on_its_own
 eng = LLMEngine.from_engine_args("smollm2", (), dtype=a.dtype, log_stats=False, enable_prefix_caching=False,
                                  max_num_batched_tokens=max(4096, a.batch * a.prompt), **SCHEME_ARGS[a.scheme])
 if a.layer_path:
@@ -48,4 +57,4 @@ if a.profile:
 for _ in range(a.steps):
     t = time.perf_counter(); eng.step(); times.append(time.perf_counter() - t)
 med = statistics.median(times)
-print(f"batch={a.batch} prompt={a.prompt} dtype={a.dtype} step median {med*1e3:.2f} ms  p10 {sorted(times)[len(times)//10]*1e3:.2f}  -> {a.batch/med:.1f} tok/s  scheme={a.scheme}{' layer-path' if a.layer_path else ''}{' small-pages' if a.small_pages else ''}")
+print(f"batch={a.batch} prompt={a.prompt} dtype={a.dtype} step median {med*1e3:.2f} ms  p10 {sorted(times)[len(times)//10]*1e3:.2f}  -> {a.batch/med:.1f} tok/s  scheme={a.scheme}{' layer-path' if a.layer_path else ''}{' small-pages' if a.small_pages else ''}{' no-rotation' if a.no_rotation else ''}")

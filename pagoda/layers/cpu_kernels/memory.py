@@ -1,15 +1,16 @@
 """Where big CPU buffers live: the packed weights in huge pages, the KV pool untouched.
 
 A decode step streams every packed weight once, in layer order. With each weight its own
-allocation in 4 KB pages the GEMM read them at ~29 GB/s where the same threads stream one
-buffer at 40-50 GB/s; `huge_page_buffer` gives one 2 MB-aligned buffer advised MADV_HUGEPAGE
+allocation in 4 KB pages the GEMM read them ~8% slower than the same threads stream one flat
+buffer (docs/benchmarks/kernels/weight_stream.py); `huge_page_buffer` gives one 2 MB-aligned
+buffer advised MADV_HUGEPAGE
 before its first touch (transparent huge pages in `madvise` mode, the default here, need the
 advice first), which the weights are packed or gathered into in the order a step reads them:
 a step at one stream ~10% faster (docs/performance.md, Packed weights in huge pages). A hint
 only: where the kernel declines, the buffer stays in small pages and works the same.
 The KV pool is not advised: its blocks are committed as they are first written, and with
-2 MB pages one short request would commit 2 MB in each of its 60 tensors (+114 MB resident,
-measured); each tensor gets a mapping of its own (`untouched`), never reused heap space.
+2 MB pages one short request would commit 2 MB in each of its 60 tensors (~120 MB); each
+tensor gets a mapping of its own (`untouched`), never reused heap space.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def untouched(nbytes: int) -> torch.Tensor:
     """uint8 [nbytes] in an anonymous mapping of its own, not yet touched.
 
     NOTE: not `torch.empty`: malloc serves big requests from free heap space first (the plain
-    weights freed at packing, ~200 MB), and a pool placed there, advised for huge pages, kept a
-    varying part of that space resident (+0-200 MB from run to run, measured)."""
+    weights freed at packing, ~200 MB), and a pool placed there kept part of that space
+    resident (`resident_memory.py`: 733 MB against 663)."""
     if not hasattr(mmap, "MAP_ANONYMOUS"):  # NOTE: Windows: no flags; the allocator then
         return torch.empty(nbytes, dtype=torch.uint8)
     mapping = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
