@@ -113,7 +113,7 @@ def profile(args: argparse.Namespace, concurrency: int) -> dict[str, float]:
     base = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "pagoda.cli", "serve", args.model,
                                "--port", str(port), "--uvicorn-log-level", "warning",
-                               "--disable-log-stats"], stdout=subprocess.DEVNULL,
+                               "--disable-log-stats", *args.serve_args.split()], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
         for _ in range(600):
@@ -181,6 +181,7 @@ def main() -> None:
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or
                         str(Path(sys.executable).with_name("py-spy")))
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--serve-args", default="", help="more `pagoda serve` flags, e.g. '--quantization int8'")
     args = parser.parse_args()
     results = {c: profile(args, c) for c in args.concurrency}
     print(table(results))

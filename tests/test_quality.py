@@ -5,17 +5,22 @@ read back through the KV cache in chunks of 128; 4 prompts x 32 greedy tokens), 
 the unquantized model as pagoda serves it (the GGUF dequantized to bf16). Measured on this set
 (2026-11-30, bf16 linears through the small-M GEMM kernel, int8 and int4 layers through its
 quantized variants at every step size): gguf +0.72% perplexity, first divergence 23.5 of 32;
-int4 (group 32) +0.18%, 21.5; int8 +0.70%, 10.5; fp8 (e4m3) KV cache +1.30%, 11.2 (+1.26% with Q
+int4 (group 32) +0.18%, 21.5; int8 +0.70%, 10.5 (x rounded to int8 as well, below: +0.39%, 5.0); fp8 (e4m3) KV cache +1.30%, 11.2 (+1.26% with Q
 and K rotated, 2026-12-01). Bounds, and why:
 - gguf and int4: the Q4_1 blocks (gguf: the file's own; int4: requantized to the same grid,
-  with an int8 LM head), multiplied as exact codes against bf16 activations with fp32 sums
-  where the reference rounds each weight to bf16, so perplexity within 1%: the reference's own
+  with an int8 LM head), multiplied as exact codes where the reference rounds each weight to
+  bf16; since 2026-12-01 against x rounded to int8 per group of 32 (llama.cpp's Q8_0
+  activations: `bench quality` int4 +0.28%, gguf -0.03%, against +0.24% / +0.04% with bf16
+  activations), with integer sums per group, so perplexity within 1%: the reference's own
   bf16 noise is 0.5% (the same weights score 17.54 in fp32, 17.50 in bf16 through the GEMM
   kernel, 17.56 through oneDNN; the GGUF's exact weights 17.57 in fp32, 2026-11-30), and
   before prefill ran through the quantized GEMM (dequantizing to the reference's own bf16
   weights instead) gguf scored +0.34%, int4 +0.37%. Greedy paths part at bf16 near-ties: at
   least 6 of 32 tokens;
-- int8 (per channel, from the dequantized weights): within 1%, at least 6 of 32;
+- int8 (per channel, from the dequantized weights): within 1%. Since 2026-12-01 x is rounded to
+  int8 codes per group of 32 as for int4: perplexity +0.39% on this set (+0.70% before), but
+  greedy paths part earlier, 5.0 of 32 (10.5 before; `bench quality`'s 16 prompts: 12.4, was
+  15.8): at least 4, still far from a broken scheme's 1-2;
 - fp8 (e4m3) KV cache: within 2% on this set. Its cost is the keys' 3-bit mantissa on the few
   channels that carry most of a key (keys alone +1.06%, values alone +0.19% on 4 x 1024
   tokens). With Q and K rotated by the Hadamard matrix over an fp8 pool it is +0.32% on
@@ -35,7 +40,7 @@ from pagoda.bench.quality import QualityResult, evaluate
 BOUNDS = {  # scheme: (max perplexity ratio, min mean first divergence of 32)
     "gguf": (1.01, 6),
     "int4": (1.01, 6),
-    "int8": (1.01, 6),
+    "int8": (1.01, 4),
     "kv-fp8": (1.02, 1),
 }
 

@@ -292,7 +292,10 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
         # NOTE: records above NATIVE_MAX_ROWS multiply a bf16-rounded dense weight: looser.
         for m in (1, 17, 70) if method.panels is not None else (1, 16):
             x = torch.randn(m, layer.in_features, generator=gen).to(torch.bfloat16)
-            want = F.linear(x.float(), w, layer.bias.float() if layer.bias is not None else None)
+            # NOTE: the panels round x to int8 codes by groups (ops.Int4Panels, Int8Panels)
+            group = method.panels.x_group if method.panels is not None else 0
+            xr = packing.round_to_int8_groups(x, group) if group else x.float()
+            want = F.linear(xr, w, layer.bias.float() if layer.bias is not None else None)
             got = layer(x).float()
-            excess = (got - want).abs() - (2**-8 * want.abs() + 1e-4 * (x.float().abs() @ w.abs().t()))
+            excess = (got - want).abs() - (2**-8 * want.abs() + 1e-4 * (xr.abs() @ w.abs().t()))
             assert excess.max().item() <= 0, f"{method.name}, {m} rows: max excess {excess.max().item():.3g}"

@@ -7,8 +7,9 @@ For every compiled variant. Tolerances:
   (fp32 summation order); int4 first rounds fp32 activations to bf16 (2^-9 relative each),
   which the bound takes as 2^-8 sum|x w|. A wrong scale, offset or nibble moves y by about
   |x w| of one element, far outside these bounds.
-- `gemm` on int8 or int4 panels (bf16 activations) against the same reference: exact products,
-  fp32 sums, so the same bound as `qgemv` on bf16 activations.
+- `gemm` on int8 panels (bf16 activations) against the same reference: exact products, fp32
+  sums, so the same bound as `qgemv` on bf16 activations. On int4 panels x is first rounded to
+  int8 codes per group (as llama.cpp's Q8_0 activations): the reference takes x rounded alike.
 - `dequantize` equals the torch reference bit for bit (same operations, same order).
 - fp8 K/V writes equal torch's own conversion of the clamped, scaled values bit for bit;
   attention over an fp8 pool equals attention over the dequantized pool within the usual bound.
@@ -88,8 +89,9 @@ def test_qgemv_splits_rows_over_threads() -> None:
 
 
 def check_qgemm(m: int, n: int, k: int, bias: bool, seed: int) -> None:
-    """`gemm` on int8 panels against F.linear on the dequantized weight: exact products (bf16 x
-    int8 codes), fp32 sums, one bf16 rounding of the scaled output."""
+    """`gemm` on int8 panels against F.linear on the dequantized weight and x as the kernel
+    rounds it (avx512bf16: int8 codes by groups of 32; portable: as it is): exact products, fp32
+    sums, one bf16 rounding of the scaled output."""
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.rand(n, generator=gen) * 0.01
@@ -102,14 +104,16 @@ def check_qgemm(m: int, n: int, k: int, bias: bool, seed: int) -> None:
     assert torch.equal(weight.codes(), codes)
     got = ops.gemm(x, weight, b).float()
     w = codes.float() * scales[:, None]
-    want = F.linear(x.float(), w, b.float() if b is not None else None)
-    magnitude = x.float().abs() @ w.abs().t()
+    xr = packing.round_to_int8_groups(x, weight.x_group) if weight.x_group else x.float()
+    want = F.linear(xr, w, b.float() if b is not None else None)
+    magnitude = xr.abs() @ w.abs().t()
     excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * magnitude + 1e-6)
     assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
 
 
-# M covers one tile (1..12 rows: codes converted in registers), several tiles over decoded
-# chunks, wide tiles (96+); N and K cover SmolLM2's shapes, partial panels and blocks, odd K.
+# M covers one tile (up to 6 rows on avx512bf16, 12 portable), several tiles over chunks, the
+# portable build's wide tiles (96+); N and K cover SmolLM2's shapes, partial panels and blocks,
+# K not a multiple of 4 or of x's groups of 32.
 @pytest.mark.parametrize("m", [1, 5, 6, 12, 13, 16, 25, 64, 96, 101])
 @pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 70, False), (77, 129, True),
                                       (16, 2, False), (33, 1, True)])
@@ -135,10 +139,26 @@ def check_qgemm_int4(m: int, n: int, k: int, group_size: int, bias: bool, seed: 
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     got = ops.gemm(x, weight, b).float()
     w = dequantized("int4", packed, k, group_size)
-    want = F.linear(x.float(), w, b.float() if b is not None else None)
-    magnitude = x.float().abs() @ w.abs().t()
+    xr = packing.round_to_int8_groups(x, group_size)
+    want = F.linear(xr, w, b.float() if b is not None else None)
+    magnitude = xr.abs() @ w.abs().t()
     excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * magnitude + 1e-6)
     assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
+
+
+def test_qgemm_int4_rounds_x_to_int8_by_group() -> None:
+    """Against bf16 x, the error is x's rounding (at most half a step an element), and it is there:
+    the kernel is not the exact product."""
+    gen = torch.Generator().manual_seed(3)
+    packed = packed_weight("int4", 64, 256, 32, gen)
+    weight = ops.Int4Panels(*packing.unpack_int4(packed, 256, 32), 32)
+    x = torch.randn(8, 256, generator=gen).to(torch.bfloat16)
+    w = dequantized("int4", packed, 256, 32)
+    got, exact = ops.gemm(x, weight).float(), F.linear(x.float(), w)
+    step = x.float().reshape(8, -1, 32).abs().amax(-1) / 127
+    bound = (step / 2) @ w.abs().reshape(64, -1, 32).sum(-1).t()
+    assert ((got - exact).abs() <= bound + 2**-8 * exact.abs() + 1e-6).all()
+    assert not torch.equal(got, F.linear(x.float(), w).to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 12, 13, 16, 25, 64, 101])
@@ -181,7 +201,7 @@ def test_panels_gathered_in_huge_pages_compute_the_same() -> None:
 def test_int8_panels_rows_and_refusals(variant: str) -> None:  # noqa: F811 - the fixture
     codes = torch.randint(-127, 128, (70, 64), dtype=torch.int8)
     weight = ops.Int8Panels(codes, torch.ones(70))
-    assert weight.format == (1 if variant == "avx512vbmi" else 0)
+    assert weight.format == (2 if variant == "avx512bf16" else 0)
     rows = torch.tensor([69, 0, 33, 33])
     assert torch.equal(weight.codes(rows), codes[rows])
     with pytest.raises(ValueError):
@@ -190,7 +210,7 @@ def test_int8_panels_rows_and_refusals(variant: str) -> None:  # noqa: F811 - th
         ops.gemm(torch.randn(4, 64), weight)
     with pytest.raises(ValueError):
         ops.Int8Panels(codes.float(), torch.ones(70))
-    codes[3, 5] = -128  # NOTE: sign-magnitude codes have no -128
+    codes[3, 5] = -128  # NOTE: codes + 128 must fit a byte
     with pytest.raises(ValueError, match="-128"):
         ops.Int8Panels(codes, torch.ones(70))
 

@@ -21,27 +21,33 @@
 // Without AVX512_BF16 the same loops widen to fp32 (plain code, slow: layers route around it).
 // Each output is the fp32 sum (+ bias) rounded once to bf16.
 //
-// int8 variant (pagoda_qgemm_int8, quantized weights with one scale per output column): the same
-// panels with one int8 code an element (64 bytes per k-pair), the same tiles and threads. Every
-// int8 is exactly a bf16, so the products stay exact: one tile (up to kTileRows rows) converts
-// the codes in registers as it streams them; more rows decode each chunk once into an L1 bf16
-// buffer that all the tiles then read. With AVX512_VBMI (the avx512vbmi build) a k-pair's 64
-// codes are sign-magnitude bytes, the two blocks interleaved 8 bytes at a time in each 16-byte
-// lane, so that one load, two byte-table lookups (vpermi2b: a magnitude's bf16 low and high
-// byte), an or of the sign and two byte unpacks give both weight vectors (5 vector ops for 64
-// codes); without it they are two's complement in the bf16 layout, converted int8 -> int32 ->
-// fp32 -> bf16 (14 ops). Codes are in [-127, 127] (what per-channel quantization gives). The scale multiplies each
+// int8 variant (pagoda_qgemm_int8, quantized weights with one scale per output column). On the
+// AVX-512 builds (format 2) x is rounded to int8 codes per row and group of 32 along K (as for
+// int4 below), the weight's codes are stored + 128 as u8, a panel by quads of k ([K/4][32
+// columns][4 codes]: one 64-byte vector holds a block's 16 columns x 4 k's, what vpdpbusd takes),
+// and a tile (up to kInt8TileRows rows) sums each group in int32 registers, started at -128 * the
+// group's sum of x codes, then scales it by x's step into fp32 sums held in registers. y is W
+// times the rounded x, up to fp32 sums. The portable build (format 0) keeps the bf16 layout with
+// one two's complement byte an element, decoded a chunk at a time into bf16 (exact) for the bf16
+// tiles. Codes are in [-127, 127] (what per-channel quantization gives). The scale multiplies each
 // column's fp32 sum once, before the bias and the one rounding.
 //
 // int4 variant (pagoda_qgemm_int4, w = q * d + m with q in [0, 15] and f16 d, m per group of gs
 // along K): a panel's two k-pairs p, p + 1 (p even) are 64 bytes, 16-bit lane 2c + e holding, from
 // its low nibble up, the codes of column c at p, column 16 + c at p, column c at p + 1, column
-// 16 + c at p + 1 (k-pair element e), so that a shift and a mask per vector turn one load into
-// four weight vectors of bf16 0x4300 | q, exactly 128 + q. A tile (up to kInt4TileRows
-// rows) sums each group's products in registers, then adds d * sum + (m - 128 d) * sx per column
-// to its fp32 sums in L1 (sx: the row's sum of x over the group, computed once per call). More
-// rows than one tile take K in chunks that stay in L1 while every tile converts them again.
+// 16 + c at p + 1 (k-pair element e). So each byte of 32-bit lane c holds column c's code in its
+// low nibble and column 16 + c's in its high one, the four bytes for k = 2p, 2p + 2, 2p + 1,
+// 2p + 3: a mask gives one block's u8 codes for 4 k's a lane, a shift and the mask the other's.
+// x is quantized once per call like llama.cpp's Q8_0 activations: per row and group, int8 codes
+// xq = round(x / dx), dx = max |x| / 127, stored in that same k order, and sx = dx * sum xq. A
+// tile (up to kInt4TileRows rows) sums q * xq per group in int32 registers (vpdpbusd, 4
+// products a lane per instruction, twice vdpbf16ps's), then adds d * dx * sum + m * sx per
+// column to its fp32 sums in L1. More rows than one tile take K in chunks that stay in L1 while
+// every tile reads them again. So y is W times the rounded x (dx * xq), up to fp32 sums and the
+// one bf16 rounding (tests/test_quantization_kernels.py).
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -73,10 +79,14 @@ constexpr int64_t kPrefetchPairs = kChunkPairs;
 int64_t padded_cols(int64_t N) { return (N + kPanel - 1) / kPanel * kPanel; }
 int64_t num_pairs(int64_t K) { return (K + 1) / 2; }
 
-// How int8 panels hold their codes (see the top of this file): 1, sign-magnitude and interleaved
-// for the VBMI table lookups; 0, two's complement in the bf16 layout.
-#if defined(PAGODA_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-constexpr int kInt8Format = 1;
+// How int8 panels hold their codes (see the top of this file): 2, code + 128 as u8 by quads of k
+// for vpdpbusd; 0, two's complement in the bf16 layout (the portable build).
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+#if !defined(__AVX512VNNI__)
+#error "the AVX512_BF16 builds take AVX512_VNNI too (pagoda/layers/cpu_kernels/build.py)"
+#endif
+#define PAGODA_VNNI 1
+constexpr int kInt8Format = 2;
 #else
 constexpr int kInt8Format = 0;
 #endif
@@ -96,56 +106,10 @@ struct Rows {
 // A weight vector: 16 columns at a k-pair, 32 bf16 values at `src`.
 inline __m512bh weight_vector(const bf16* src) { return (__m512bh)_mm512_loadu_si512(src); }
 
-#if defined(__AVX512VBMI__)
-
-// bf16 of v in [0, 127], split in bytes: the tables vpermi2b looks the magnitudes up in.
-struct Bf16Bytes {
-  alignas(64) uint8_t lo[128];
-  alignas(64) uint8_t hi[128];
-  constexpr Bf16Bytes() : lo(), hi() {
-    for (int v = 1; v < 128; ++v) {
-      int e = 0;
-      while ((v >> (e + 1)) != 0) ++e;
-      const int bits = (127 + e) << 7 | ((v << (7 - e)) & 0x7F);
-      lo[v] = static_cast<uint8_t>(bits & 0xFF);
-      hi[v] = static_cast<uint8_t>(bits >> 8);
-    }
-  }
-};
-constexpr Bf16Bytes kBf16Bytes;
-
-// A k-pair's two weight vectors from its 64 codes (sign-magnitude, the two blocks interleaved
-// by 8 bytes a 16-byte lane): each magnitude's bf16 bytes by two table lookups, the sign
-// or-ed into the high byte, the bytes paired by two unpacks.
-inline void int8_vectors(const int8_t* src, __m512bh out[2]) {
-  const __m512i raw = _mm512_loadu_si512(src);
-  const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(kBf16Bytes.lo), raw, _mm512_load_si512(kBf16Bytes.lo + 64));
-  const __m512i hi = _mm512_ternarylogic_epi32(
-      _mm512_permutex2var_epi8(_mm512_load_si512(kBf16Bytes.hi), raw, _mm512_load_si512(kBf16Bytes.hi + 64)), raw,
-      _mm512_set1_epi8(static_cast<char>(0x80)), 0xF8);  // a | (b & c)
-  out[0] = (__m512bh)_mm512_unpacklo_epi8(lo, hi);
-  out[1] = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
-}
-#else
-
-// A k-pair's two weight vectors from its 64 codes (two's complement, block by block): int8 ->
-// int32 -> fp32 -> bf16, exact.
-inline void int8_vectors(const int8_t* src, __m512bh out[2]) {
-  for (int b = 0; b < 2; ++b) {
-    const int8_t* s = src + b * 2 * kBlock;
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))));
-    const __m512 hi =
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kBlock))));
-    out[b] = _mm512_cvtne2ps_pbh(hi, lo);
-  }
-}
-#endif
-
 // Rows [0, MR) of `rows` x NP panels (`w`, then `panel_stride` elements on) over k-pairs
 // [p0, p1); adds into `sums` (from zero when `first`); with PF, prefetches kPrefetchPairs ahead.
-// W: bf16 panels, or int8 ones converted to bf16 as they are loaded.
-template <int MR, bool PF, int NP = 1, class W = bf16>
-void tile(const Rows& rows, const W* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
+template <int MR, bool PF, int NP = 1>
+void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
   constexpr int NB = 2 * NP;
   __m512 acc[MR][NB];
 #pragma GCC unroll 16
@@ -153,19 +117,13 @@ void tile(const Rows& rows, const W* w, int64_t p0, int64_t p1, bool first, Sums
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) acc[m][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kSumsRow + b * kBlock);
   auto step = [&](int64_t p, auto pair_of) {
-    const W* wp = w + p * kPanelPair;
+    const bf16* wp = w + p * kPanelPair;
     __m512bh wv[NB];
-    if constexpr (std::is_same_v<W, int8_t>) {
-      static_assert(NB == 2, "int8 tiles take one panel");
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(wp + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
-      int8_vectors(wp, wv);
-    } else {
 #pragma GCC unroll 4
-      for (int b = 0; b < NB; ++b) {
-        const W* src = wp + (b / 2) * panel_stride + (b % 2) * 2 * kBlock;
-        if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
-        wv[b] = weight_vector(src);
-      }
+    for (int b = 0; b < NB; ++b) {
+      const bf16* src = wp + (b / 2) * panel_stride + (b % 2) * 2 * kBlock;
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+      wv[b] = weight_vector(src);
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
@@ -191,19 +149,16 @@ void tile(const Rows& rows, const W* w, int64_t p0, int64_t p1, bool first, Sums
 
 #else
 
-inline float weight_value(bf16 v) { return to_float(v); }
-inline float weight_value(int8_t v) { return static_cast<float>(v); }
-
-template <int MR, bool PF, int NP = 1, class W = bf16>
-void tile(const Rows& rows, const W* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
+template <int MR, bool PF, int NP = 1>
+void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
   for (int m = 0; first && m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + NP * kPanel, 0.f);
   for (int64_t p = p0; p < p1; ++p) {
     for (int m = 0; m < MR; ++m) {
       const bf16* xp = rows.x + m * rows.stride + 2 * p;
       const float x0 = to_float(xp[0]), x1 = 2 * p + 1 < rows.K ? to_float(xp[1]) : 0.f;
       for (int c = 0; c < NP * kPanel; ++c) {
-        const W* wc = w + (c / kPanel) * panel_stride + p * kPanelPair + (c % kPanel) * 2;
-        sums[m * kSumsRow + c] += weight_value(wc[0]) * x0 + weight_value(wc[1]) * x1;
+        const bf16* wc = w + (c / kPanel) * panel_stride + p * kPanelPair + (c % kPanel) * 2;
+        sums[m * kSumsRow + c] += to_float(wc[0]) * x0 + to_float(wc[1]) * x1;
       }
     }
   }
@@ -211,25 +166,20 @@ void tile(const Rows& rows, const W* w, int64_t p0, int64_t p1, bool first, Sums
 
 #endif
 
-template <class W = bf16>
-using TileFn = void (*)(const Rows&, const W*, int64_t, int64_t, bool, Sums, int64_t);
+using TileFn = void (*)(const Rows&, const bf16*, int64_t, int64_t, bool, Sums, int64_t);
 
-template <bool PF, int NP, class W = bf16, int... I>
-constexpr std::array<TileFn<W>, kTileRows> make_tiles(std::integer_sequence<int, I...>) {
-  return {tile<I + 1, PF, NP, W>...};
+template <bool PF, int NP, int... I>
+constexpr std::array<TileFn, kTileRows> make_tiles(std::integer_sequence<int, I...>) {
+  return {tile<I + 1, PF, NP>...};
 }
-constexpr std::array<std::array<TileFn<>, kTileRows>, 2> kTiles{
+constexpr std::array<std::array<TileFn, kTileRows>, 2> kTiles{
     make_tiles<false, 1>(std::make_integer_sequence<int, kTileRows>()),
     make_tiles<true, 1>(std::make_integer_sequence<int, kTileRows>())};
-constexpr std::array<std::array<TileFn<>, kTileRows>, 2> kWideTiles{
+constexpr std::array<std::array<TileFn, kTileRows>, 2> kWideTiles{
     make_tiles<false, 2>(std::make_integer_sequence<int, kWideRows>()),
     make_tiles<true, 2>(std::make_integer_sequence<int, kWideRows>())};
-constexpr std::array<std::array<TileFn<int8_t>, kTileRows>, 2> kInt8Tiles{
-    make_tiles<false, 1, int8_t>(std::make_integer_sequence<int, kTileRows>()),
-    make_tiles<true, 1, int8_t>(std::make_integer_sequence<int, kTileRows>())};
-TileFn<> tile_fn(int rows, bool prefetch) { return kTiles[prefetch][rows - 1]; }
-TileFn<> wide_tile_fn(int rows, bool prefetch) { return kWideTiles[prefetch][rows - 1]; }
-TileFn<int8_t> int8_tile_fn(int rows, bool prefetch) { return kInt8Tiles[prefetch][rows - 1]; }
+TileFn tile_fn(int rows, bool prefetch) { return kTiles[prefetch][rows - 1]; }
+TileFn wide_tile_fn(int rows, bool prefetch) { return kWideTiles[prefetch][rows - 1]; }
 
 struct Problem {
   const bf16* x;
@@ -283,52 +233,32 @@ struct Bf16Panels {
   }
 };
 
-// k-pairs [p0, p1) of an int8 panel (same layout, one byte an element) as bf16 at `out`: exact,
-// every int8 is a bf16. With `prefetch`, the codes kPrefetchPairs ahead are fetched into L2.
-void decode_int8(const int8_t* panel, int64_t p0, int64_t p1, bf16* out, bool prefetch) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const int8_t* s = panel + p * kPanelPair;
-    bf16* d = out + (p - p0) * kPanelPair;
-#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(s + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
-    __m512bh v[2];
-    int8_vectors(s, v);
-    _mm512_storeu_si512(d, (__m512i)v[0]);
-    _mm512_storeu_si512(d + 2 * kBlock, (__m512i)v[1]);
-#else
-    (void)prefetch;
-    for (int i = 0; i < kPanelPair; ++i) store_one(static_cast<float>(s[i]), d + i);
-#endif
-  }
-}
-
-// int8 panels, decoded a chunk at a time into a bf16 buffer in L1 that every tile then reads.
+#if !defined(PAGODA_VNNI)
+// int8 panels (format 0), decoded a chunk at a time into a bf16 buffer that every tile then
+// reads: exact, every int8 is a bf16.
 struct Int8Panels {
   static constexpr bool kInPlace = false;
   const int8_t* codes;
   int64_t pairs;
   bf16* buffer;  // 2 * kChunkPairs * kPanelPair elements
-  View chunk(int64_t index, int np, int64_t p0, int64_t p1, bool prefetch) const {
-    for (int j = 0; j < np; ++j)
-      decode_int8(codes + (index + j) * kPanel * 2 * pairs, p0, p1, buffer + j * kChunkPairs * kPanelPair, prefetch);
+  View chunk(int64_t index, int np, int64_t p0, int64_t p1, bool /*prefetch*/) const {
+    for (int j = 0; j < np; ++j) {
+      const int8_t* panel = codes + (index + j) * kPanel * 2 * pairs;
+      bf16* out = buffer + j * kChunkPairs * kPanelPair;
+      for (int64_t i = p0 * kPanelPair; i < p1 * kPanelPair; ++i)
+        store_one(static_cast<float>(panel[i]), out + i - p0 * kPanelPair);
+    }
     // NOTE: offset back by p0 so that the tiles index the chunk by its absolute k-pairs.
     return {buffer - p0 * kPanelPair, kChunkPairs * kPanelPair};
   }
 };
+#endif
 
 // All M rows over panel `index`: one tile straight through K, or every tile over each chunk.
 template <class Source>
 void panel(const Problem& P, const Source& src, const Tiling& tiling, int64_t index, float* sums) {
   const int64_t pairs = num_pairs(P.K), c0 = index * kPanel;
   const bool single = tiling.count == 1;
-  if constexpr (std::is_same_v<Source, Int8Panels>) {
-    if (single) {  // the codes converted in registers as the one tile streams them
-      int8_tile_fn(tiling.rows(0), tiling.rows(0) >= kPrefetchRows)(Rows{P.x, P.xs, P.K}, src.codes + c0 * 2 * pairs,
-                                                                     0, pairs, true, sums, 0);
-      emit(P, sums, 0, tiling.rows(0), c0, kPanel);
-      return;
-    }
-  }
   const int64_t chunk = single && Source::kInPlace ? pairs : kChunkPairs;
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t p1 = std::min(pairs, p0 + chunk);
@@ -390,107 +320,160 @@ int64_t gemm_packed_size(int64_t N, int64_t K) { return padded_cols(N) * 2 * num
 // ---------------------------------------------------------------- int4, group-wise scales
 
 constexpr int kInt4PairBytes = kPanel;  // a panel's k-pair: 32 bytes of two nibbles
-constexpr int kInt4TileRows = 12;       // 12 x 2 group sums + 2 weight vectors + 2 constants
+constexpr int kInt4TileRows = 6;        // 6 x 2 group sums + 6 x 2 fp32 sums + 2 code vectors + a mask + x
+
+// Where each group of 4 k's keeps its x codes: the order of the codes in a code vector's
+// 32-bit lane (k 0, 2, 1, 3: see the top of this file). Its own inverse.
+constexpr int kInt4Order[4] = {0, 2, 1, 3};
+
+// x as the int4 tiles read it, a row at a time: per group of gs, int8 codes xq (x * 127 / max |x|
+// rounded to nearest even) in kInt4Order by 4 k's, their step dx = max |x| / 127, and sx = dx *
+// sum xq, the rounded x's sum (for the offsets).
+// NOTE: the offsets take the rounded x too, so that every weight meets the same x: the result is
+// the exact product of w and the rounded x. With x's exact sum instead, the error would be that
+// of q * d, which is all of one sign, not w's (perplexity +1.3% instead of +0.2%, SmolLM2 Q4_1).
+struct Int4Rows {
+  int8_t* xq;  // [rows, K]
+  float* dx;   // [rows, G]
+  float* sx;   // [rows, G]
+  int64_t K, G;
+  Int4Rows from(int64_t m) const { return {xq + m * K, dx + m * G, sx + m * G, K, G}; }
+};
 
 struct Int4Problem {
   const uint8_t* codes;
   const uint16_t* scales;  // per panel and group: d[32] then m[32], f16
-  const float* sx;         // [M, G]: each row's sum of x over each group
-  int64_t G, group_pairs;
+  Int4Rows x;
+  int64_t group_pairs;
 };
 
-#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+// Row m's x codes, scales and sums for every group (`out`: its buffers).
+void quantize_row(const bf16* x, int64_t gs, const Int4Rows& out) {
+  for (int64_t g = 0; g < out.G; ++g) {
+    const bf16* xg = x + g * gs;
+    Vf amax = vzero();
+    for (int64_t i = 0; i < gs; i += kBlock) {
+      const Vf v = load(xg + i);
+      amax = vmax(amax, vmax(v, vzero() - v));
+    }
+    const float a = reduce_max(amax);
+    const float inv = a > 0.f ? 127.f / a : 0.f;
+    int8_t* q = out.xq + g * gs;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < gs; i += kBlock) {
+#if defined(PAGODA_AVX512)
+      // lanes in kInt4Order within each 128-bit lane of 4, rounded to nearest even, saturated
+      const __m512i r = _mm512_cvtps_epi32(_mm512_permute_ps((load(xg + i) * vset1(inv)).v, 0xD8));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(r));
+      sum += _mm512_reduce_add_epi32(r);
+#else
+      for (int j = 0; j < kBlock; ++j) {
+        const auto r = static_cast<int8_t>(std::clamp(std::nearbyint(to_float(xg[i + j]) * inv), -127.f, 127.f));
+        q[i + (j & ~3) + kInt4Order[j & 3]] = r;
+        sum += r;
+      }
+#endif
+    }
+    out.dx[g] = a / 127.f;
+    out.sx[g] = out.dx[g] * static_cast<float>(sum);
+  }
+}
+
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 
 // Rows [0, MR) x one int4 panel over k-pairs [p0, p1) (whole groups); adds into `sums` (from zero
-// when `first`). Each group: sums of x * (128 + q) in registers, then sums += d * that + (m - 128 d)
-// * sx, per column. Two k-pairs a step: one 64-byte load holds their four weight vectors.
-// NOTE: one or two rows keep separate sums for the two k-pairs, so that four chains of
-// vdpbf16ps hide its latency.
+// when `first`). Each group: integer sums of q * xq in registers (vpdpbusd: 4 k's of a column a
+// lane, u8 codes times s8 x codes), then sums += d * dx * that + m * sx, per column. One 64-byte
+// load holds two k-pairs' codes: a mask gives the first block's 16 columns x 4 k's, a shift
+// and the mask the second's.
+// NOTE: one or two rows keep separate sums for alternate steps, so that four chains of
+// vpdpbusd hide its latency.
 template <int MR, bool PF>
-void int4_tile(const Rows& rows, const Int4Problem& Q, const uint8_t* w, const uint16_t* dm, const float* sx,
-               int64_t p0, int64_t p1, bool first, Sums sums) {
+void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint16_t* dm, int64_t p0, int64_t p1,
+               bool first, Sums sums) {
   constexpr int kSplit = MR <= 2 ? 2 : 1;
-  if (first)
-    for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
-  const __m512i low = _mm512_set1_epi16(0x000F), exponent = _mm512_set1_epi16(0x4300);
-  int64_t g = p0 / Q.group_pairs;
-  for (int64_t g0 = p0; g0 < p1; g0 += Q.group_pairs, ++g) {
-    __m512 part[MR][2 * kSplit];
+  __m512 acc[MR][2];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < 2; ++b) acc[m][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kSumsRow + b * kBlock);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  int64_t g = p0 / group_pairs;
+  for (int64_t g0 = p0; g0 < p1; g0 += group_pairs, ++g) {
+    __m512i part[MR][2 * kSplit];
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)
-      for (int i = 0; i < 2 * kSplit; ++i) part[m][i] = _mm512_setzero_ps();
-    for (int64_t p = g0; p < g0 + Q.group_pairs; p += 2) {
+      for (int i = 0; i < 2 * kSplit; ++i) part[m][i] = _mm512_setzero_si512();
+    auto step = [&](int64_t p, int half) {
       const uint8_t* src = w + p * kInt4PairBytes;
       if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kInt4PairBytes), _MM_HINT_T1);
       const __m512i raw = _mm512_loadu_si512(src);
-      // bf16 0x4300 | q is exactly 128 + q (the offset term takes the 128 back out)
-      __m512bh v[4];
-      v[0] = (__m512bh)_mm512_ternarylogic_epi32(raw, low, exponent, 0xEA);
-      v[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), low, exponent, 0xEA);
-      v[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 8), low, exponent, 0xEA);
-      v[3] = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(raw, 12), exponent);
+      const __m512i v0 = _mm512_and_si512(raw, low), v1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          uint32_t pair;
-          std::memcpy(&pair, rows.x + m * rows.stride + 2 * (p + h), sizeof(pair));
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-          __m512* acc = part[m] + (kSplit == 2 ? 2 * h : 0);
-          acc[0] = _mm512_dpbf16_ps(acc[0], v[2 * h], xv);
-          acc[1] = _mm512_dpbf16_ps(acc[1], v[2 * h + 1], xv);
-        }
+        int32_t quad;
+        std::memcpy(&quad, x.xq + m * x.K + 2 * p, sizeof(quad));
+        const __m512i xv = _mm512_set1_epi32(quad);
+        __m512i* acc = part[m] + 2 * half;
+        acc[0] = _mm512_dpbusd_epi32(acc[0], v0, xv);
+        acc[1] = _mm512_dpbusd_epi32(acc[1], v1, xv);
       }
+    };
+    // NOTE: group_pairs is a multiple of 8 (gs of 16s), so steps come in pairs.
+    for (int64_t p = g0; p < g0 + group_pairs; p += 4) {
+      step(p, 0);
+      step(p + 2, kSplit - 1);
     }
     const uint16_t* s = dm + g * 2 * kPanel;
     __m512 d[2], off[2];
     for (int b = 0; b < 2; ++b) {
       d[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b * kBlock)));
-      off[b] = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d[b],
-                                _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock))));
+      off[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
-      const __m512 xs = _mm512_set1_ps(sx[m * Q.G + g]);
+      const __m512 scale = _mm512_set1_ps(x.dx[m * x.G + g]), xs = _mm512_set1_ps(x.sx[m * x.G + g]);
       for (int b = 0; b < 2; ++b) {
-        __m512 sum = part[m][b];
-        if constexpr (kSplit == 2) sum = _mm512_add_ps(sum, part[m][2 + b]);
-        float* out = sums + m * kSumsRow + b * kBlock;
-        _mm512_storeu_ps(out, _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(d[b], sum, _mm512_loadu_ps(out))));
+        __m512i sum = part[m][b];
+        if constexpr (kSplit == 2) sum = _mm512_add_epi32(sum, part[m][2 + b]);
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale);
+        acc[m][b] = _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(d[b], t, acc[m][b]));
       }
     }
   }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < 2; ++b) _mm512_storeu_ps(sums + m * kSumsRow + b * kBlock, acc[m][b]);
 }
 
 #else
 
 template <int MR, bool PF>
-void int4_tile(const Rows& rows, const Int4Problem& Q, const uint8_t* w, const uint16_t* dm, const float* sx,
-               int64_t p0, int64_t p1, bool first, Sums sums) {
+void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint16_t* dm, int64_t p0, int64_t p1,
+               bool first, Sums sums) {
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
-  for (int64_t g0 = p0; g0 < p1; g0 += Q.group_pairs) {
-    const int64_t g = g0 / Q.group_pairs;
+  for (int64_t g0 = p0; g0 < p1; g0 += group_pairs) {
+    const int64_t g = g0 / group_pairs;
     for (int m = 0; m < MR; ++m)
       for (int c = 0; c < kPanel; ++c) {
-        float part = 0.f;
-        for (int64_t p = g0; p < g0 + Q.group_pairs; ++p) {
+        int32_t part = 0;
+        for (int64_t p = g0; p < g0 + group_pairs; ++p) {
           for (int e = 0; e < 2; ++e) {
             const uint8_t b8 = w[(p & ~int64_t{1}) * kInt4PairBytes + ((c % kBlock) * 2 + e) * 2 + (p & 1)];
             const int q = c < kBlock ? (b8 & 15) : (b8 >> 4);
-            part += static_cast<float>(128 + q) * to_float(rows.x[m * rows.stride + 2 * p + e]);
+            const int64_t k = 2 * p + e;
+            part += q * x.xq[m * x.K + (k & ~int64_t{3}) + kInt4Order[k & 3]];
           }
         }
         const float d = f16_from_bits(dm[g * 2 * kPanel + c]), mm = f16_from_bits(dm[g * 2 * kPanel + kPanel + c]);
-        sums[m * kSumsRow + c] += d * part + (mm - 128.f * d) * sx[m * Q.G + g];
+        sums[m * kSumsRow + c] += d * (static_cast<float>(part) * x.dx[m * x.G + g]) + mm * x.sx[m * x.G + g];
       }
   }
 }
 
 #endif
 
-using Int4TileFn = void (*)(const Rows&, const Int4Problem&, const uint8_t*, const uint16_t*, const float*, int64_t,
-                            int64_t, bool, Sums);
+using Int4TileFn = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint16_t*, int64_t, int64_t, bool, Sums);
 
 template <bool PF, int... I>
 constexpr std::array<Int4TileFn, kInt4TileRows> make_int4_tiles(std::integer_sequence<int, I...>) {
@@ -505,15 +488,14 @@ constexpr std::array<std::array<Int4TileFn, kInt4TileRows>, 2> kInt4Tiles{
 void int4_panel(const Problem& P, const Int4Problem& Q, const Tiling& tiling, int64_t index, float* sums) {
   const int64_t pairs = P.K / 2, c0 = index * kPanel;
   const uint8_t* w = Q.codes + index * kInt4PairBytes * pairs;
-  const uint16_t* dm = Q.scales + index * Q.G * 2 * kPanel;
+  const uint16_t* dm = Q.scales + index * Q.x.G * 2 * kPanel;
   const bool single = tiling.count == 1;
   const int64_t chunk = single ? pairs : std::max<int64_t>(kChunkPairs, Q.group_pairs);
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t p1 = std::min(pairs, p0 + chunk);
     for (int t = 0; t < tiling.count; ++t) {
       const bool prefetch = single ? tiling.rows(0) >= kPrefetchRows : t == 0;
-      kInt4Tiles[prefetch][tiling.rows(t) - 1](Rows{P.x + tiling.start[t] * P.xs, P.xs, P.K}, Q, w, dm,
-                                               Q.sx + tiling.start[t] * Q.G, p0, p1, p0 == 0,
+      kInt4Tiles[prefetch][tiling.rows(t) - 1](Q.x.from(tiling.start[t]), Q.group_pairs, w, dm, p0, p1, p0 == 0,
                                                sums + tiling.start[t] * kSumsRow);
     }
   }
@@ -547,28 +529,165 @@ void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16*
   });
 }
 
-// K a multiple of gs, gs a multiple of 16; x's group sums from the bf16 values themselves.
+// K a multiple of gs, gs a multiple of 16. x is quantized once per call (quantize_row), the
+// rows split over the threads.
 void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint16_t* scales, int64_t gs, const bf16* bias,
                 bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / gs;
-  thread_local std::vector<float> sx;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dx, sx;
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
+    xq.resize(P.M * K);
+    dx.resize(P.M * G);
     sx.resize(P.M * G);
-    for (int64_t m = 0; m < P.M; ++m)
-      for (int64_t g = 0; g < G; ++g) {
-        const bf16* xg = P.x + m * P.xs + g * gs;
-        Vf acc = load(xg);
-        for (int64_t i = kBlock; i < gs; i += kBlock) acc = acc + load(xg + i);
-        sx[m * G + g] = reduce_add(acc);
-      }
-    int4_pass(P, Int4Problem{codes, scales, sx.data(), G, gs / 2});
+    const Int4Rows rows{xq.data(), dx.data(), sx.data(), K, G};
+    parallel_ranges(P.M, 1, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) quantize_row(P.x + m * P.xs, gs, rows.from(m));
+    }, P.M * K >= (1 << 14) ? 1 << 30 : 1);
+    int4_pass(P, Int4Problem{codes, scales, rows, gs / 2});
   });
 }
+
+#if defined(PAGODA_VNNI)
+// ---------------------------------------------------------------- int8 on vpdpbusd (format 2)
+
+constexpr int kQuadBytes = 4 * kPanel;  // a panel's quad of k: 32 columns x 4 codes
+constexpr int kInt8Group = 32;          // x's rounding group along K (8 quads)
+constexpr int kInt8TileRows = 6;        // 6 x 2 group sums + 6 x 2 fp32 sums + 2 code vectors + x
+constexpr int64_t kChunkQuads = 64;     // 8 KB of a panel
+
+int64_t num_quads(int64_t K) { return (K + 3) / 4; }
+
+// x as the int8 tiles read it, a row at a time: per group of 32 along K (the last one shorter),
+// int8 codes xq (x * 127 / max |x| rounded to nearest even; zero past K), their step dx and
+// -128 * sum xq (what the codes' + 128 adds to each group's integer sum).
+struct Int8Rows {
+  int8_t* xq;       // [rows, G * 32]
+  float* dx;        // [rows, G]
+  int32_t* offset;  // [rows, G]
+  int64_t G;
+  Int8Rows from(int64_t m) const { return {xq + m * G * kInt8Group, dx + m * G, offset + m * G, G}; }
+};
+
+void quantize_row_int8(const bf16* x, int64_t K, const Int8Rows& out) {
+  for (int64_t g = 0; g < out.G; ++g) {
+    const int64_t k0 = g * kInt8Group, n = std::min<int64_t>(kInt8Group, K - k0);
+    Vf amax = vzero();
+    for (int64_t i = 0; i < n; i += kBlock) {
+      const Vf v = load(x + k0 + i, tail_mask(static_cast<int>(n - i)));
+      amax = vmax(amax, vmax(v, vzero() - v));
+    }
+    const float a = reduce_max(amax);
+    const float inv = a > 0.f ? 127.f / a : 0.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kInt8Group; i += kBlock) {
+      const Mask mask = i < n ? tail_mask(static_cast<int>(n - i)) : Mask(0);
+      const __m512i r = _mm512_cvtps_epi32((load(x + k0 + i, mask) * vset1(inv)).v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.xq + k0 + i), _mm512_cvtsepi32_epi8(r));
+      sum += _mm512_reduce_add_epi32(r);
+    }
+    out.dx[g] = a / 127.f;
+    out.offset[g] = -128 * sum;
+  }
+}
+
+// Rows [0, MR) x one int8 panel over quads [q0, q1) (q0 a group's first); adds into `sums`
+// (from zero when `first`). Each group: integer sums of (q + 128) * xq in registers, started at
+// -128 * sum xq, then sums += dx * that; the column scales wait for `emit`.
+template <int MR, bool PF>
+void int8_tile(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, bool first, Sums sums) {
+  __m512 acc[MR][2];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < 2; ++b) acc[m][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kSumsRow + b * kBlock);
+  constexpr int64_t kGroupQuads = kInt8Group / 4;
+  for (int64_t g0 = q0; g0 < q1; g0 += kGroupQuads) {
+    const int64_t g = g0 / kGroupQuads, end = std::min(q1, g0 + kGroupQuads);
+    __m512i part[MR][2];
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm512_set1_epi32(x.offset[m * x.G + g]);
+    for (int64_t q = g0; q < end; ++q) {
+      const uint8_t* src = w + q * kQuadBytes;
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kChunkQuads * kQuadBytes), _MM_HINT_T1);
+      const __m512i v0 = _mm512_loadu_si512(src), v1 = _mm512_loadu_si512(src + 4 * kBlock);
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, x.xq + m * x.G * kInt8Group + 4 * q, sizeof(quad));
+        const __m512i xv = _mm512_set1_epi32(quad);
+        part[m][0] = _mm512_dpbusd_epi32(part[m][0], v0, xv);
+        part[m][1] = _mm512_dpbusd_epi32(part[m][1], v1, xv);
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      const __m512 step = _mm512_set1_ps(x.dx[m * x.G + g]);
+      for (int b = 0; b < 2; ++b) acc[m][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[m][b]), step, acc[m][b]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+    for (int b = 0; b < 2; ++b) _mm512_storeu_ps(sums + m * kSumsRow + b * kBlock, acc[m][b]);
+}
+
+using Int8TileFn = void (*)(const Int8Rows&, const uint8_t*, int64_t, int64_t, bool, Sums);
+
+template <bool PF, int... I>
+constexpr std::array<Int8TileFn, kInt8TileRows> make_int8_tiles(std::integer_sequence<int, I...>) {
+  return {int8_tile<I + 1, PF>...};
+}
+constexpr std::array<std::array<Int8TileFn, kInt8TileRows>, 2> kInt8Tiles{
+    make_int8_tiles<false>(std::make_integer_sequence<int, kInt8TileRows>()),
+    make_int8_tiles<true>(std::make_integer_sequence<int, kInt8TileRows>())};
+
+// All M rows over int8 panel `index`: one tile straight through K, or every tile over each chunk.
+void int8_panel(const Problem& P, const uint8_t* codes, const Int8Rows& x, const Tiling& tiling, int64_t index,
+                float* sums) {
+  const int64_t quads = num_quads(P.K);
+  const uint8_t* w = codes + index * kQuadBytes * quads;
+  const bool single = tiling.count == 1;
+  const int64_t chunk = single ? quads : kChunkQuads;
+  for (int64_t q0 = 0; q0 < quads; q0 += chunk) {
+    const int64_t q1 = std::min(quads, q0 + chunk);
+    for (int t = 0; t < tiling.count; ++t) {
+      const bool prefetch = single ? tiling.rows(0) >= kPrefetchRows : t == 0;
+      kInt8Tiles[prefetch][tiling.rows(t) - 1](x.from(tiling.start[t]), w, q0, q1, q0 == 0,
+                                               sums + tiling.start[t] * kSumsRow);
+    }
+  }
+  for (int t = 0; t < tiling.count; ++t)
+    emit(P, sums + tiling.start[t] * kSumsRow, tiling.start[t], tiling.rows(t), index * kPanel, kPanel);
+}
+
+void int8_pass(const Problem& P, const uint8_t* codes) {
+  const int64_t G = (P.K + kInt8Group - 1) / kInt8Group;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dx;
+  thread_local std::vector<int32_t> offset;
+  xq.resize(P.M * G * kInt8Group);
+  dx.resize(P.M * G);
+  offset.resize(P.M * G);
+  const Int8Rows rows{xq.data(), dx.data(), offset.data(), G};
+  parallel_ranges(P.M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) quantize_row_int8(P.x + m * P.xs, P.K, rows.from(m));
+  }, P.M * P.K >= (1 << 14) ? 1 << 30 : 1);
+  const Tiling tiling(P.M, kInt8TileRows);
+  parallel_ranges(padded_cols(P.N) / kPanel, 1, [&](int64_t i0, int64_t i1) {
+    static thread_local std::vector<float> sums;
+    sums.resize(P.M * kSumsRow);
+    for (int64_t i = i0; i < i1; ++i) int8_panel(P, codes, rows, tiling, i, sums.data());
+  });
+}
+#endif
 
 void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const bf16* bias, bf16* y,
                 int64_t ys, int64_t M, int64_t N, int64_t K) {
   all_passes(x, xs, scales, bias, y, ys, M, N, K, [&](const Problem& P) {
+#if defined(PAGODA_VNNI)
+    int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
+#else
     gemm_pass(P, [&](bf16* buffer) { return Int8Panels{codes, num_pairs(K), buffer}; });
+#endif
   });
 }
 

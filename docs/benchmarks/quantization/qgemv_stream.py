@@ -31,9 +31,10 @@ kinds = {
     "bf16-gemm": [(ops.PackedWeight(w),) for w in dense],
     "int8-gemm": [(ops.Int8Panels(*packing.unpack_int8(packing.quantize_int8(w.float()), w.shape[1])),)
                   for w in dense],
-    "int4-gemm": [(ops.Int4Panels(*packing.unpack_int4(packing.quantize_int4(w.float(), 32), w.shape[1], 32), 32),)
-                  for w in dense],
 }
+for gs in (32, 64):  # SmolLM2's 576 and 1536 take no groups of 128
+    kinds[f"int4-gemm{'' if gs == 32 else f'-g{gs}'}"] = [
+        (ops.Int4Panels(*packing.unpack_int4(packing.quantize_int4(w.float(), gs), w.shape[1], gs), gs),) for w in dense]
 only = os.environ.get("KINDS")
 if only:
     kinds = {k: v for k, v in kinds.items() if k in only.split(",")}
@@ -51,7 +52,7 @@ def run(m: int, kind: str) -> float:
     xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (H, I)}
     t = time.perf_counter()
     for args in kinds[kind]:
-        if kind.endswith("gemm"):
+        if "gemm" in kind:
             w = args[0]
             ops.gemm(xs[w.k], w)
             continue

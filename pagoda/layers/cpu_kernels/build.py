@@ -1,8 +1,8 @@
 """Compiling pagoda's CPU kernels (`pagoda/csrc/*.cpp`) into shared libraries.
 
-Three variants: `avx512vbmi` (x86-64-v4 plus AVX512_BF16 and AVX512_VBMI: Zen 4, Sapphire
-Rapids and later), `avx512bf16` (without VBMI: Cooper Lake; int8 weights convert slower) and
-`portable` (x86-64-v2 on x86, the compiler's default elsewhere). The loader picks one at run
+Two variants: `avx512bf16` (x86-64-v4 plus AVX512_BF16 and AVX512_VNNI: Cooper Lake, Zen 4,
+Sapphire Rapids and later) and `portable` (x86-64-v2 on x86, the compiler's default
+elsewhere). The loader picks one at run
 time from the CPU's flags. A library's file name carries a hash of the sources and flags,
 so a stale build is never loaded. `make install` runs `python -m pagoda.layers.cpu_kernels`,
 which writes into `pagoda/csrc/build/`; a missing compiler is an error there, with the fix.
@@ -26,8 +26,7 @@ HEADERS = ("gemm.h", "vec.h", "parallel.h")
 COMMON_FLAGS = ("-O3", "-std=c++20", "-pthread", "-shared", "-fPIC", "-ffp-contract=off")
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 VARIANTS: dict[str, tuple[str, ...]] = {
-    "avx512vbmi": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vbmi"),
-    "avx512bf16": ("-march=x86-64-v4", "-mavx512bf16"),
+    "avx512bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
     "portable": ("-march=x86-64-v2",) if IS_X86 else (),
 }
 

@@ -185,14 +185,16 @@ def packed_bytes(n: int, k: int) -> int:
 def gemm_is_native() -> bool:
     """Whether `gemm` runs on native bf16 dot products (faster than oneDNN); elsewhere it is a
     plain fp32 loop, correct but slow, and layers keep their oneDNN/GEMV paths."""
-    return _lib().variant in ("avx512vbmi", "avx512bf16")
+    return _lib().variant == "avx512bf16"
 
 
 class Int8Panels:
     """int8 codes [n, k] in [-127, 127] with one fp32 scale per output row, in the small-M
-    GEMM's panel layout (one byte an element where `PackedWeight` has two; pagoda/csrc/gemm.cpp):
-    w = q * scale. Where the kernels have VBMI (`gemm_int8_format` 1) each k-pair's 64 codes are
-    sign-magnitude bytes, its two blocks of 32 interleaved 8 bytes at a time."""
+    GEMM's panel layout (pagoda/csrc/gemm.cpp): w = q * scale. On the avx512bf16 build
+    (`gemm_int8_format` 2) the codes are stored + 128 as uint8, each panel of 32 rows by quads of
+    k (row c's 4 codes of quad j at j * 128 + 4 c); on the portable one (0) as int8 in the bf16
+    panels' layout (k-pairs). `x_group`: the groups along k in which the GEMM rounds x to int8
+    codes (`packing.round_to_int8_groups`), 0 where it multiplies x as it is."""
 
     kind = INT8_PANELS
     group_size = 0
@@ -205,34 +207,29 @@ class Int8Panels:
             raise ValueError("int8 panels take codes in [-127, 127] (symmetric quantization); -128 found")
         self.n, self.k = codes.shape
         self.format = int(_lib().fn("gemm_int8_format")())
-        cols, pairs = -(-self.n // 32) * 32, -(-self.k // 2)
-        padded = torch.zeros(cols, 2 * pairs, dtype=torch.int8)
+        self.width = 4 if self.format == 2 else 2  # k's of a row side by side
+        self.x_group = 32 if self.format == 2 else 0
+        cols, steps = -(-self.n // 32) * 32, -(-self.k // self.width)
+        padded = torch.zeros(cols, self.width * steps, dtype=torch.int8)
         padded[:self.n, :self.k] = codes
-        # NOTE: panel p, k-pair j, column c, k parity e at p * 64 * pairs + j * 64 + c * 2 + e.
-        panels = padded.view(cols // 32, 32, pairs, 2).permute(0, 2, 1, 3).contiguous()
-        if self.format == 1:
-            magnitude = panels.abs().view(torch.uint8)
-            signed = torch.where(panels < 0, magnitude | 0x80, magnitude)
-            # block b, 16-byte lane l, byte i -> lane l, block b, byte i
-            panels = signed.view(-1, pairs, 2, 4, 8).transpose(2, 3).contiguous().view(torch.int8)
+        # NOTE: panel p, step j, row c, element e at p * 32 * width * steps + (j * 32 + c) * width + e.
+        panels = padded.view(cols // 32, 32, steps, self.width).permute(0, 2, 1, 3).contiguous()
+        if self.format == 2:
+            panels = (panels.to(torch.int16) + 128).to(torch.uint8).view(torch.int8)
         self.data = panels.view(-1)
         self.scales = scales.float().reshape(-1).contiguous()
         self.desc, self.desc_ptr = describe(INT8_PANELS, self.data, self.scales, 0, self.n, self.k)
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 codes [n, k] (or of `rows`), back in row order; reads only those rows."""
-        pairs = -(-self.k // 2)
+        steps = -(-self.k // self.width)
         ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
-        block, within = (ids % 32).div(16, rounding_mode="floor")[:, None], 2 * (ids % 16)[:, None] + torch.arange(2)
-        if self.format == 1:
-            offset = 16 * within.div(8, rounding_mode="floor") + 8 * block + within % 8
-        else:
-            offset = 32 * block + within
-        index = ((ids // 32) * 64 * pairs)[:, None, None] + 64 * torch.arange(pairs)[None, :, None] + offset[:, None, :]
-        picked = self.data[index.reshape(len(ids), 2 * pairs)[:, :self.k]]
-        if self.format == 1:
-            magnitude = picked & 0x7F
-            picked = torch.where(picked < 0, -magnitude, magnitude)
+        k = torch.arange(self.k)
+        index = ((ids // 32) * 32 * self.width * steps + (ids % 32) * self.width)[:, None] + (
+            (k // self.width) * 32 * self.width + k % self.width)[None, :]
+        picked = self.data[index]
+        if self.format == 2:
+            picked = (picked.view(torch.uint8).to(torch.int16) - 128).to(torch.int8)
         return picked
 
 
@@ -241,7 +238,7 @@ class Int4Panels:
     along k (w = q * d + m), in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp): per panel
     of 32 rows and two k-pairs, 64 bytes (byte 2(2c + e) + h: row c's code at k-pair h, element
     e, in the low nibble, row 16 + c's in the high one); per panel and group, d for its 32 rows
-    then m."""
+    then m. The GEMM rounds x to int8 codes by the same groups (`x_group`)."""
 
     kind = INT4_PANELS
 
@@ -251,6 +248,7 @@ class Int4Panels:
             raise ValueError(f"int4 codes {tuple(q.shape)}, scales {tuple(d.shape)}, offsets {tuple(m.shape)} "
                              f"do not fit groups of {group_size}")
         self.n, self.k, self.group_size = n, k, group_size
+        self.x_group = group_size
         cols, groups = -(-n // 32) * 32, k // group_size
         padded = torch.zeros(cols, k, dtype=torch.uint8)
         padded[:n] = q
@@ -288,8 +286,10 @@ def gather_in_huge_pages(weights: list[PackedWeight | Int8Panels | Int4Panels]) 
 def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 (rows may be strided) times a packed weight^T (+ bias): exact bf16 products
-    of x and the weight (bf16 values, or int8/int4 codes), fp32 sums, scaled per column (int8)
-    or per column and group (int4, its offsets through x's group sums), rounded once to bf16."""
+    of x and the weight (bf16 values or int8 codes), fp32 sums, scaled per column (int8), rounded
+    once to bf16. int4: x rounded to int8 codes per row and group first (step max |x| / 127, as
+    llama.cpp's Q8_0 activations), integer products and sums per group, then scaled per column
+    and group in fp32 (the offsets through the rounded x's group sums)."""
     _check_rows(x, x.shape[-1])
     m, k = x.shape
     if k != weight.k or x.dtype != torch.bfloat16:

@@ -74,8 +74,9 @@ class PackedLinearMethod:
         if self.packed is not None and layer.native and x.shape[0] <= NATIVE_MAX_ROWS:
             return cpu_kernels.ops.qgemv(x, self.packed, self.fmt, self.in_features, self.group_size, bias)
         if self.scheme == "int4" and x.dtype != torch.bfloat16:
-            # NOTE: the int4 kernel multiplies bf16 activations (vdpbf16ps); every path rounds
-            # them alike, so a step's size never changes a result beyond summation order.
+            # NOTE: the int4 GEMV multiplies bf16 activations (vdpbf16ps); this path rounds them
+            # alike, so a step's size never changes a result beyond summation order. (The GEMM's
+            # panels, which take every step where they exist, round x further, to int8 codes.)
             x = x.to(torch.bfloat16).to(x.dtype)
         return F.linear(x, self.dequantize(x.dtype, bool(layer.native)), bias)
 

@@ -114,6 +114,19 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return pack_int4(q.reshape(n, k), d, m)
 
 
+def round_to_int8_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x [M, K] as the GEMM's int4 and int8 panels multiply it (`x_group`): per row and group
+    along K (the last one may be shorter), x * (127 / max |x|) rounded half to even, in fp32 as
+    the kernel computes it, times max |x| / 127 (the kernel's torch reference)."""
+    m, k = x.shape
+    groups = torch.nn.functional.pad(x.float(), (0, -k % group_size)).reshape(m, -1, group_size)
+    top = groups.abs().amax(-1, keepdim=True)
+    # NOTE: through float64: torch's fp32 `127 / top` is not always correctly rounded (one ulp
+    # off made x * inv 63.499996 where the kernel's IEEE quotient gives 63.500004).
+    inv = torch.where(top > 0, (127 / top.double()).float(), torch.zeros_like(top))
+    return (torch.round(groups * inv) * (top / 127)).reshape(m, -1)[:, :k]
+
+
 def pack_int8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """q: integers in [-128, 127], [N, K]; d: fp32 [N, G] -> uint8 records."""
     return torch.cat([q.to(torch.int8).view(torch.uint8), d.float().contiguous().view(torch.uint8)],
