@@ -8,6 +8,7 @@ phase (schedule, prepare, linear, attention, ..., HTTP/SSE). The table gives mil
 each phase per engine step and the step's wall time (window / steps).
 
 Usage: .venv/bin/python scripts/profile_served.py [--model smollm2] [--concurrency 1 16 64]
+       [--serve-args "--quantization int8"]
 Needs py-spy (in the dev extra) and permission to ptrace the server (root, or
 kernel.yama.ptrace_scope=0).
 """
