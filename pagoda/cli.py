@@ -1,4 +1,4 @@
-"""The `pagoda` command: serve | generate | bench."""
+"""The `pagoda` command: serve | generate | tune | bench."""
 
 from __future__ import annotations
 
@@ -43,6 +43,37 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "tune", help="measure which CPU kernel each linear takes, by row count, and cache the plan",
+        description="Times every linear path this CPU has (own GEMV/GEMM, oneDNN, torch) on the model's "
+                    "bf16 weight shapes at each row bucket, prints the timings and the plan, and replaces "
+                    "the cached plan that `pagoda serve` reads at start. PAGODA_LINEAR_COPIES=2 allows a "
+                    "second copy of a weight where it is faster; PAGODA_LINEAR_PLAN forces a plan.")
+    p.add_argument("model", nargs="?", default="smollm2")
+    p.set_defaults(func=_run_tune)
+
+
+def _run_tune(args: argparse.Namespace) -> int:
+    import torch
+
+    from pagoda.engine_setup import plan_linears
+    from pagoda.models.loader import load_hf_config, load_model, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    hf_config = load_hf_config(path)
+    model = load_model(path, hf_config, torch.bfloat16, torch.device("cpu"), 16)
+    plan = plan_linears(model, retune=True)
+    if plan is None:
+        print("no bf16 linear to plan (PAGODA_DISABLE_CPU_KERNELS set, or no such layer)", file=sys.stderr)
+        return 1
+    print(plan.describe())
+    print("milliseconds per weight:" if plan.timings else "(forced: nothing measured)")
+    for line in plan.timing_table():
+        print(line)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description="Fast LLM serving on the hardware you own.")
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(subparsers)
     _add_generate_parser(subparsers)
+    _add_tune_parser(subparsers)
     from pagoda.bench.cli import add_bench_parser
 
     add_bench_parser(subparsers)

@@ -54,6 +54,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
         self.states: dict[str, RequestState] = {}
         self.stat_loggers = list(stat_loggers)
+        self.info = parts.info
+        for stat_logger in self.stat_loggers:
+            stat_logger.record_engine_info(parts.info)
         self.proposer = build_proposer(self.config.speculative, self.config, parts.vocab_size)
         self._ids = itertools.count()
         self._pending_stats = IterationStats()

@@ -21,6 +21,15 @@ from pagoda.spec_decode.rejection import sample_with_drafts
 SMALL_STEP_TOKENS = 12
 
 
+def step_threads(num_tokens: int, max_threads: int) -> int:
+    """torch's threads for a CPU step of `num_tokens` rows.
+
+    NOTE: with passive OpenMP waits, waking a second thread for each of a small step's ~150
+    operations costs more than it saves: one thread decoded a single stream 26% faster here,
+    two threads won from about 12 tokens a step (docs/benchmarks.md)."""
+    return 1 if num_tokens < SMALL_STEP_TOKENS else max_threads
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device,
                  sliding_window: int | None = None) -> None:
@@ -65,12 +74,9 @@ class ModelRunner:
         return sample_with_drafts(self.sampler, logits, requests)
 
     def _set_threads(self, num_tokens: int) -> None:
-        # NOTE: with passive OpenMP waits, waking a second thread for each of a small step's
-        # ~150 operations costs more than it saves: one thread decoded a single stream 26%
-        # faster here, two threads won from about 12 tokens a step (docs/benchmarks.md).
         if self.device.type != "cpu":
             return
-        threads = 1 if num_tokens < SMALL_STEP_TOKENS else self.max_threads
+        threads = step_threads(num_tokens, self.max_threads)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)
 

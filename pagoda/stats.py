@@ -78,3 +78,16 @@ class SpecDecodingStats:
                 num_draft_tokens - len(self.num_accepted_tokens_per_pos))
         for pos in range(num_accepted):
             self.num_accepted_tokens_per_pos[pos] += 1
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the engine was built with, given once to each stat logger (an info metric).
+
+    `linear_kernels` is the kernel plan of the model's largest bf16 linear ("rows 1+ gemm";
+    "" without one), `kernel_plan_source` where it came from (measured, cached, forced).
+    """
+
+    kernel_variant: str
+    linear_kernels: str
+    kernel_plan_source: str

@@ -12,6 +12,12 @@ import os
 # NOTE: must precede torch's import: OpenMP reads it once, when its thread pool starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# NOTE: kernel plans measured by the tests' engines go to a folder of the run's own, not the
+# user's cache: every run measures afresh, and tests that count on a measurement get one.
+if "PAGODA_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["PAGODA_CACHE_DIR"] = tempfile.mkdtemp(prefix="pagoda-test-cache-")
 
 from pathlib import Path  # noqa: E402
 

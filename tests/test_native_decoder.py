@@ -17,8 +17,15 @@ from pagoda.llm import LLM
 from pagoda.models.native_decoder import NativeDecoder
 from pagoda.sampling_params import SamplingParams
 
-pytestmark = pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()),
-                                reason="the native decoder stack needs the avx512bf16 kernels' GEMM")
+pytestmark = pytest.mark.skipif(not cpu_kernels.computes_bf16(),
+                                reason="the native decoder stack needs a vectorized kernel build (avx512bf16, avx2)")
+QUANTIZED_PANELS = cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()
+
+
+@pytest.fixture(autouse=True)
+def gemm_plan(monkeypatch):  # type: ignore[no-untyped-def]
+    """Every linear on the GEMM, whatever this CPU measures (the stack runs the GEMM only)."""
+    monkeypatch.setenv("PAGODA_LINEAR_PLAN", "gemm")
 
 
 def prompts() -> list[list[int]]:
@@ -72,6 +79,8 @@ class Recorder:
     ("llama", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}}),
 ])
 def test_native_stack_equals_the_layer_path(arch: str, engine: dict, tiny_model_factory) -> None:
+    if "quantization" in engine and not QUANTIZED_PANELS:
+        pytest.skip("quantized panels need the avx512bf16 build")
     llm = LLM(str(tiny_model_factory(arch)), dtype="bfloat16", num_kv_blocks=128, **engine)
     rec = Recorder(llm)
     assert isinstance(rec.native, NativeDecoder)
@@ -96,3 +105,33 @@ def test_models_the_stack_does_not_take_run_their_layers(arch: str, engine: dict
     assert llm.engine.runner.model.native_decoder is None, why
     out = llm.generate([prompts()[1]], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_the_stack_takes_only_steps_its_plan_gives_the_gemm(tiny_model_factory, monkeypatch) -> None:
+    """A plan with the GEMM up to 2 rows: the stack takes decode steps of 1-2 rows; wider steps
+    run the layers (whose linears then take torch); the tokens equal an all-layer run."""
+    monkeypatch.setenv("PAGODA_LINEAR_PLAN", "1-2:gemm,3+:torch")
+    llm = LLM(str(tiny_model_factory("llama")), dtype="bfloat16", num_kv_blocks=128)
+    rec = Recorder(llm)
+    assert isinstance(rec.native, NativeDecoder) and rec.native.max_rows == 2
+    gen = torch.Generator().manual_seed(4)
+    batch = [torch.randint(3, 49000, (9,), generator=gen).tolist() for _ in range(3)]
+    lengths = [6, 12, 24]  # steps of 3 rows, then 2, then 1
+
+    def run(native: bool) -> list[list[int]]:
+        rec.model.native_decoder = rec.native if native else None
+        outs = llm.generate(batch, [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths])
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    calls: list[tuple[int, bool]] = []
+    takes = rec.native.takes
+
+    def recording(h, *args):  # type: ignore[no-untyped-def]
+        calls.append((h.shape[0], takes(h, *args)))
+        return calls[-1][1]
+
+    rec.native.takes = recording  # type: ignore[method-assign]
+    native = run(True)
+    assert native == run(False)
+    decode_rows = {rows: taken for rows, taken in calls if rows <= 3}
+    assert decode_rows == {1: True, 2: True, 3: False}

@@ -18,7 +18,9 @@
 // Where memory would otherwise idle while a tile computes (one tile of 6+ rows, or the first
 // tile over a chunk), the tile prefetches the stream kPrefetchPairs ahead into L2, so that the
 // weight's transfer and the arithmetic overlap. Threads split the panels (pairs of panels).
-// Without AVX512_BF16 the same loops widen to fp32 (plain code, slow: layers route around it).
+// The AVX2 build widens the weight to fp32 in registers (a shift or a mask per vector) and
+// multiplies with FMAs, in tiles of up to 4 rows x 16 columns; the portable build runs the same
+// loops in plain code (slow: layers route around it).
 // Each output is the fp32 sum (+ bias) rounded once to bf16.
 //
 // int8 variant (pagoda_qgemm_int8, quantized weights with one scale per output column). On the
@@ -145,6 +147,73 @@ void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, S
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(sums + m * kSumsRow + b * kBlock, acc[m][b]);
+}
+
+#elif defined(PAGODA_AVX2)
+
+constexpr int kAvx2Rows = 4;  // 4 rows x 2 vectors of sums + 4 weight vectors + 2 broadcasts
+
+// x's rows [0, R) over k-pairs [p0, p1) as fp32 pairs (x[K] read as 0 for an odd K), so that
+// the tiles broadcast straight from memory.
+inline const float* widen_rows(const Rows& rows, int R, int64_t p0, int64_t p1) {
+  static thread_local std::vector<float> xf;
+  const int64_t n = 2 * (p1 - p0);
+  xf.resize(R * n);
+  for (int r = 0; r < R; ++r) {
+    const bf16* x = rows.x + r * rows.stride + 2 * p0;
+    const int64_t valid = std::min(n, rows.K - 2 * p0);
+    for (int64_t i = 0; i < n; i += kLanes) store(xf.data() + r * n + i, load(x + i, tail_mask(static_cast<int>(std::clamp<int64_t>(valid - i, 0, kLanes)))), tail_mask(static_cast<int>(std::min<int64_t>(n - i, kLanes))));
+  }
+  return xf.data();
+}
+
+// R rows x one block of 16 columns over k-pairs [p0, p1): a 256-bit load holds 8 columns at
+// both k's of a pair (bf16 k0 in each 32-bit lane's low half, k1 in its high half), widened to
+// fp32 by a shift and a mask, then two FMAs per row and vector.
+template <int R, bool PF>
+void avx2_block(const float* xf, int64_t xf_stride, const bf16* w, int64_t p0, int64_t p1, float* sums, bool first) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      acc[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kSumsRow + 8 * h);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = p0; p < p1; ++p) {
+    const bf16* src = w + p * kPanelPair;
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+    __m256 we[2], wo[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * h));
+      we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+      wo[h] = _mm256_castsi256_ps(_mm256_and_si256(u, high));
+    }
+    const float* xp = xf + 2 * (p - p0);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(xp + r * xf_stride), b = _mm256_broadcast_ss(xp + r * xf_stride + 1);
+      for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(wo[h], b, _mm256_fmadd_ps(we[h], a, acc[r][h]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(sums + r * kSumsRow + 8 * h, acc[r][h]);
+}
+
+using Avx2BlockFn = void (*)(const float*, int64_t, const bf16*, int64_t, int64_t, float*, bool);
+constexpr Avx2BlockFn kAvx2Blocks[2][kAvx2Rows] = {
+    {avx2_block<1, false>, avx2_block<2, false>, avx2_block<3, false>, avx2_block<4, false>},
+    {avx2_block<1, true>, avx2_block<2, true>, avx2_block<3, true>, avx2_block<4, true>}};
+
+// The AVX-512 tile's contract, in groups of up to kAvx2Rows rows x one block at a time (the
+// weight chunk is re-read from L1 by each group; only the first prefetches).
+template <int MR, bool PF, int NP = 1>
+void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
+  const int64_t n = 2 * (p1 - p0);
+  const float* xf = widen_rows(rows, MR, p0, p1);
+  for (int m0 = 0; m0 < MR; m0 += kAvx2Rows) {
+    const int r = std::min(kAvx2Rows, MR - m0);
+    for (int b = 0; b < 2 * NP; ++b) {
+      const bf16* wb = w + (b / 2) * panel_stride + (b % 2) * 2 * kBlock;
+      kAvx2Blocks[PF && m0 == 0][r - 1](xf + m0 * n, n, wb, p0, p1, sums + m0 * kSumsRow + b * kBlock, first);
+    }
+  }
 }
 
 #else

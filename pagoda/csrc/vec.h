@@ -1,8 +1,9 @@
-// Sixteen-float vectors for pagoda's CPU kernels, with one AVX-512 and one portable body.
+// Sixteen-float vectors for pagoda's CPU kernels, with an AVX-512, an AVX2 and a portable body.
 //
 // Kernels are written once against `Vf` (16 x fp32) and the load/store helpers below, which
 // convert from and to the storage dtypes (fp32, bf16, fp16) on the fly. The AVX-512 body is
-// compiled when the build enables AVX-512 F/BW/VL; the portable body is plain loops that any
+// compiled when the build enables AVX-512 F/BW/VL, the AVX2 body (two 8-float halves) with
+// AVX2, FMA and F16C; the portable body is plain loops that any
 // x86-64 (or other) compiler vectorizes as far as its target allows.
 // Invariants: every rounding to bf16 is round-to-nearest-even with NaN kept NaN (as torch);
 // no helper fuses a multiply and an add unless its name says fma (the build passes
@@ -18,6 +19,9 @@
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGODA_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PAGODA_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -183,6 +187,131 @@ inline Vf vexp(Vf x) {
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return {_mm512_scalef_ps(p, n)};
 }
+
+#elif defined(PAGODA_AVX2)  // two 8-float AVX2 halves: Zen 2/3, Haswell to Alder Lake clients
+
+struct Vf {
+  __m256 lo, hi;
+};
+using Mask = uint32_t;
+
+inline Mask tail_mask(int n) { return n >= kLanes ? Mask(0xFFFF) : Mask((1u << n) - 1u); }
+inline Vf vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline Vf vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline Vf operator+(Vf a, Vf b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Vf operator-(Vf a, Vf b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline Vf operator*(Vf a, Vf b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Vf vdiv(Vf a, Vf b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+inline Vf vfma(Vf a, Vf b, Vf c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline Vf vmax(Vf a, Vf b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline float reduce8(__m256 v, __m128 (*op)(__m128, __m128)) {
+  __m128 r = op(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = op(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(op(r, _mm_shuffle_ps(r, r, 1)));
+}
+inline float reduce_add(Vf a) {
+  return reduce8(_mm256_add_ps(a.lo, a.hi), [](__m128 x, __m128 y) { return _mm_add_ps(x, y); });
+}
+inline float reduce_max(Vf a) {
+  return reduce8(_mm256_max_ps(a.lo, a.hi), [](__m128 x, __m128 y) { return _mm_max_ps(x, y); });
+}
+// Lane i of the result is all ones where bit i of `m` is set (the low 8 lanes for shift 0).
+inline __m256 lane_mask(Mask m, int shift) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i sel = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(m >> shift)), bits);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(sel, bits));
+}
+inline Vf select(Mask keep, Vf a, float fill) {
+  const __m256 f = _mm256_set1_ps(fill);
+  return {_mm256_blendv_ps(f, a.lo, lane_mask(keep, 0)), _mm256_blendv_ps(f, a.hi, lane_mask(keep, 8))};
+}
+
+inline Vf widen_bf16(__m128i lo, __m128i hi) {
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
+          _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(hi), 16))};
+}
+inline __m128i load128(const void* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline Vf load_full(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline Vf load_full(const bf16* p) { return widen_bf16(load128(p), load128(p + 8)); }
+inline Vf load_full(const f16* p) { return {_mm256_cvtph_ps(load128(p)), _mm256_cvtph_ps(load128(p + 8))}; }
+inline Vf f16_halves(__m128i bytes, bool e4m3) {
+  __m256i w = _mm256_cvtepu8_epi16(bytes);
+  if (e4m3) {
+    w = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7),
+                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8));
+  } else {
+    w = _mm256_slli_epi16(w, 8);
+  }
+  Vf r{_mm256_cvtph_ps(_mm256_castsi256_si128(w)), _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1))};
+  return e4m3 ? r * vset1(256.f) : r;
+}
+inline Vf load_full(const fp8_e5m2* p) { return f16_halves(load128(p), false); }
+inline Vf load_full(const fp8_e4m3* p) { return f16_halves(load128(p), true); }
+// NOTE: a partial vector goes through a zeroed buffer: tails are rare (one per row at most),
+// and no lane past the mask is ever read.
+template <typename T>
+inline Vf load(const T* p, Mask m = 0xFFFF) {
+  if (m == 0xFFFF) return load_full(p);
+  T tmp[kLanes];
+  std::memset(static_cast<void*>(tmp), 0, sizeof(tmp));
+  for (int i = 0; i < kLanes; ++i)
+    if ((m >> i) & 1u) tmp[i] = p[i];
+  return load_full(tmp);
+}
+
+inline __m256i narrow_bf16_half(__m256 a) {
+  const __m256i u = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  return _mm256_blendv_epi8(r, quiet, nan);
+}
+inline __m256i narrow_bf16(Vf a) {
+  const __m256i packed = _mm256_packus_epi32(narrow_bf16_half(a.lo), narrow_bf16_half(a.hi));
+  return _mm256_permute4x64_epi64(packed, 0xD8);
+}
+inline void store_full(float* p, Vf a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
+}
+inline void store_full(bf16* p, Vf a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16(a)); }
+inline void store_full(f16* p, Vf a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT));
+}
+template <typename T>
+inline void store(T* p, Vf a, Mask m = 0xFFFF) {
+  if (m == 0xFFFF) return store_full(p, a);
+  T tmp[kLanes];
+  store_full(tmp, a);
+  for (int i = 0; i < kLanes; ++i)
+    if ((m >> i) & 1u) p[i] = tmp[i];
+}
+
+// exp(x) to ~2 ulp (the same Cephes polynomial as the AVX-512 body); 2^n applied in two halves
+// so that results down to the subnormals come out right.
+inline __m256 vexp_half(__m256 x) {
+  const __m256 a = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(88.72f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), a);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+inline Vf vexp(Vf x) { return {vexp_half(x.lo), vexp_half(x.hi)}; }
 
 #else  // portable body
 

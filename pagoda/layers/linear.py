@@ -20,7 +20,7 @@ interface (`weight_loader`, `forward`, `project`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from torch import nn
 
 from pagoda.layers import cpu_kernels
 from pagoda.layers.cpu_kernels import memory
+from pagoda.layers.kernel_plan import KernelPlan, ShapePlan
 
 # NOTE: measured (docs/performance.md, Kernels), one thread each, SmolLM2's 30 layers of distinct
 # weights: the GEMV kernel streams them 1.4-1.6x faster than oneDNN's prepacked bf16 path at 1
@@ -52,13 +53,37 @@ class LinearMethod(Protocol):
     def weight_bytes(self) -> int: ...
 
 
+def _gemv(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_kernels.ops.gemv(x, layer.weight, bias)
+
+
+def _gemm(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    assert layer.gemm_weight is not None
+    return cpu_kernels.ops.gemm(x, layer.gemm_weight, bias)
+
+
+def _onednn(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")
+
+
+def _torch(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, layer.weight, bias)
+
+
+# The kernel_plan paths, each reading the layer's storage of that name (kernel_plan.STORAGE).
+PATH_FNS = {"gemv": _gemv, "gemm": _gemm, "onednn": _onednn, "torch": _torch}
+
+
 class UnquantizedLinearMethod:
-    """The float weight: the small-M GEMM's packed copy, the bf16 GEMV kernel for small native
-    steps, oneDNN's prepacked copy, or F.linear."""
+    """The float weight, by the path the layer's kernel plan names for the step's row count
+    (kernel_plan.py); without a plan (no CPU kernels, other devices): the small-M GEMM's packed
+    copy, the bf16 GEMV kernel for small native steps, oneDNN's prepacked copy, or F.linear."""
 
     name = "unquantized"
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.plan is not None:
+            return PATH_FNS[layer.plan.path_for(x.shape[0])](layer, x, bias)
         if layer.gemm_weight is not None:
             return cpu_kernels.ops.gemm(x, layer.gemm_weight, bias)
         if layer.native and x.shape[0] <= GEMV_MAX_ROWS and layer._gemv_ready():
@@ -90,6 +115,7 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.gemm_weight: cpu_kernels.ops.PackedWeight | None = None
         self.native = False
+        self.plan: ShapePlan | None = None
         self.method: LinearMethod = UNQUANTIZED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +148,8 @@ class MergedLinear(Linear):
         param.data.narrow(0, start, size).copy_(loaded)
 
 
-def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset(),  # type: ignore[assignment]
+                    plan: KernelPlan | None = None) -> int:
     """Packs every bf16 CPU `Linear` for its fastest kernel; frees the plain weights not in `keep` (ids).
 
     With the native GEMM (`cpu_kernels.ops.gemm_is_native()`) each weight is packed for it, and
@@ -132,34 +159,73 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset()) -> int:  # t
     stay too, for the GEMV kernel's small steps, at the cost of a second copy. The GEMM's packed
     weights live in huge pages, in module order: the bf16 ones packed straight into one buffer,
     the quantized panels gathered into another (`cpu_kernels.memory`).
+    With a kernel `plan` (kernel_plan.py), each bf16 weight whose shape it covers is given the
+    storages its paths read instead, and the plain weight is freed where none reads it.
     Returns the number of layers packed.
     """
     native_gemm = cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()
+    if plan is not None:
+        return _apply_plan(model, plan, keep) + _pack_quantized(model, native_gemm)
     if not native_gemm and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return 0
     keep_all = cpu_kernels.available() and not native_gemm
-    dense, quantized = [], []
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if isinstance(module, Linear) and native_gemm and w is not None and w.dtype == torch.bfloat16:
-            use_gemm = getattr(module.method, "use_gemm", None)
-            if use_gemm is not None and use_gemm():
-                quantized.append(getattr(module.method, "panels"))  # noqa: B009 - set by use_gemm()
-                continue
-        if (isinstance(module, Linear) and w is not None and w.dtype == torch.bfloat16 and w.device.type == "cpu"
-                and module.method is UNQUANTIZED and w.numel()):
-            dense.append(module)
+    dense = [m for m in model.modules() if is_dense_bf16(m)]
     if native_gemm:
         _pack_in_huge_pages(dense)
-        if quantized:
-            cpu_kernels.ops.gather_in_huge_pages(quantized)
     for module in dense:
         w = module.weight
         if not native_gemm:
             module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         if id(w) not in keep and not keep_all:
             w.data = torch.empty(0, dtype=w.dtype)
-    return len(dense) + len(quantized)
+    return len(dense) + _pack_quantized(model, native_gemm)
+
+
+def weight_shape(module: Linear) -> tuple[int, int]:
+    """(out, in) of the layer's weight as stored here (a shard's, under tensor parallelism)."""
+    return int(module.weight.shape[0]), int(module.weight.shape[1])
+
+
+def is_dense_bf16(module: nn.Module) -> TypeGuard[Linear]:
+    """Whether `module` is a `Linear` with an unquantized bf16 CPU weight (what plans cover)."""
+    w = getattr(module, "weight", None)
+    return (isinstance(module, Linear) and module.method is UNQUANTIZED and w is not None and bool(w.numel())
+            and w.dtype == torch.bfloat16 and w.device.type == "cpu")
+
+
+def _apply_plan(model: nn.Module, plan: KernelPlan, keep: set[int]) -> int:
+    planned = []
+    for module in model.modules():
+        if is_dense_bf16(module):
+            module.plan = plan.for_shape(weight_shape(module))
+            if module.plan is not None:
+                planned.append(module)
+    _pack_in_huge_pages([m for m in planned if m.plan is not None and "panels" in m.plan.storages])
+    for module in planned:
+        assert module.plan is not None
+        w = module.weight
+        if "onednn" in module.plan.storages:
+            module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        if "plain" not in module.plan.storages and id(w) not in keep:
+            w.data = torch.empty(0, dtype=w.dtype)
+    return len(planned)
+
+
+def _pack_quantized(model: nn.Module, native_gemm: bool) -> int:
+    """Gathers the quantized weights that the GEMM takes (the method's `use_gemm`) in huge pages."""
+    if not native_gemm:
+        return 0
+    quantized = []
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16:
+            continue
+        use_gemm = getattr(module.method, "use_gemm", None)
+        if use_gemm is not None and use_gemm():
+            quantized.append(getattr(module.method, "panels"))  # noqa: B009 - set by use_gemm()
+    if quantized:
+        cpu_kernels.ops.gather_in_huge_pages(quantized)
+    return len(quantized)
 
 
 def _pack_in_huge_pages(modules: list[Linear]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from pagoda.stats import IterationStats, SchedulerStats
+from pagoda.stats import EngineInfo, IterationStats, SchedulerStats
 
 
 class StatLoggerBase(ABC):
@@ -23,6 +23,9 @@ class StatLoggerBase(ABC):
     @abstractmethod
     def log(self) -> None:
         """Emits whatever this logger emits periodically (may do nothing)."""
+
+    def record_engine_info(self, info: EngineInfo) -> None:  # noqa: B027 - optional hook
+        """Takes in what the engine was built with, once, after it is built (default: ignored)."""
 
 
 def increase(total: int, last: int) -> int:

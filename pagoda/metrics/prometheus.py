@@ -25,7 +25,13 @@ from prometheus_client.registry import Collector
 
 from pagoda.config import EngineConfig
 from pagoda.metrics.base import StatLoggerBase, increase
-from pagoda.stats import FinishedRequestStats, IterationStats, SchedulerStats, SpecDecodingStats
+from pagoda.stats import (
+    EngineInfo,
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 
 DEFAULT_REGISTRY: CollectorRegistry = prometheus_client.REGISTRY
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -172,6 +178,16 @@ class PrometheusStatLogger(StatLoggerBase):
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             sorted([*self._cache_info_labels(), "engine"]), registry=None))
         self._set_cache_info()
+        self._engine_info = self._register(Gauge(
+            "pagoda:kernel_plan_info", "The CPU kernel build and the linear kernels chosen by "
+            "measurement for the model's largest bf16 weight (kernel_plan.py).",
+            [*LABEL_NAMES, "kernel_variant", "linear_kernels", "kernel_plan_source"], registry=None))
+
+    def record_engine_info(self, info: EngineInfo) -> None:
+        self._engine_info.clear()
+        self._engine_info.labels(**self.labels, kernel_variant=info.kernel_variant,
+                                 linear_kernels=info.linear_kernels,
+                                 kernel_plan_source=info.kernel_plan_source).set(1)
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:

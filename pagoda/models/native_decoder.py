@@ -6,7 +6,8 @@ a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention a
 on the same buffers, so its output is bit for bit the layer path's (tested).
 `NativeDecoder.build` returns None unless the whole model fits: one process (no tensor or
 pipeline parallelism), bf16, every linear on the small-M GEMM's packed weights (bf16, int8 or
-int4 panels), no per-head q/k norm (Qwen3), a bf16 or fp8 KV pool bound. The model runner
+int4 panels), no per-head q/k norm (Qwen3), a bf16 or fp8 KV pool bound. It takes steps of at
+most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
 builds it when it binds the KV pool; the model calls it in place of its layer loop for steps
 whose rows all decode (`takes`), and runs its layers otherwise.
 """
@@ -67,8 +68,9 @@ class NativeDecoder:
     """Runs every decoder layer of a decode step in one native call."""
 
     def __init__(self, model: LlamaForCausalLM, first: LlamaDecoderLayer, layers: list[_DecoderLayer],
-                 cache_kind: int) -> None:
+                 cache_kind: int, max_rows: int = 1 << 62) -> None:
         d = model.dims
+        self.max_rows = max_rows
         attn = first.self_attn
         self._layers = (_DecoderLayer * len(layers))(*layers)
         cos: torch.Tensor = model.rotary.cos  # type: ignore[assignment]
@@ -87,7 +89,7 @@ class NativeDecoder:
     def build(cls, model: LlamaForCausalLM) -> NativeDecoder | None:
         """The native stack for `model`'s weights and bound KV pool, or None where it does not fit."""
         lib = cpu_kernels.library()
-        if lib is None or not cpu_kernels.ops.gemm_is_native() or model.embed_tokens is None or model.norm is None:
+        if lib is None or model.embed_tokens is None or model.norm is None:
             return None
         if model.embed_tokens.tp.size != 1 or model.rotary.cos.dtype != torch.float32:
             return None
@@ -101,7 +103,16 @@ class NativeDecoder:
                 return None
             layers.append(native)
         cache_kind = CACHE_KINDS.get(decoder_layers[0].self_attn.attn.k_cache.dtype)
-        return None if cache_kind is None else cls(model, decoder_layers[0], layers, cache_kind)
+        max_rows = min(cls._gemm_rows(layer) for layer in decoder_layers)
+        if cache_kind is None or max_rows < 1:
+            return None
+        return cls(model, decoder_layers[0], layers, cache_kind, max_rows)
+
+    @staticmethod
+    def _gemm_rows(layer: LlamaDecoderLayer) -> int:
+        """Up to how many rows the layer's kernel plans all take the GEMM (no plan: any)."""
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        return min((m.plan.max_rows("gemm") for m in linears if m.plan is not None), default=1 << 62)
 
     @staticmethod
     def _layer(layer: LlamaDecoderLayer) -> _DecoderLayer | None:
@@ -119,8 +130,10 @@ class NativeDecoder:
                              attn.attn.k_scale, attn.attn.v_scale)
 
     def takes(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step's rows all decode, with the kernel's metadata, in bf16."""
-        return (meta.num_decode_tokens == h.shape[0] and not meta.prefills and h.dtype == torch.bfloat16
+        """Whether this step's rows all decode, with the kernel's metadata, in bf16, and are few
+        enough that every linear's kernel plan takes the GEMM (`max_rows`)."""
+        return (meta.num_decode_tokens == h.shape[0] <= self.max_rows and not meta.prefills
+                and h.dtype == torch.bfloat16
                 and meta.decode_block_tables is not None and h.is_contiguous()
                 and positions.dtype == torch.int64)
 

@@ -31,6 +31,13 @@ def available() -> bool:
     return library() is not None
 
 
+def computes_bf16() -> bool:
+    """Whether the loaded kernels multiply bf16 weights with vector instructions (the
+    `avx512bf16` and `avx2` builds), so that a bf16 model is faster here than an fp32 one."""
+    lib = library()
+    return lib is not None and lib.variant != "portable"
+
+
 def use_variant(variant: str | None) -> KernelLibrary | None:
     """Loads `variant` (None: the CPU's own) in place of the current library; for tests."""
     global _library, _loaded
@@ -46,4 +53,4 @@ def enable(model: nn.Module, on: bool) -> None:
             module.native = on  # type: ignore[assignment]
 
 
-__all__ = ["available", "enable", "library", "ops", "use_variant"]
+__all__ = ["available", "computes_bf16", "enable", "library", "ops", "use_variant"]

@@ -1,7 +1,8 @@
 """Compiling pagoda's CPU kernels (`pagoda/csrc/*.cpp`) into shared libraries.
 
-Two variants: `avx512bf16` (x86-64-v4 plus AVX512_BF16 and AVX512_VNNI: Cooper Lake, Zen 4,
-Sapphire Rapids and later) and `portable` (x86-64-v2 on x86, the compiler's default
+Three variants: `avx512bf16` (x86-64-v4 plus AVX512_BF16 and AVX512_VNNI: Cooper Lake, Zen 4,
+Sapphire Rapids and later), `avx2` (x86-64-v3: AVX2, FMA, F16C; Haswell, Zen 1-3 and the
+client cores without AVX-512) and `portable` (x86-64-v2 on x86, the compiler's default
 elsewhere). The loader picks one at run
 time from the CPU's flags. A library's file name carries a hash of the sources and flags,
 so a stale build is never loaded. `make install` runs `python -m pagoda.layers.cpu_kernels`,
@@ -27,6 +28,7 @@ COMMON_FLAGS = ("-O3", "-std=c++20", "-pthread", "-shared", "-fPIC", "-ffp-contr
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")
 VARIANTS: dict[str, tuple[str, ...]] = {
     "avx512bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
+    "avx2": ("-march=x86-64-v3",) if IS_X86 else (),
     "portable": ("-march=x86-64-v2",) if IS_X86 else (),
 }
 

@@ -1,7 +1,7 @@
 """Finding, loading and binding the compiled kernels.
 
 The variant comes from the CPU's flags (`avx512bf16` where AVX-512 F/BW/VL, AVX512_BF16 and
-AVX512_VNNI are all present, else `portable`), or from
+AVX512_VNNI are all present, else `avx2` where AVX2, FMA and F16C are, else `portable`), or from
 PAGODA_CPU_KERNEL_VARIANT. The library is looked up in
 the package's build folder (written by `make install`), then in the user cache; if neither
 holds a build of the current sources, it is compiled into the first writable one, with a
@@ -55,7 +55,7 @@ CACHE_SUFFIXES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 _AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
 # NOTE: build.VARIANTS lists the variants best first; each needs these /proc/cpuinfo flags.
-REQUIRED_FLAGS = {"avx512bf16": _AVX512_BF16}
+REQUIRED_FLAGS = {"avx512bf16": _AVX512_BF16, "avx2": {"avx2", "fma", "f16c", "bmi2"}}
 
 
 def cpu_flags() -> set[str]:
