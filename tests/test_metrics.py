@@ -61,6 +61,7 @@ EXPORTED_TYPES = {
     "pagoda:kv_slots_reserved": "gauge",
     "pagoda:request_failures_total": "counter",
     "pagoda:requests_rejected_total": "counter",
+    "pagoda:kernel_plan_info": "gauge",
     "vllm:spec_decode_num_drafts_total": "counter",
     "vllm:spec_decode_num_draft_tokens_total": "counter",
     "vllm:spec_decode_num_accepted_tokens_total": "counter",

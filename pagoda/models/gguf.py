@@ -12,6 +12,8 @@ its block scales d (and offsets m: Q4_1's m, Q4_0's -8d) as `<name>_scale` / `<n
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -56,12 +58,27 @@ def _field(reader: Any, key: str) -> Any:
     return f.contents()
 
 
-def gguf_tensor_types(path: str) -> dict[str, str]:
-    """Each model tensor's GGUF kind ('Q4_1', 'F32', ...) by HF name without 'model.'."""
+def _reader(path: str) -> Any:
+    """The file's GGUFReader, parsed once per file version in a process.
+
+    NOTE: parsing the metadata (SmolLM2's 49,152 vocabulary strings, one numpy view each) took
+    ~5 s a load on a Zen 3; engines built again on one file (tests, `bench quality`'s schemes,
+    `pagoda tune` then serve) reuse it. The reader maps the file; it reads nothing more."""
+    st = os.stat(path)
+    return _cached_reader(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> Any:
     from gguf import GGUFReader
 
+    return GGUFReader(path)
+
+
+def gguf_tensor_types(path: str) -> dict[str, str]:
+    """Each model tensor's GGUF kind ('Q4_1', 'F32', ...) by HF name without 'model.'."""
     types = {}
-    for tensor in GGUFReader(path).tensors:
+    for tensor in _reader(path).tensors:
         name = hf_name(tensor.name)
         if name is not None:
             types[name.removeprefix("model.")] = tensor.tensor_type.name
@@ -94,10 +111,9 @@ def iter_gguf_weights(path: str, packed: set[str] | None = None) -> Iterator[tup
     Args:
         packed: tensors (HF names without 'model.') to yield as codes and scales instead.
     """
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(path)
+    reader = _reader(path)
     arch = str(_field(reader, "general.architecture"))
     n_head = int(_field(reader, f"{arch}.attention.head_count"))
     n_kv = int(_field(reader, f"{arch}.attention.head_count_kv") or n_head)
