@@ -65,9 +65,17 @@ namespace {
 constexpr int kBlock = 16;              // output columns per vector
 constexpr int kPanel = 2 * kBlock;      // output columns per panel
 constexpr int kPanelPair = 2 * kPanel;  // elements of a panel per k-pair (128 bytes)
+#if defined(PAGODA_AVX2)
+constexpr int kTileRows = 16;           // the AVX2 tile runs groups of 4 rows: tiles of 4 groups
+#else
 constexpr int kTileRows = 12;           // 12 x 2 accumulators + 2 weight vectors of 32 registers
+#endif
 constexpr int kWideRows = 6;            // wide tiles: 6 x 4 accumulators over 2 panels
+#if defined(PAGODA_AVX2)
+constexpr int64_t kWideFrom = int64_t{1} << 62;  // two panels only split the AVX2 tile's groups
+#else
 constexpr int64_t kWideFrom = 96;       // rows from which wide tiles are used
+#endif
 constexpr int kPrefetchRows = 6;        // one tile of fewer rows is bound by memory alone
 constexpr int64_t kChunkPairs = 64;     // 8 KB of a panel
 constexpr int64_t kMaxRowsPerPass = 768;  // rows sharing one pass over the weight
@@ -173,26 +181,33 @@ inline const float* widen_rows(const Rows& rows, int R, int64_t p0, int64_t p1) 
 template <int R, bool PF>
 void avx2_block(const float* xf, int64_t xf_stride, const bf16* w, int64_t p0, int64_t p1, float* sums, bool first) {
   __m256 acc[R][2];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h)
       acc[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kSumsRow + 8 * h);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t p = p0; p < p1; ++p) {
+  const float* xp = xf;
+  for (int64_t p = p0; p < p1; ++p, xp += 2) {
     const bf16* src = w + p * kPanelPair;
     if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
     __m256 we[2], wo[2];
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * h));
       we[h] = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
       wo[h] = _mm256_castsi256_ps(_mm256_and_si256(u, high));
     }
-    const float* xp = xf + 2 * (p - p0);
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 a = _mm256_broadcast_ss(xp + r * xf_stride), b = _mm256_broadcast_ss(xp + r * xf_stride + 1);
+#pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(wo[h], b, _mm256_fmadd_ps(we[h], a, acc[r][h]));
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(sums + r * kSumsRow + 8 * h, acc[r][h]);
 }
 

@@ -244,8 +244,39 @@ void int4_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out
   }
 }
 
+#if defined(PAGODA_AVX2)
+// 16 int8 codes as fp32 (exact).
+inline Vf load_codes(const int8_t* p) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)))};
+}
+
+// int8_rows on 16-lane vectors (groups a multiple of 16 long): each 16 codes serve all M rows.
+template <int M>
+void int8_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
+    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    float y[M] = {};
+    for (int64_t g = 0; g < a.G; ++g) {
+      Vf t[M];
+      for (int m = 0; m < M; ++m) t[m] = vzero();
+      for (int64_t k = g * a.gs; k < (g + 1) * a.gs; k += kLanes) {
+        const Vf w = load_codes(q + k);
+        for (int m = 0; m < M; ++m) t[m] = vfma(w, load(x.xf + m * a.K + k), t[m]);
+      }
+      for (int m = 0; m < M; ++m) y[m] += d[g] * reduce_add(t[m]);
+    }
+    for (int m = 0; m < M; ++m) out[m * a.N + n] = y[m];
+  }
+}
+#endif
+
 template <int M>
 void int8_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+#if defined(PAGODA_AVX2)
+  if (a.gs % kLanes == 0) return int8_rows_avx2<M>(a, x, n0, n1, out);
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
     const auto* d = reinterpret_cast<const float*>(q + a.K);
