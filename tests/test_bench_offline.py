@@ -60,6 +60,12 @@ def test_throughput_both_backends_same_work(tiny_llama: Path, tmp_path: Path) ->
         assert r.num_prompt_tokens == sum(saved["workload"]["input_lens"])
         assert r.output_tokens_per_s == pytest.approx(wanted / r.elapsed_s)
     assert saved["environment"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    # every saved figure names the CPU it was measured on and the kernels it ran
+    from pagoda.layers.cpu_kernels import loader
+
+    assert saved["environment"]["cpu_model"] == loader.cpu_model()
+    assert set(saved["environment"]["cpu_flags"]) <= set(loader.MATRIX_FLAGS)
+    assert saved["environment"]["kernel_variant"] in ("avx512bf16", "avx2", "portable", "none")
 
 
 def test_latency_measures_both_backends(tiny_llama: Path, tmp_path: Path) -> None:

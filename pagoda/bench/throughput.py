@@ -158,7 +158,18 @@ def environment() -> dict[str, Any]:
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
             "torch_num_threads": torch.get_num_threads(), "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "machine": platform.machine(),
-            "processor": platform.processor()}
+            "processor": platform.processor(), **cpu_environment()}
+
+
+def cpu_environment() -> dict[str, Any]:
+    """The CPU model, the flags that pick kernels and matrix units, and the kernel build."""
+    from pagoda.layers import cpu_kernels
+    from pagoda.layers.cpu_kernels import loader
+
+    flags = loader.cpu_flags()
+    lib = cpu_kernels.library()
+    return {"cpu_model": loader.cpu_model(), "cpu_flags": [f for f in loader.MATRIX_FLAGS if f in flags],
+            "kernel_variant": lib.variant if lib is not None else "none"}
 
 
 def write_json(path: str | Path, payload: dict[str, Any]) -> None:

@@ -288,19 +288,9 @@ def plan_key(shapes: Iterable[tuple[Shape, int]], variant: str, threads: int, co
 
 
 def _cpu_identity() -> list[str]:
-    model, flags = "", ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.partition(":")[2].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = " ".join(sorted(line.partition(":")[2].split()))
-    except OSError:
-        import platform
+    from pagoda.layers.cpu_kernels import loader
 
-        model = platform.processor()
-    return [model, flags]
+    return [loader.cpu_model(), " ".join(sorted(loader.cpu_flags()))]
 
 
 def cache_dir() -> Path:

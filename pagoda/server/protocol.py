@@ -26,16 +26,23 @@ class OpenAIBaseModel(BaseModel):
 
 
 def _has_lone_surrogate(value: Any) -> bool:
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value if isinstance(v, (str, dict, list)))
+    """Whether any string in `value` (nested dicts and lists, keys too) is not valid Unicode.
+
+    NOTE: a walk with an explicit stack, not recursion: a body nested 10,000 deep (a JSON
+    schema, a message) must be a clear answer, not a RecursionError."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return False
 
 

@@ -67,6 +67,19 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+# The flags that decide which kernels and matrix units a CPU has (named beside every figure).
+MATRIX_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_model() -> str:
+    """/proc/cpuinfo's model name ('' where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((x.partition(":")[2].strip() for x in f if x.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def pick_variant() -> str:
     forced = os.environ.get("PAGODA_CPU_KERNEL_VARIANT")
     if forced:
