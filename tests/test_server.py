@@ -531,3 +531,30 @@ def test_example_client(server: ServerProcess, model_id: str, caplog: pytest.Log
     with pytest.raises(openai.APIConnectionError):
         quick(dead, model_id, messages, 6, 0.0)
     assert quick.statistics["attempt_number"] == 3
+
+
+def _nested_schema(depth: int) -> str:
+    """A JSON schema `depth` objects deep, as text (json.dumps itself stops near 1,000)."""
+    return '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + "}}" * depth
+
+
+@pytest.mark.parametrize("depth", [500, 10_000])
+def test_bodies_nested_deep_get_a_clear_answer_never_a_500(http: httpx.Client, model_id: str, depth: int) -> None:
+    """A schema, tool parameters or messages nested thousands deep: a 400 (or an answer), never a
+    500 or a traceback, and the server keeps serving."""
+    head = f'{{"model":"{model_id}","max_tokens":2,'
+    user = '"messages":[{"role":"user","content":"hi"}]'
+    bodies = {
+        "response_format": head + user + ',"response_format":{"type":"json_schema","json_schema":'
+                           f'{{"name":"x","schema":{_nested_schema(depth)}}}}}}}',
+        "tools": head + user + f',"tools":[{{"type":"function","function":{{"name":"f","parameters":'
+                 f'{_nested_schema(depth)}}}}}]}}',
+        "messages": head + '"messages":' + "[" * depth + "]" * depth + "}",
+    }
+    for what, body in bodies.items():
+        r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code in (200, 400), (what, r.status_code, r.text[:300])
+        assert "Traceback" not in r.text and "RecursionError" not in r.text, (what, r.text[:300])
+        if r.status_code == 400:
+            assert r.json()["error"]["message"], what
+    assert http.get("/health").status_code == 200
