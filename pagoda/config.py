@@ -148,6 +148,12 @@ class LimitsConfig:
         max_logit_bias: most entries in a request's logit_bias.
         max_queued_requests: most sequences waiting to be scheduled (a request with n
             samples counts n); beyond it the server answers 429.
+        max_guided_choices: most strings in a `choice` constraint.
+        max_grammar_bytes: longest grammar, regex or choice list (in UTF-8 bytes).
+        max_grammar_rules: most rules in a Lark or GBNF grammar.
+        max_schema_depth: deepest nesting of a JSON schema (objects and arrays).
+    The grammar limits are checked before anything compiles: a 3,000-rule grammar crashed
+    the grammar library's native code, and a 60,000-entry choice held a worker for a minute.
     """
 
     max_n: int | None = None
@@ -156,13 +162,18 @@ class LimitsConfig:
     max_stop_str_chars: int = 1024
     max_logit_bias: int = 1024
     max_queued_requests: int = 1024
+    max_guided_choices: int = 2048
+    max_grammar_bytes: int = 65536
+    max_grammar_rules: int = 1000
+    max_schema_depth: int = 128
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_prompt_chars"):
             value = getattr(self, name)
             _check(value is None or value > 0, name, value, "must be positive")
         for name in ("max_stop_sequences", "max_stop_str_chars", "max_logit_bias",
-                     "max_queued_requests"):
+                     "max_queued_requests", "max_guided_choices", "max_grammar_bytes",
+                     "max_grammar_rules", "max_schema_depth"):
             value = getattr(self, name)
             _check(value > 0, name, value, "must be positive")
 

@@ -79,7 +79,7 @@ class InputProcessor:
         self.limits = limits
         self.max_prompt_chars = limits.max_prompt_chars or 32 * max_model_len
         self.max_n = limits.max_n or 1
-        self.grammars = GrammarCompiler(tokenizer, vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, limits=limits)
 
     # ---- text ----------------------------------------------------------------------------
     def check_text(self, text: str, param: str = "prompt") -> None:

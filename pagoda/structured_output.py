@@ -21,12 +21,15 @@ which lets small models loop on newlines until max_tokens) unless the request as
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from pagoda.config import LimitsConfig
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -137,7 +140,9 @@ class GrammarCompiler:
         cache_size: compiled constraints kept.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = 256) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, cache_size: int = 256,
+                 limits: LimitsConfig | None = None) -> None:
+        self.limits = limits or LimitsConfig()
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._ll_tokenizer: Any = None
@@ -146,7 +151,9 @@ class GrammarCompiler:
         self._lock = threading.Lock()
 
     def compile(self, params: StructuredOutputsParams, param: str = "structured_outputs") -> Grammar:
-        """A fresh `Grammar` for `params`; raises `GrammarError` naming `param` if invalid."""
+        """A fresh `Grammar` for `params`; raises `GrammarError` naming `param` if invalid or
+        over a limit (checked before any compiling)."""
+        check_limits(params, self.limits, param)
         key = params.cache_key()
         with self._lock:
             template = self._cache.get(key)
@@ -168,10 +175,10 @@ class GrammarCompiler:
         except Exception as e:  # noqa: BLE001 - the text is the user's: any conversion failure is theirs
             # NOTE: llguidance's GBNF converter raises its own GbnfToLarkError, and a bare
             # Exception for a grammar without a root rule (both found by the fuzzer).
-            raise GrammarError(f"Invalid {params.kind} in {param}: {e}", param) from e
+            raise GrammarError(f"Invalid {params.kind} in {param}: {library_message(str(e))}", param) from e
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"Invalid {params.kind} in {param}: {matcher.get_error()}", param)
+            raise GrammarError(f"Invalid {params.kind} in {param}: {library_message(matcher.get_error())}", param)
         return matcher
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
@@ -209,6 +216,70 @@ class GrammarCompiler:
             self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer,
                                                               n_vocab=self.vocab_size)
         return self._ll_tokenizer
+
+
+def library_message(text: str, limit: int = 500) -> str:
+    """The grammar library's error as a user may read it: no Rust panic location or backtrace,
+    at most `limit` characters."""
+    for marker in ("panicked at", "<backtrace>", "stack backtrace", "Backtrace"):
+        if marker in text:
+            cut = text.index(marker)
+            line_start = text.rfind("\n", 0, cut)
+            text = text[:line_start if line_start >= 0 else cut].rstrip(" :\n")
+            text = text or "the grammar compiler failed on this input"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+_LARK_RULE = re.compile(r"^\s*[?!]?[A-Za-z_][\w.]*\s*(?::|::=)", re.MULTILINE)
+
+
+def check_limits(params: StructuredOutputsParams, limits: LimitsConfig, param: str) -> None:
+    """Refuses a constraint over a size limit, before it reaches the grammar library."""
+    kind = params.kind
+
+    def refuse(what: str, value: int, flag: str, limit: int) -> None:
+        if value > limit:
+            raise GrammarError(f"The {kind} in {param} has {value} {what}; the limit is {limit} "
+                               f"(--{flag}).", param)
+
+    if kind == "choice":
+        assert params.choice is not None
+        refuse("choices", len(params.choice), "max-guided-choices", limits.max_guided_choices)
+        refuse("bytes", sum(len(c.encode("utf-8", "surrogatepass")) for c in params.choice),
+               "max-grammar-bytes", limits.max_grammar_bytes)
+    elif kind in ("regex", "grammar"):
+        text = params.regex if kind == "regex" else params.grammar
+        assert text is not None
+        refuse("bytes", len(text.encode("utf-8", "surrogatepass")), "max-grammar-bytes", limits.max_grammar_bytes)
+        if kind == "grammar":
+            refuse("rules", len(_LARK_RULE.findall(text)), "max-grammar-rules", limits.max_grammar_rules)
+    elif kind == "json" and params.json is not None:
+        if isinstance(params.json, str):
+            refuse("bytes", len(params.json.encode("utf-8", "surrogatepass")), "max-grammar-bytes",
+                   limits.max_grammar_bytes * 16)
+            try:
+                schema: Any = json.loads(params.json)
+            except (ValueError, RecursionError):
+                return  # NOTE: the compile step reports an invalid schema text as such
+        else:
+            schema = params.json
+        refuse("levels of nesting", nesting_depth(schema, limits.max_schema_depth + 1), "max-schema-depth",
+               limits.max_schema_depth)
+
+
+def nesting_depth(value: Any, stop: int) -> int:
+    """How deep dicts and lists nest in `value` (a scalar: 0), counted without recursion and
+    no further than `stop`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if not isinstance(item, (dict, list)):
+            continue
+        deepest = max(deepest, depth)
+        if depth >= stop:
+            return deepest
+        stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -194,6 +194,64 @@ def test_compiles_are_cached(tiny_llama, smollm2_tokenizer_dir):
     assert len(compiler._cache) == 1 and first is not second
 
 
+def _deep_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("so, message", [
+    (StructuredOutputsParams(choice=[f"c{i}" for i in range(2049)]), r"2049 choices; the limit is 2048 \(--max-guided-choices\)"),
+    (StructuredOutputsParams(choice=["x" * 70_000]), r"70000 bytes; the limit is 65536 \(--max-grammar-bytes\)"),
+    (StructuredOutputsParams(grammar="start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3000)) + 'r3000: "a"'),
+     r"3002 rules; the limit is 1000 \(--max-grammar-rules\)"),
+    (StructuredOutputsParams(grammar="root ::= r0\n" + "".join(f"r{i} ::= r{i + 1}\n" for i in range(1500)) + 'r1500 ::= "a"'),
+     r"rules; the limit is 1000"),
+    (StructuredOutputsParams(regex="a" * 70_000), r"--max-grammar-bytes"),
+    (StructuredOutputsParams(json=_deep_schema(10_000)), r"levels of nesting; the limit is 128 \(--max-schema-depth\)"),
+    (StructuredOutputsParams(json=json.dumps(_deep_schema(100))), r"--max-schema-depth"),
+])
+def test_constraints_over_a_limit_are_refused_before_compiling(smollm2_tokenizer_dir, monkeypatch, so, message):
+    """A 3,000-rule grammar crashed the grammar library (issue 23), a 60,000-entry choice held a
+    worker for a minute: each limit refuses its input with the flag's name, and nothing reaches
+    the library."""
+    from transformers import AutoTokenizer
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), 49152)
+    monkeypatch.setattr(compiler, "_build", lambda *a: pytest.fail("compiled an input over a limit"))
+    with pytest.raises(GrammarError, match=message) as info:
+        compiler.compile(so, "response_format")
+    assert info.value.param == "response_format"
+
+
+def test_limits_follow_the_config_and_an_input_within_them_compiles(smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from pagoda.config import LimitsConfig
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    tight = GrammarCompiler(tok, 49152, limits=LimitsConfig(max_guided_choices=2, max_schema_depth=3))
+    with pytest.raises(GrammarError, match="3 choices; the limit is 2"):
+        tight.compile(StructuredOutputsParams(choice=["a", "b", "c"]))
+    with pytest.raises(GrammarError, match="levels of nesting; the limit is 3"):
+        tight.compile(StructuredOutputsParams(json=_deep_schema(2)))
+    tight.compile(StructuredOutputsParams(choice=["a", "b"]))
+    GrammarCompiler(tok, 49152).compile(StructuredOutputsParams(json=_deep_schema(30)))
+    with pytest.raises(ValueError, match="max_schema_depth"):
+        LimitsConfig(max_schema_depth=0)
+
+
+def test_library_panics_reach_no_user() -> None:
+    from pagoda.structured_output import library_message
+
+    text = ("capacity overflow\nthread '<unnamed>' panicked at src/lib.rs:12:5:\n<backtrace>\n  0: rust_begin_unwind")
+    assert library_message(text) == "capacity overflow"
+    assert library_message("panicked at src/x.rs:1:1") == "the grammar compiler failed on this input"
+    assert library_message("x" * 2000).endswith("...") and len(library_message("x" * 2000)) == 503
+    assert library_message("expected ':' at line 2") == "expected ':' at line 2"
+
+
 # ---- the real SmolLM2 ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2() -> LLM:

@@ -60,6 +60,8 @@ ENGINE_FLAGS = {
     "max_n": "max_n", "max_prompt_chars": "max_prompt_chars",
     "max_stop_sequences": "max_stop_sequences", "max_stop_str_chars": "max_stop_str_chars",
     "max_logit_bias": "max_logit_bias", "max_queued_requests": "max_queued_requests",
+    "max_guided_choices": "max_guided_choices", "max_grammar_bytes": "max_grammar_bytes",
+    "max_grammar_rules": "max_grammar_rules", "max_schema_depth": "max_schema_depth",
     "speculative_config": "speculative_config", "quantization": "quantization",
     "quantization_group_size": "quantization_group_size", "kv_cache_dtype": "kv_cache_dtype",
 }
@@ -212,6 +214,14 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest stop string (default 1024)")
     limits.add_argument("--max-logit-bias", type=positive_int, default=None,
                         help="most logit_bias entries per request (default 1024)")
+    limits.add_argument("--max-guided-choices", type=positive_int, default=None,
+                        help="most strings in a choice constraint (default 2048)")
+    limits.add_argument("--max-grammar-bytes", type=positive_int, default=None,
+                        help="longest grammar, regex or choice list, in bytes (default 65536)")
+    limits.add_argument("--max-grammar-rules", type=positive_int, default=None,
+                        help="most rules in a Lark or GBNF grammar (default 1000)")
+    limits.add_argument("--max-schema-depth", type=positive_int, default=None,
+                        help="deepest nesting of a JSON schema, in objects and lists (default 128)")
     limits.add_argument("--max-request-body-bytes", type=byte_size,
                         default=str(DEFAULT_MAX_REQUEST_BODY_BYTES),
                         help="larger bodies get 413 (default 16MiB)")
