@@ -42,6 +42,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop is not running (it died, or was shut down)."""
 
 
+class StreamCutError(RuntimeError):
+    """The server ended a request before it finished (shutdown after --drain-timeout)."""
+
+
 class QueueFullError(RuntimeError):
     """Too many sequences wait already; the server answers 429 with `Retry-After`."""
 
@@ -166,6 +170,16 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", (request_id,))
+
+    def cut_streams(self, reason: str) -> int:
+        """Ends every open stream with `StreamCutError(reason)` and aborts its request, one log
+        line each; returns how many were cut."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            logger.warning("request %s cut: %s", request_id, reason)
+            self._deliver(request_id, StreamCutError(reason))
+            self._send("abort", (request_id,))
+        return len(request_ids)
 
     def _send(self, command: str, args: tuple) -> None:
         self._commands.append((command, args))

@@ -558,3 +558,32 @@ def test_bodies_nested_deep_get_a_clear_answer_never_a_500(http: httpx.Client, m
         if r.status_code == 400:
             assert r.json()["error"]["message"], what
     assert http.get("/health").status_code == 200
+
+
+def test_streams_cut_at_the_drain_timeout_end_with_an_error_then_done(tiny_llama: Path):
+    """SIGTERM with --drain-timeout 0.2 while a long stream runs: the stream ends with an error
+    event naming the cut, then [DONE] (never a silent close that passes for a whole answer);
+    the log has one line per cut request and no traceback; the process exits 0."""
+    srv = start_server(tiny_llama, "--num-kv-blocks", "512", "--drain-timeout", "0.2")
+    try:
+        # NOTE: 16 sequences of 480 tokens: seconds of work, far more than the 0.2 s drain
+        body = {"prompt": "cut", "max_tokens": 480, "n": 16, "ignore_eos": True, "stream": True}
+        lines: list[str] = []
+        with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            with c.stream("POST", "/v1/completions", json={**body, "model": model}) as r:
+                it = r.iter_lines()
+                lines.extend(next(it) for _ in range(2))
+                srv.proc.send_signal(signal.SIGTERM)
+                lines.extend(it)
+        events = sse_events(lines)
+        assert events[-1] == "[DONE]"
+        error = events[-2]
+        assert isinstance(error, dict) and "error" in error, events[-3:]
+        assert "cut" in error["error"]["message"] and "drain-timeout" in error["error"]["message"]
+        assert srv.proc.wait(30) == 0
+        log = srv.log()
+        assert log.count(" cut: the server is shutting down") == 1, log[-2000:]
+        assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
+    finally:
+        srv.stop()

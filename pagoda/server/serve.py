@@ -317,6 +317,9 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
     return 0
 
 
+CUT_GRACE_S = 1.0
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn, but the first SIGTERM drains instead of stopping at once."""
 
@@ -325,6 +328,7 @@ class DrainingServer(uvicorn.Server):
         self.ctx = ctx
         self.drain_timeout = drain_timeout
         self.drain_started: float | None = None
+        self.cut_at: float | None = None
         self.engine_died = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -348,10 +352,18 @@ class DrainingServer(uvicorn.Server):
             self.engine_died = self.should_exit = True
         if self.drain_started is not None and not self.should_exit:
             waited = time.monotonic() - self.drain_started
-            if self.ctx.num_active_requests == 0 or waited > self.drain_timeout:
+            if self.ctx.num_active_requests == 0 or (self.cut_at is not None
+                                                     and time.monotonic() - self.cut_at > CUT_GRACE_S):
                 logger.info("drained after %.1f s; %d request(s) left", waited,
                             self.ctx.num_active_requests)
                 self.should_exit = True
+            elif waited > self.drain_timeout and self.cut_at is None:
+                # NOTE: the open streams end with an error event and [DONE] (non-streamed
+                # requests with a 503) before the server stops, so that no cut answer passes
+                # for a finished one; uvicorn gets CUT_GRACE_S to write them.
+                self.ctx.engine.cut_streams(f"the server is shutting down (--drain-timeout {self.drain_timeout:g} s "
+                                            "expired)")
+                self.cut_at = time.monotonic()
         return await super().on_tick(counter)
 
     async def startup(self, sockets: Any = None) -> None:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pagoda.async_engine import EngineDeadError, QueueFullError
+from pagoda.async_engine import EngineDeadError, QueueFullError, StreamCutError
 from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -43,6 +43,8 @@ class EngineClient(Protocol):
     def check_queue(self, num_sequences: int) -> None: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def cut_streams(self, reason: str) -> int: ...
 
     def check_health(self) -> tuple[bool, str]: ...
 
@@ -249,6 +251,9 @@ class Generation:
         except EngineDeadError as e:
             # NOTE: 503, as /health answers: this replica cannot serve; retry on another one.
             raise APIError(503, f"The engine is not running: {e}") from e
+        except StreamCutError as e:
+            # NOTE: a stream's error event then [DONE]: a cut answer must not pass for a whole one.
+            raise APIError(503, f"The request was cut before it finished: {e}") from e
         except Exception as e:  # NOTE: a bug on this side; the client gets a 500.
             logger.exception("generation %s failed", self.request_id)
             raise APIError(500, f"{type(e).__name__}: {e}") from e
