@@ -68,6 +68,10 @@ def test_parallel_greedy_equals_one_process(tiny_llama: Path, expected: list[lis
         llm.engine.shutdown()
 
 
+# NOTE: slow: 59 s on a 2-vCPU Zen 3 (three workers each load the real GGUF), which took the
+# default suite past its 10 minutes there; the tiny-model layouts above (TP 2, PP 2, TP x PP)
+# keep greedy equality with one process in every `make test`. Run it with `pytest -m slow`.
+@pytest.mark.slow
 def test_smollm2_tensor_parallel_3_equals_one_process():
     questions = ["What is the capital of France?", "Write a haiku about the sea."]
     one = LLM("smollm2", max_model_len=512, kv_cache_memory="128MiB", dtype="float32")
