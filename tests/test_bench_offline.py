@@ -81,3 +81,28 @@ def test_latency_measures_both_backends(tiny_llama: Path, tmp_path: Path) -> Non
         assert r.batch_size == 2 and r.output_len == 6
     saved = json.loads(out.read_text())
     assert set(saved["results"][0]["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+
+
+def test_random_model_of_a_shape_loads_and_serves(tmp_path: Path) -> None:
+    """`bench random-model` writes a Llama directory with SmolLM2's tokenizer that pagoda loads:
+    greedy tokens equal transformers' on the same random weights (fp32), at a tiny shape here."""
+    import transformers
+
+    from pagoda import LLM, SamplingParams
+    from pagoda.bench import random_model
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16)
+    out = random_model.build("tiny", tmp_path / "m", seed=1, dims=dims)
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (64, 2, 49152)
+    llm = LLM(str(out), dtype="float32", num_kv_blocks=32, max_model_len=256)
+    prompt = [1, 504, 3287, 314, 5711]
+    got = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, 5:]
+    assert list(got) == want.tolist()
+    with pytest.raises(ValueError, match="unknown shape 'llama-2b'"):
+        random_model.build("llama-2b", tmp_path / "x")
+    assert set(random_model.SHAPES) == {"smollm2-135m", "llama-1b", "llama-8b"}

