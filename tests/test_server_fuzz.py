@@ -111,8 +111,10 @@ def one_edge_bodies(draw: st.DrawFn) -> dict:
     return body
 
 
+# NOTE: 120 examples (was 200): ~13 s instead of ~21 on a 2-vCPU Zen 3, where the default suite
+# had reached its 10 minutes; each field's edge is still drawn ~8 times (one field per body).
 @given(body=one_edge_bodies())
-@settings(max_examples=200, deadline=None, database=None,
+@settings(max_examples=120, deadline=None, database=None,
           suppress_health_check=list(HealthCheck))
 def test_one_extreme_value_never_gets_a_500(fuzz_client: httpx.Client, body: dict) -> None:
     """Valid bodies but for one field at or beyond its edge (hostile, not random)."""
