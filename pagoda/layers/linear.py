@@ -2,16 +2,15 @@
 
 Fused projections (q/k/v, gate/up) are one GEMM each; the checkpoint's separate tensors are
 copied into their slice by shard index, so the loader stays a dictionary lookup.
-On CPUs with native bf16, `prepack_for_cpu` stores bf16 weights in oneDNN's blocked layout
-once, after loading: the same results bit for bit, 1.4-3x faster matrix products.
-With the native kernels on (`native`, set by the model runner), a bf16 product of at most
-`GEMV_MAX_ROWS` rows (a decode step of a few sequences, the LM head of one) runs the GEMV
-kernel on the plain weight instead: fp32 sums of exact bf16 products, so it differs from
-F.linear only in summation order (within one bf16 rounding of the output).
-Where the kernels have native bf16 dot products (the `avx512bf16` build), `prepack_for_cpu`
-packs each bf16 weight for the small-M GEMM kernel instead (`gemm_weight`, the only copy kept),
-which then computes every product of the layer, with the same numerics as the GEMV; int8
-(per channel) and int4 quantized layers are repacked for its quantized variants the same way.
+On CPU with the native kernels, the engine gives each bf16 layer its shape's kernel plan
+(`plan`, kernel_plan.py: which of the GEMV on the plain weight, the small-M GEMM on packed
+panels, oneDNN's prepacked copy or F.linear runs each row count, chosen by measurement), and
+`prepack_for_cpu(model, plan=...)` keeps just the storages those paths read. All compute fp32
+sums of exact bf16 products, rounded once, so they differ only in summation order.
+Without a plan (`prepack_for_cpu(model)`: kernels off, other devices) the fixed rules hold:
+the GEMM's panels where the `avx512bf16` build loads, else oneDNN's copy plus the plain weight
+for GEMV steps of at most `GEMV_MAX_ROWS` rows; int8 (per channel) and int4 quantized layers
+are repacked for the GEMM's quantized variants on the `avx512bf16` build.
 How the weight is stored and applied is the layer's linear method (`method`): unquantized
 (the paths above) by default; `pagoda.layers.quantization` swaps in packed int8/int4 or fp8
 methods after loading, or prepares GGUF-packed ones before it, without changing the layer's
