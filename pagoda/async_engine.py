@@ -95,7 +95,7 @@ class AsyncLLM:
         return self._dead_reason
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Validates the request (tokenizing text off the event loop), then streams it.
 
         Raises:
@@ -103,11 +103,12 @@ class AsyncLLM:
             QueueFullError: too many sequences are waiting.
             EngineDeadError: the engine loop is not running.
         """
+        await self.processor.prepare_grammar(sampling_params)
         if isinstance(prompt, str):
             req = await asyncio.to_thread(self.processor.process, request_id, prompt,
-                                          sampling_params)
+                                          sampling_params, priority=priority)
         else:
-            req = self.processor.process(request_id, prompt, sampling_params)
+            req = self.processor.process(request_id, prompt, sampling_params, priority=priority)
         async for out in self.generate_request(req):
             yield out
 
@@ -247,7 +248,9 @@ class AsyncLLM:
                     last_log = time.monotonic()
                     self._log_stats()
         except BaseException as exc:  # noqa: BLE001 - report, then fail every waiting stream
-            logger.critical("Engine loop died", exc_info=exc)
+            # NOTE: a fatal error (a dead worker) is known and named: one line, no traceback.
+            logger.critical("Engine loop died: %s: %s", type(exc).__name__, exc,
+                            exc_info=None if getattr(exc, "fatal", False) else exc)
             self._dead_reason = f"{type(exc).__name__}: {exc}"
             self._fail_streams()
 
@@ -259,8 +262,10 @@ class AsyncLLM:
                 logger.exception("Stat logger %s failed", type(stat_logger).__name__)
 
     def _fail_streams(self) -> None:
+        reason = self._dead_reason or "engine stopped"
         for request_id in list(self._streams):
-            self._deliver(request_id, EngineDeadError(self._dead_reason or "engine stopped"))
+            logger.warning("request %s cut: %s", request_id, reason)
+            self._deliver(request_id, EngineDeadError(reason))
 
     def _drain_commands(self) -> None:
         while self._commands:

@@ -119,6 +119,8 @@ class SchedulerConfig:
         max_num_seqs: most requests in one step.
         max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
         max_model_len: filled in from the model when the engine starts.
+        scheduling_policy: "fcfs" (arrival order, groups in turn) or "priority" (vLLM's: a request's
+            `priority`, lower first, then as fcfs; preemption takes the worst first).
     """
 
     max_num_seqs: int = 256
@@ -127,8 +129,11 @@ class SchedulerConfig:
     # tok/s; docs/benchmarks.md). The offline LLM, which wants throughput, uses 4096.
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
+               self.scheduling_policy, "must be fcfs or priority")
         _check(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be positive")
         _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens",
                self.max_num_batched_tokens, "must be positive")
@@ -152,8 +157,13 @@ class LimitsConfig:
         max_grammar_bytes: longest grammar, regex or choice list (in UTF-8 bytes).
         max_grammar_rules: most rules in a Lark or GBNF grammar.
         max_schema_depth: deepest nesting of a JSON schema (objects and arrays).
+        grammar_compile_workers: processes that compile grammars (0: compile in the engine's
+            own process, unprotected).
+        grammar_compile_timeout: longest one grammar may take to compile, in seconds.
+        grammar_compile_memory: each compiling process's address-space limit, in MiB (0: none).
     The grammar limits are checked before anything compiles: a 3,000-rule grammar crashed
     the grammar library's native code, and a 60,000-entry choice held a worker for a minute.
+    What passes them still compiles in a separate process (`GrammarSandbox`).
     """
 
     max_n: int | None = None
@@ -166,6 +176,9 @@ class LimitsConfig:
     max_grammar_bytes: int = 65536
     max_grammar_rules: int = 1000
     max_schema_depth: int = 128
+    grammar_compile_workers: int = 2
+    grammar_compile_timeout: float = 10.0
+    grammar_compile_memory: int = 2048
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_prompt_chars"):
@@ -173,9 +186,12 @@ class LimitsConfig:
             _check(value is None or value > 0, name, value, "must be positive")
         for name in ("max_stop_sequences", "max_stop_str_chars", "max_logit_bias",
                      "max_queued_requests", "max_guided_choices", "max_grammar_bytes",
-                     "max_grammar_rules", "max_schema_depth"):
+                     "max_grammar_rules", "max_schema_depth", "grammar_compile_timeout"):
             value = getattr(self, name)
             _check(value > 0, name, value, "must be positive")
+        for name in ("grammar_compile_workers", "grammar_compile_memory"):
+            value = getattr(self, name)
+            _check(value >= 0, name, value, "must be 0 or more")
 
     def resolved(self, max_num_seqs: int, max_model_len: int) -> LimitsConfig:
         """A copy with the defaults that depend on the engine filled in."""

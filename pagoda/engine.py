@@ -47,8 +47,8 @@ class LLMEngine:
         self.max_model_len = parts.config.scheduler.max_model_len
         self.eos_token_ids = parts.eos_token_ids
         self.block_bytes = parts.block_bytes
-        self.processor = InputProcessor(parts.tokenizer, parts.vocab_size,
-                                        self.max_model_len, parts.config.limits)
+        self.processor = InputProcessor(parts.tokenizer, parts.vocab_size, self.max_model_len,
+                                        parts.config.limits, config.scheduler.scheduling_policy)
         self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.block_manager)
@@ -69,7 +69,7 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, priority: int = 0) -> str:
         """Validates and queues a request; returns its id.
 
         Raises:
@@ -78,7 +78,8 @@ class LLMEngine:
         """
         request_id = request_id if request_id is not None else str(next(self._ids))
         self._check_new_id(request_id)
-        return self.add_processed(self.processor.process(request_id, prompt, params, arrival_time))
+        return self.add_processed(self.processor.process(request_id, prompt, params, arrival_time,
+                                                         priority=priority))
 
     def add_processed(self, req: EngineRequest) -> str:
         """Queues a request that `self.processor` already validated; returns its id."""
@@ -89,7 +90,8 @@ class LLMEngine:
         children = [
             Request(req.request_id, req.prompt_token_ids,
                     params.for_child(i) if params.n > 1 else params, self.eos_token_ids,
-                    req.arrival_time, self.max_model_len, sample_index=i, grammar=grammars[i])
+                    req.arrival_time, self.max_model_len, sample_index=i, grammar=grammars[i],
+                    priority=req.priority, group=req.group)
             for i in range(params.n)
         ]
         self.states[req.request_id] = RequestState(req.request_id, req.prompt, children,
@@ -299,7 +301,8 @@ class LLMEngine:
         }
 
     def shutdown(self) -> None:
-        """Stops what runs beside the engine (parallel workers); idempotent."""
+        """Stops what runs beside the engine (parallel workers, grammar compilers); idempotent."""
+        self.processor.close()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()

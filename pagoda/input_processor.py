@@ -50,6 +50,8 @@ class EngineRequest:
     arrival_time: float
     prompt: str | None = None
     grammar: Grammar | None = None
+    priority: int = 0
+    group: str | None = None  # requests that share one share the scheduler's turns
 
 
 def check_unicode(text: str, param: str) -> None:
@@ -69,11 +71,13 @@ class InputProcessor:
         vocab_size: the model's vocabulary (its embedding rows): valid ids are below it.
         max_model_len: the context length.
         limits: resolved limits (`LimitsConfig.resolved`).
+        scheduling_policy: the scheduler's; a nonzero `priority` needs "priority".
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
-                 limits: LimitsConfig) -> None:
+                 limits: LimitsConfig, scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
+        self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.limits = limits
@@ -117,6 +121,12 @@ class InputProcessor:
         if len(token_ids) >= self.max_model_len:
             raise PromptTooLongError(len(token_ids), self.max_model_len)
 
+    def check_priority(self, priority: int) -> None:
+        if priority != 0 and self.scheduling_policy != "priority":
+            raise SamplingParamError(
+                "priority", f"Got priority {priority} but priority scheduling is not enabled "
+                            "(--scheduling-policy priority).")
+
     def check_params(self, params: SamplingParams) -> SamplingParams:
         """Checks `params` against the model and the limits; returns them, maybe clamped."""
         limits = self.limits
@@ -158,13 +168,26 @@ class InputProcessor:
                     name, f"Token id {bad} in {name} is out of vocabulary (size {self.vocab_size}).")
 
     # ---- the whole request ---------------------------------------------------------------
+    async def prepare_grammar(self, params: SamplingParams,
+                              structured_param: str = "structured_outputs") -> None:
+        """Compiles the request's constraint, if any, into the cache on the compiler's own
+        threads; `process` then finds it there. Raises `GrammarError` as `process` would."""
+        if params.structured_outputs is not None:
+            await self.grammars.prepare(params.structured_outputs, structured_param)
+
+    def close(self) -> None:
+        self.grammars.close()
+
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float | None = None, prompt_text: str | None = None,
-                structured_param: str = "structured_outputs") -> EngineRequest:
+                structured_param: str = "structured_outputs", priority: int = 0,
+                group: str | None = None) -> EngineRequest:
         """Tokenizes (when given text), validates and compiles one request's constraint.
 
         Args:
             structured_param: the request field a grammar error names (e.g. response_format).
+            priority: vLLM's (lower is sooner); only under the "priority" policy.
+            group: the requests one client sent at once share one (default: this request).
 
         Raises:
             ValueError: with `param` naming the offending field.
@@ -175,6 +198,7 @@ class InputProcessor:
             token_ids = self.tokenize(prompt)
         else:
             token_ids = list(prompt)
+        self.check_priority(priority)
         self.check_prompt(token_ids)
         params = self.check_params(params)
         grammar = None
@@ -182,4 +206,4 @@ class InputProcessor:
             grammar = self.grammars.compile(params.structured_outputs, structured_param)
         return EngineRequest(request_id, token_ids, params,
                              time.time() if arrival_time is None else arrival_time, prompt_text,
-                             grammar)
+                             grammar, priority, group)

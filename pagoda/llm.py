@@ -50,11 +50,18 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Generates for every prompt; returns outputs in the prompts' order."""
+                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Generates for every prompt; returns outputs in the prompts' order.
+
+        `priority` (one per prompt, lower is sooner) needs `scheduling_policy="priority"`."""
         prompt_list = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompt_list))
-        ids = [self.engine.add_request(None, p, sp) for p, sp in zip(prompt_list, params, strict=True)]
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts.")
+        ids = [self.engine.add_request(None, p, sp, priority=pr)
+               for p, sp, pr in zip(prompt_list, params, priorities, strict=True)]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],

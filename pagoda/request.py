@@ -44,9 +44,13 @@ class Request:
         max_model_len: int | None = None,
         sample_index: int = 0,
         grammar: Grammar | None = None,
+        priority: int = 0,
+        group: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
+        self.priority = priority  # NOTE: vLLM's meaning: lower is served first ("priority" policy)
+        self.group = request_id if group is None else group  # what one client asked at once
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids or set()

@@ -1,9 +1,14 @@
 """Continuous batching under a token budget, with no prefill or decode phase.
 
 Each request only has `num_computed_tokens` and `num_tokens`; a step gives each running
-request, then each waiting one in arrival order, as many of its uncomputed tokens as the
-budget allows, so long prompts are chunked and prefills share steps with decodes. When the
-pool runs dry the newest running request is preempted (its blocks freed, to be recomputed).
+request, then each waiting one in the `RequestQueue`'s order (arrival, with many-prompt
+requests taking turns with others; priority first under the "priority" policy), as many of
+its uncomputed tokens as the budget allows, so long prompts are chunked and prefills share
+steps with decodes. When the pool runs dry the newest running request (under "priority":
+the worst, then newest) is preempted (its blocks freed, to be recomputed). When the next
+waiting request's group holds no seat while another holds several, it gets a seat (taken
+back from the group holding the most if all `max_num_seqs` are taken) and a share of the
+step's tokens, so one client's 1,000 prompts cannot hold every seat nor every prefill.
 A running request's drafted tokens (`spec_token_ids`) are scheduled with it as extra tokens
 when the budget has room; drafts that do not fit are dropped, never the real tokens.
 """
@@ -11,12 +16,13 @@ when the budget has room; drafts that do not fit are dropped, never the real tok
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from pagoda.block_manager import BlockManager
 from pagoda.config import SchedulerConfig
 from pagoda.request import Request, RequestStatus
+from pagoda.request_queue import RequestQueue
 
 
 @dataclass
@@ -26,6 +32,7 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    seat_preemptions: int = 0  # of `preempted`, those that gave a seat to another group
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -35,12 +42,20 @@ class SchedulerOutput:
         self.requests.append(request)
         self.num_scheduled_tokens.append(num_tokens)
 
+    def unschedule(self, request: Request) -> int:
+        """Takes `request` out of this step; returns the tokens it had (0 if not in it)."""
+        for i, scheduled in enumerate(self.requests):
+            if scheduled is request:
+                del self.requests[i]
+                return self.num_scheduled_tokens.pop(i)
+        return 0
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.requests: dict[tuple[str, int], Request] = {}
         self.num_preemptions = 0
@@ -54,10 +69,36 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
+        total = self.config.max_num_batched_tokens
+        reserve = self._make_room(out, total)
+        budget = self._schedule_running(out, total - reserve)
+        if len(out.preempted) == out.seat_preemptions:  # NOTE: no room was short
+            self._schedule_waiting(out, budget + reserve)
         return out
+
+    def _make_room(self, out: SchedulerOutput, total: int) -> int:
+        """Room for a waiting request whose group holds no seat while another group holds
+        several (one client's many prompts): a seat, taken back from the group holding the
+        most when all are taken (its newest waits first in its group), and up to half the
+        token budget, never the running decodes' share. Returns the tokens reserved."""
+        if not self.waiting or not self.running:
+            return 0
+        held = Counter(r.group for r in self.running)
+        head = self.waiting.peek(held)
+        group, seats = held.most_common(1)[0]
+        if held[head.group] or seats < 2:
+            return 0
+        if len(self.running) >= self.config.max_num_seqs:
+            victim = next((r for r in reversed(self.running)
+                           if r.group == group and not self._better(r, head)), None)
+            if victim is None:
+                return 0
+            self._release(victim)
+            self.waiting.return_to_group(victim)
+            out.preempted.append(victim)
+            out.seat_preemptions += 1
+        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+        return max(0, min(head.num_tokens, total // 2, total - num_decodes))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for request in list(self.running):
@@ -68,10 +109,11 @@ class Scheduler:
             num_tokens = min(self._num_new_tokens(request, budget), budget)
             if num_tokens <= 0:
                 continue
-            if not self._allocate_or_preempt(request, num_tokens, out):
+            refund = self._allocate_or_preempt(request, num_tokens, out)
+            if refund is None:
                 break
             out.add(request, num_tokens)
-            budget -= num_tokens
+            budget += refund - num_tokens
         return budget
 
     @staticmethod
@@ -84,13 +126,27 @@ class Scheduler:
             num_new += len(request.spec_token_ids)
         return num_new
 
-    def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> int | None:
+        """Allocates `request`'s slots, preempting until they fit; returns the tokens freed by
+        victims scheduled earlier in this step, or None if `request` itself was the victim."""
+        refund = 0
         while not self.block_manager.allocate_slots(request, num_tokens):
-            victim = self.running[-1]
+            victim = self._victim()
+            # NOTE: under "priority" the victim may have been scheduled earlier in this step.
+            refund += out.unschedule(victim)
             self._preempt(victim, out)
             if victim is request:
-                return False
-        return True
+                return None
+        return refund
+
+    def _better(self, request: Request, other: Request) -> bool:
+        """Whether `request` is served before `other` by priority alone."""
+        return self.config.scheduling_policy == "priority" and request.priority < other.priority
+
+    def _victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(reversed(self.running), key=lambda r: r.priority)  # worst, then newest
+        return self.running[-1]
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.preempt(request)
@@ -98,25 +154,30 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Frees a running request's blocks and queues it first, to be recomputed."""
+        self._release(request)
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
         self.running.remove(request)
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
         request.metrics.num_preemptions += 1
-        self.waiting.appendleft(request)
         self.num_preemptions += 1
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
+        held = Counter(r.group for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek(held)
             computed = bm.get_computed_blocks(request)
             num_hit = len(computed) * bm.block_size
             num_tokens = min(request.num_tokens - num_hit, budget)
             if not bm.allocate_slots(request, num_tokens, computed):
                 break
-            self.waiting.popleft()
+            self.waiting.popleft(held)
+            held[request.group] += 1
             self._admit(request, num_hit)
             out.add(request, num_tokens)
             budget -= num_tokens

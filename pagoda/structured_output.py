@@ -20,16 +20,20 @@ which lets small models loop on newlines until max_tokens) unless the request as
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pagoda.config import LimitsConfig
+from pagoda.grammar_child import grammar_text
+from pagoda.grammar_sandbox import GrammarSandbox, tokenizer_init
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -134,6 +138,11 @@ class Grammar:
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary, with an LRU cache.
 
+    A constraint not in the cache is first compiled in the sandbox (`GrammarSandbox`, when
+    `limits.grammar_compile_workers` > 0), so a grammar that crashes or hangs the library
+    costs one child process, not the engine; `prepare` does it on the compiler's own threads,
+    away from the ones that tokenize.
+
     Args:
         tokenizer: the model's Hugging Face tokenizer.
         vocab_size: the model's logits width (may exceed the tokenizer's).
@@ -149,73 +158,88 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._sandbox: GrammarSandbox | None = None
+        self._executor: ThreadPoolExecutor | None = None
 
     def compile(self, params: StructuredOutputsParams, param: str = "structured_outputs") -> Grammar:
         """A fresh `Grammar` for `params`; raises `GrammarError` naming `param` if invalid or
         over a limit (checked before any compiling)."""
+        return Grammar(self._template(params, param).deep_copy())
+
+    async def prepare(self, params: StructuredOutputsParams, param: str = "structured_outputs") -> None:
+        """Compiles `params` into the cache on the compiler's own threads (so many slow
+        compiles never hold the threads that tokenize); raises as `compile` does."""
+        check_limits(params, self.limits, param)
+        with self._lock:
+            if params.cache_key() in self._cache:
+                return
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max(self.limits.grammar_compile_workers, 1),
+                                                    thread_name_prefix="pagoda-grammar")
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._template, params, param)
+
+    def _template(self, params: StructuredOutputsParams, param: str) -> Any:
         check_limits(params, self.limits, param)
         key = params.cache_key()
         with self._lock:
             template = self._cache.get(key)
             if template is not None:
                 self._cache.move_to_end(key)
-                return Grammar(template.deep_copy())
+                return template
         template = self._build(params, param)
         with self._lock:
             self._cache[key] = template
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-        return Grammar(template.deep_copy())
+        return template
 
     def _build(self, params: StructuredOutputsParams, param: str) -> Any:
         import llguidance
 
+        tokenizer = self._tokenizer()
         try:
             grammar = self._grammar_text(params)
         except Exception as e:  # noqa: BLE001 - the text is the user's: any conversion failure is theirs
             # NOTE: llguidance's GBNF converter raises its own GbnfToLarkError, and a bare
             # Exception for a grammar without a root rule (both found by the fuzzer).
             raise GrammarError(f"Invalid {params.kind} in {param}: {library_message(str(e))}", param) from e
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"Invalid {params.kind} in {param}: {library_message(matcher.get_error())}", param)
         return matcher
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
-        from llguidance import LLMatcher
-
-        kind = params.kind
-        if kind in ("json", "json_object"):
-            schema: Any = params.json if kind == "json" else {"type": "object"}
-            if isinstance(schema, str):
-                schema = json.loads(schema)
-            if not isinstance(schema, dict):
-                raise ValueError("a JSON schema must be an object")
-            options: dict[str, Any] = {"whitespace_flexible": not params.disable_any_whitespace}
-            if params.whitespace_pattern is not None:
-                options["whitespace_pattern"] = params.whitespace_pattern
-            return str(LLMatcher.grammar_from_json_schema(schema, defaults=options))  # type: ignore[arg-type]
-        if kind == "regex":
-            assert params.regex is not None
-            return str(LLMatcher.grammar_from_regex(params.regex))
-        if kind == "choice":
-            assert params.choice is not None
-            return str(LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in params.choice)))
-        from llguidance.gbnf_to_lark import any_to_lark
-
-        assert params.grammar is not None
-        return str(LLMatcher.grammar_from_lark(any_to_lark(params.grammar)))
+        """The constraint's grammar, compiled first in the sandbox when there is one."""
+        spec = getattr(params, params.kind)
+        if self._sandbox is None:
+            return grammar_text(params.kind, spec, params.disable_any_whitespace, params.whitespace_pattern)
+        return self._sandbox.grammar_text({
+            "kind": params.kind, "spec": list(spec) if isinstance(spec, tuple) else spec,
+            "disable_any_whitespace": params.disable_any_whitespace,
+            "whitespace_pattern": params.whitespace_pattern})
 
     def _tokenizer(self) -> Any:
-        if self._ll_tokenizer is None:
-            import llguidance.hf
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
 
-            if self._hf_tokenizer is None:
-                raise GrammarError("This model has no tokenizer: structured outputs need one.")
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer,
-                                                              n_vocab=self.vocab_size)
-        return self._ll_tokenizer
+                if self._hf_tokenizer is None:
+                    raise GrammarError("This model has no tokenizer: structured outputs need one.")
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer,
+                                                                  n_vocab=self.vocab_size)
+                limits = self.limits
+                if limits.grammar_compile_workers > 0:
+                    self._sandbox = GrammarSandbox(
+                        tokenizer_init(self._hf_tokenizer, self.vocab_size), limits.grammar_compile_workers,
+                        limits.grammar_compile_timeout, limits.grammar_compile_memory)
+            return self._ll_tokenizer
+
+    def close(self) -> None:
+        """Stops the sandbox's processes and the compiler's threads."""
+        if self._sandbox is not None:
+            self._sandbox.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
 
 
 def library_message(text: str, limit: int = 500) -> str:

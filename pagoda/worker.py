@@ -164,7 +164,22 @@ def main() -> None:
     spec: WorkerSpec = receive(conn)
     if rank != 0:
         conn.close()
-    run_worker(spec, conn if rank == 0 else None)
+    try:
+        run_worker(spec, conn if rank == 0 else None)
+    except (RuntimeError, EOFError, OSError) as e:
+        if not _is_lost_peer(e):
+            raise
+        # NOTE: another rank (or the engine) is gone: the engine names the dead one; one line here.
+        logging.getLogger("pagoda").error("stopping: lost a peer (%s)", str(e).splitlines()[0][:200])
+        sys.exit(1)
+
+
+def _is_lost_peer(error: BaseException) -> bool:
+    """Whether `error` says a connection to another rank or the engine closed."""
+    if isinstance(error, (EOFError, ConnectionError)):
+        return True
+    text = str(error)
+    return any(s in text for s in ("Connection reset", "Connection closed", "Broken pipe", "Read error"))
 
 
 if __name__ == "__main__":

@@ -159,3 +159,20 @@ def test_profile_forward_runs_a_full_budget_prefill(llm):
 def test_pool_too_small_for_max_model_len_fails_at_start(tiny_llama):
     with pytest.raises(ValueError, match="max_model_len=256.*--kv-cache-memory.*--max-model-len"):
         LLM(str(tiny_llama), dtype="float32", num_kv_blocks=4, max_model_len=256)
+
+
+def test_priority_needs_the_priority_policy_and_orders_requests(tiny_llama):
+    """vLLM's `priority` (lower first) under `scheduling_policy="priority"`; refused under fcfs."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256, max_num_seqs=1,
+              scheduling_policy="priority")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outs = llm.generate([PROMPT, PROMPT[:5], PROMPT[:7]], params, use_tqdm=False, priority=[5, 0, 1])
+    first = sorted(outs, key=lambda o: o.metrics.first_token_time)
+    assert [len(o.prompt_token_ids) for o in first] == [5, 7, len(PROMPT)]
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        llm.generate([PROMPT, PROMPT], params, priority=[1])
+    fcfs = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    with pytest.raises(ValueError, match="priority scheduling is not enabled"):
+        fcfs.generate([PROMPT], params, priority=[2])
+    with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority"):
+        LLM(str(tiny_llama), scheduling_policy="lifo")

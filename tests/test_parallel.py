@@ -137,3 +137,28 @@ def test_two_nodes_on_loopback_serve_and_stop_together(tiny_llama: Path):
         server.stop()
         if node1.poll() is None:
             node1.kill()
+
+
+def test_a_worker_killed_mid_stream_ends_the_stream_with_an_error(tiny_llama: Path):
+    server = start_server(tiny_llama, "--tensor-parallel-size", "2", "--dtype", "float32",
+                          "--max-model-len", "512", "--num-kv-blocks", "64")
+    try:
+        workers = _children(server.proc.pid)
+        assert workers
+        body = {"prompt": "hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        events: list[str] = []
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line)
+                if len(events) == 5:
+                    os.kill(workers[-1], signal.SIGKILL)
+        assert events[-1] == "data: [DONE]"
+        assert len(events) < 400, "the stream ran to the end without its worker"
+        error = __import__("json").loads(events[-2][6:])["error"]
+        assert error["code"] == 503 and "exited" in error["message"], error
+        assert server.proc.wait(60) == 1  # the server exits so a supervisor restarts it
+        assert "Traceback" not in server.log()
+    finally:
+        server.stop()

@@ -26,7 +26,7 @@ MAX_MODEL_LEN = 48
 
 prompts = st.lists(st.integers(1, 3), min_size=1, max_size=30)
 ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), prompts, st.integers(1, 40)),
+    st.tuples(st.just("add"), prompts, st.integers(1, 40), st.integers(0, 3), st.integers(-1, 1)),
     st.tuples(st.just("step"), st.integers(0, 2**16)),
     st.tuples(st.just("abort"), st.integers(0, 1000)),
 ), min_size=5, max_size=80)
@@ -40,10 +40,12 @@ class Sim:
     live: list[Request] = field(default_factory=list)
     count: int = 0
 
-    def add(self, prompt: list[int], max_tokens: int) -> None:
+    def add(self, prompt: list[int], max_tokens: int, group: int = 0, priority: int = 0) -> None:
         self.count += 1
+        # NOTE: group 0 is the request's own; 1-3 are many-prompt requests' shared groups.
         request = Request(f"r{self.count}", prompt, SamplingParams(max_tokens=max_tokens),
-                          set(), max_model_len=MAX_MODEL_LEN)
+                          set(), max_model_len=MAX_MODEL_LEN, priority=priority,
+                          group=f"g{group}" if group else None)
         self.scheduler.add_request(request)
         self.live.append(request)
 
@@ -99,18 +101,18 @@ class Sim:
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, extra_blocks=st.integers(0, 12), block_size=st.sampled_from([2, 4, 8]),
        caching=st.booleans(), max_num_seqs=st.integers(1, 6),
-       budget=st.integers(MAX_MODEL_LEN // 2, 64))
+       budget=st.integers(MAX_MODEL_LEN // 2, 64), policy=st.sampled_from(["fcfs", "priority"]))
 def test_random_workloads_keep_every_invariant(ops, extra_blocks, block_size, caching,
-                                               max_num_seqs, budget):
+                                               max_num_seqs, budget, policy):
     # NOTE: one max_model_len sequence must fit (the engine refuses a smaller pool at start)
     num_blocks = -(-MAX_MODEL_LEN // block_size) + extra_blocks
     bm = BlockManager(num_blocks, block_size, caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             max_model_len=MAX_MODEL_LEN)
+                             max_model_len=MAX_MODEL_LEN, scheduling_policy=policy)
     sim = Sim(Scheduler(config, bm), bm)
     for op in ops:
         if op[0] == "add":
-            sim.add(op[1], op[2])
+            sim.add(*op[1:])
         elif op[0] == "step":
             sim.step(op[1])
         else:
@@ -126,3 +128,87 @@ def test_random_workloads_keep_every_invariant(ops, extra_blocks, block_size, ca
     # NOTE: steer the search towards the hard cases: preemption and prefix hits.
     target(float(sim.scheduler.num_preemptions), label="preemptions")
     target(float(bm.prefix_cache_hits), label="prefix hits")
+
+
+# ---- fairness and priority -------------------------------------------------------------------
+def _scheduler(max_num_seqs: int = 8, policy: str = "fcfs", num_blocks: int = 256) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
+                             max_model_len=MAX_MODEL_LEN, scheduling_policy=policy)
+    return Scheduler(config, BlockManager(num_blocks, 4, False))
+
+
+def _request(name: str, group: str | None = None, priority: int = 0, max_tokens: int = 30) -> Request:
+    return Request(name, [1, 2, 3], SamplingParams(max_tokens=max_tokens), set(),
+                   max_model_len=MAX_MODEL_LEN, priority=priority, group=group)
+
+
+def _step(scheduler: Scheduler) -> list[Request]:
+    out = scheduler.schedule()
+    for request in scheduler.update_from_output(out):
+        request.append_token(1)
+    return out.requests
+
+
+def test_a_request_behind_a_many_prompt_batch_runs_at_once():
+    """Issue 23: one request of 1,000 prompts pushed other clients' latency to 26 s (first
+    come, first served). The prompts of one request are one group; a later request of
+    another group gets the next seat, and a seat is taken back for it when all are full."""
+    scheduler = _scheduler(max_num_seqs=8)
+    for i in range(1000):
+        scheduler.add_request(_request(f"batch-{i}", group="batch"))
+    for _ in range(3):
+        _step(scheduler)
+    assert len(scheduler.running) == 8 and {r.group for r in scheduler.running} == {"batch"}
+    probe = _request("probe")
+    scheduler.add_request(probe)
+    assert probe in _step(scheduler), "the probe waited behind the batch"
+    assert len(scheduler.running) == 8 and scheduler.num_preemptions == 1
+    for _ in range(3):
+        _step(scheduler)
+    assert probe in scheduler.running and scheduler.num_preemptions == 1  # no thrashing
+
+
+def test_single_requests_keep_arrival_order():
+    scheduler = _scheduler(max_num_seqs=2)
+    requests = [_request(f"r{i}", max_tokens=1) for i in range(6)]
+    for request in requests:
+        scheduler.add_request(request)
+    order = []
+    while scheduler.has_unfinished_requests():
+        for request in scheduler.update_from_output(scheduler.schedule()):
+            request.append_token(1)
+            order.append(request.request_id)
+            scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
+    assert order == [f"r{i}" for i in range(6)]
+
+
+def test_priority_policy_serves_lower_values_first():
+    scheduler = _scheduler(max_num_seqs=2, policy="priority", num_blocks=1)
+    low, high, urgent = _request("low", priority=5), _request("high", priority=1), _request("urgent", priority=-3)
+    for request in (low, high):
+        scheduler.add_request(request)
+    assert _step(scheduler) == [high]  # one block: only one fits, the better one
+    scheduler.add_request(urgent)
+    scheduler.finish_request(high, RequestStatus.FINISHED_ABORTED)
+    assert _step(scheduler) == [urgent]
+    fcfs = _scheduler(max_num_seqs=2, num_blocks=1)
+    for request in (_request("a", priority=5), _request("b", priority=1)):
+        fcfs.add_request(request)
+    assert [r.request_id for r in _step(fcfs)] == ["a"]  # fcfs ignores priority
+
+
+def test_priority_preemption_takes_the_worst_running_request():
+    scheduler = _scheduler(max_num_seqs=4, policy="priority", num_blocks=4)
+    good, bad = _request("good", priority=0, max_tokens=40), _request("bad", priority=9, max_tokens=40)
+    scheduler.add_request(good)
+    _step(scheduler)
+    scheduler.add_request(bad)
+    preempted: list[Request] = []
+    for _ in range(40):
+        out = scheduler.schedule()
+        preempted += out.preempted
+        for request in scheduler.update_from_output(out):
+            request.append_token(1)
+        if preempted:
+            break
+    assert preempted and preempted[0] is bad

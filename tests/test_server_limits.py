@@ -105,6 +105,7 @@ def error_of(r: httpx.Response, status: int) -> dict:
     ({"prompt": "hi\ud800"}, None, "not valid Unicode"),
     ({"prompt": "x" * 2001}, "prompt", "--max-prompt-chars"),
     ({"prompt": [[5, 6]] * 2000}, "n", "--max-queued-requests"),
+    ({"priority": 3}, "priority", "priority scheduling is not enabled (--scheduling-policy priority)"),
 ])
 def test_hostile_completion_gets_a_400_and_innocents_their_output(
         engine: AsyncLLM, alone: list[str], body: dict, param: str | None, words: str):
@@ -114,6 +115,31 @@ def test_hostile_completion_gets_a_400_and_innocents_their_output(
     assert words in error["message"] and error["param"] == param
     assert "Traceback" not in error["message"] and "Overflow" not in error["message"]
     assert texts(innocents) == alone
+
+
+def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_server_lives(tiny_llama: Path):
+    """3,000 chained Lark rules segfaulted the whole server (issue 23). With the rule limit
+    raised so it reaches the library, it crashes one sandbox process: the request gets a 400,
+    the innocents beside it their output, and the next grammar compiles."""
+    engine = make_engine(tiny_llama, max_grammar_rules=10**6, max_grammar_bytes=10**7)
+    try:
+        alone_texts = texts(asyncio.run(_post_all(engine, INNOCENT)))
+        grammar = "start: r0\n" + "".join(f'r{i}: r{i + 1} "a"\n' for i in range(3000)) + 'r3000: "b"\n'
+        hostile, innocents = beside_innocents(engine, "POST", "/v1/completions", **as_json(
+            {"prompt": "hi", "max_tokens": 4, "guided_grammar": grammar}))
+        error = error_of(hostile, 400)
+        assert "the grammar compiler failed" in error["message"], error
+        assert texts(innocents) == alone_texts
+        ok, _ = beside_innocents(engine, "POST", "/v1/completions", **as_json(
+            {"prompt": "hi", "max_tokens": 4, "guided_choice": ["yes", "no"]}))
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no")
+    finally:
+        engine.shutdown()
+
+
+async def _post_all(engine: AsyncLLM, bodies: list[dict]) -> list[httpx.Response]:
+    async with app_client(engine) as client:
+        return [await client.post("/v1/completions", json=body) for body in bodies]
 
 
 @pytest.mark.parametrize("body", [{"top_k": 9223372036854775808}, {"top_k": 10**30},

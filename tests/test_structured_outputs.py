@@ -252,6 +252,61 @@ def test_library_panics_reach_no_user() -> None:
     assert library_message("expected ':' at line 2") == "expected ':' at line 2"
 
 
+def _chained_grammar(num_rules: int) -> str:
+    return "start: r0\n" + "".join(f'r{i}: r{i + 1} "a"\n' for i in range(num_rules)) + f'r{num_rules}: "b"\n'
+
+
+def test_a_grammar_that_crashes_the_library_costs_one_sandbox_process(smollm2_tokenizer_dir):
+    """3,000 chained rules segfault llguidance's native code (issue 23): with the limits
+    raised so it reaches the library, it is the request's error and the next compile works."""
+    from transformers import AutoTokenizer
+
+    from pagoda.config import LimitsConfig
+
+    limits = LimitsConfig(max_grammar_rules=10**6, max_grammar_bytes=10**7, grammar_compile_workers=1)
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), 49152, limits=limits)
+    try:
+        compiler.compile(StructuredOutputsParams(grammar=_chained_grammar(5)))
+        first = compiler._sandbox._idle.queue[0].proc.pid
+        with pytest.raises(GrammarError, match="the grammar compiler failed on this grammar") as info:
+            compiler.compile(StructuredOutputsParams(grammar=_chained_grammar(3000)), "response_format")
+        assert info.value.param == "response_format" and "backtrace" not in str(info.value)
+        assert compiler._sandbox.num_failures == 1
+        grammar = compiler.compile(StructuredOutputsParams(choice=["yes", "no"]))
+        assert not grammar.terminated
+        assert compiler._sandbox._idle.queue[0].proc.pid != first  # a fresh child took over
+    finally:
+        compiler.close()
+
+
+def test_a_compile_over_its_timeout_is_stopped_and_named(smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from pagoda.config import LimitsConfig
+
+    limits = LimitsConfig(grammar_compile_workers=1, grammar_compile_timeout=1e-4)
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), 49152, limits=limits)
+    try:
+        with pytest.raises(GrammarError, match=r"took more than 0.0001 s \(--grammar-compile-timeout\)"):
+            compiler.compile(StructuredOutputsParams(json=SCHEMAS["nested"][1]))
+    finally:
+        compiler.close()
+    assert compiler._sandbox is not None and compiler._sandbox._num_started == 0
+
+
+def test_without_sandbox_workers_grammars_compile_in_process(smollm2_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from pagoda.config import LimitsConfig
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), 49152,
+                               limits=LimitsConfig(grammar_compile_workers=0))
+    compiler.compile(StructuredOutputsParams(regex="[0-9]+"))
+    assert compiler._sandbox is None
+    with pytest.raises(GrammarError, match="Invalid regex"):
+        compiler.compile(StructuredOutputsParams(regex="(unclosed"))
+
+
 # ---- the real SmolLM2 ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2() -> LLM:
@@ -291,3 +346,4 @@ def test_smollm2_json_object_regex_and_choice(smollm2: LLM):
                             [constrained(c[1], max_tokens=200) for c in cases], use_tqdm=False)
     for (_, so, check), out in zip(cases, outs, strict=True):
         assert check(out.outputs[0].text), (so.kind, out.outputs[0].text)
+

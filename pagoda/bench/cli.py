@@ -1,5 +1,5 @@
 """The `pagoda bench` command: serve, sweep, throughput, latency, memory, prefix-caching, soak,
-structured, spec-decode, quality, random-model.
+structured, spec-decode, quality, random-model, fairness.
 
 `add_bench_parser(subparsers)` hangs it under the main `pagoda` parser; each subcommand sets
 `args.func`, which returns the exit status (the results are the module `main`s' return
@@ -24,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 MODULES = {"serve": "serve_command", "sweep": "sweep", "throughput": "throughput",
            "latency": "latency", "memory": "memory", "prefix-caching": "prefix_caching",
            "soak": "soak", "structured": "structured", "spec-decode": "spec_decode",
-           "quality": "quality", "random-model": "random_model"}
+           "quality": "quality", "random-model": "random_model", "fairness": "fairness"}
 
 
 def run_command(args: argparse.Namespace) -> Any:
@@ -48,6 +48,7 @@ def _add(sub: Any, name: str, help_text: str,
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Adds `bench` and its subcommands to the `pagoda` command's subparsers."""
+    from pagoda.bench.fairness import add_fairness_args
     from pagoda.bench.latency import add_latency_args
     from pagoda.bench.memory import add_memory_args
     from pagoda.bench.prefix_caching import add_prefix_caching_args
@@ -67,7 +68,7 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     bench = subparsers.add_parser("bench", help="Benchmark pagoda (or any OpenAI server).",
                                   description="Benchmarks: serve, sweep, throughput, latency, memory.")
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,sweep,throughput,latency,memory,prefix-caching,soak,structured,"
-                                "spec-decode,quality,random-model}")
+                                "spec-decode,quality,random-model,fairness}")
     sub.required = True
     _add(sub, "serve", "Load-test an OpenAI-compatible server (vllm bench serve's flags).",
          add_serve_args)
@@ -91,6 +92,8 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
          "unquantized model, per quantization scheme and KV cache dtype.", add_quality_args)
     _add(sub, "random-model", "Write a random-weight Llama of a named shape (1B, 8B) with SmolLM2's "
          "tokenizer, for speed figures on weights larger than any cache.", add_random_model_args)
+    _add(sub, "fairness", "A probe's time to first token behind one request of 1,000 prompts, "
+         "against idle and against plain first come, first served.", add_fairness_args)
     return bench
 
 

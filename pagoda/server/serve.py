@@ -54,6 +54,7 @@ ENGINE_FLAGS = {
     "kv_cache_memory": "kv_cache_memory", "gpu_memory_utilization": "gpu_memory_utilization",
     "num_kv_blocks": "num_kv_blocks", "enable_prefix_caching": "enable_prefix_caching",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+    "scheduling_policy": "scheduling_policy",
     "tensor_parallel_size": "tensor_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size", "nnodes": "nnodes",
     "node_rank": "node_rank", "dist_init_addr": "dist_init_addr",
@@ -62,6 +63,9 @@ ENGINE_FLAGS = {
     "max_logit_bias": "max_logit_bias", "max_queued_requests": "max_queued_requests",
     "max_guided_choices": "max_guided_choices", "max_grammar_bytes": "max_grammar_bytes",
     "max_grammar_rules": "max_grammar_rules", "max_schema_depth": "max_schema_depth",
+    "grammar_compile_workers": "grammar_compile_workers",
+    "grammar_compile_timeout": "grammar_compile_timeout",
+    "grammar_compile_memory": "grammar_compile_memory",
     "speculative_config": "speculative_config", "quantization": "quantization",
     "quantization_group_size": "quantization_group_size", "kv_cache_dtype": "kv_cache_dtype",
 }
@@ -84,6 +88,12 @@ def byte_size(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return text
+
+
+def non_negative_int(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer, 0 or more, got {text!r}")
+    return int(text)
 
 
 def positive_seconds(text: str) -> float:
@@ -173,6 +183,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-num-seqs", type=int, default=None)
     cache.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step (default 512: sooner first tokens; raise it for throughput)")
+    cache.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
+                       help="fcfs (default): arrival order, with the requests of a many-prompt "
+                            "request taking turns with others; priority: each request's "
+                            "`priority` field first (lower is sooner), as vLLM")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None)
     cache.add_argument("--speculative-config", default=None, metavar="JSON",
@@ -222,6 +236,15 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most rules in a Lark or GBNF grammar (default 1000)")
     limits.add_argument("--max-schema-depth", type=positive_int, default=None,
                         help="deepest nesting of a JSON schema, in objects and lists (default 128)")
+    limits.add_argument("--grammar-compile-workers", type=non_negative_int, default=None,
+                        help="processes that compile grammars, so a grammar that crashes or "
+                             "hangs the compiler costs one of them, not the server (default 2; "
+                             "0 compiles in the server's process)")
+    limits.add_argument("--grammar-compile-timeout", type=positive_seconds, default=None,
+                        help="longest one grammar may take to compile, in seconds (default 10)")
+    limits.add_argument("--grammar-compile-memory", type=non_negative_int, default=None,
+                        help="address-space limit of each grammar-compiling process, in MiB "
+                             "(default 2048; 0: none)")
     limits.add_argument("--max-request-body-bytes", type=byte_size,
                         default=str(DEFAULT_MAX_REQUEST_BODY_BYTES),
                         help="larger bodies get 413 (default 16MiB)")

@@ -210,17 +210,22 @@ class Generation:
 
     @classmethod
     async def create(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
-                     params: list[SamplingParams], structured_param: str = "structured_outputs"
-                     ) -> Generation:
+                     params: list[SamplingParams], structured_param: str = "structured_outputs",
+                     priority: int = 0) -> Generation:
         request_ids = ([request_id] if len(prompts) == 1
                        else [f"{request_id}-{i}" for i in range(len(prompts))])
 
         def process() -> list[EngineRequest]:
+            # NOTE: one group: the prompts of one request take turns with other requests.
             return [ctx.processor.process(rid, p.token_ids, sp, prompt_text=p.text,
-                                          structured_param=structured_param)
+                                          structured_param=structured_param, priority=priority,
+                                          group=request_id)
                     for rid, p, sp in zip(request_ids, prompts, params, strict=True)]
 
         try:
+            # NOTE: grammars compile on their own threads first, never holding tokenizing ones.
+            for sp in params:
+                await ctx.processor.prepare_grammar(sp, structured_param)
             requests = await asyncio.to_thread(process)
         except ValueError as e:
             raise invalid_input(e) from e

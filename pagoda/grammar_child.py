@@ -1,0 +1,100 @@
+"""A grammar-compiling child process, and the grammar text every constraint becomes.
+
+`grammar_text` turns one constraint (kind and spec, as `StructuredOutputsParams` holds them)
+into llguidance's grammar text; the engine calls it in process or, through
+`GrammarSandbox`, here. Run as a script (`python -I grammar_child.py MEMORY_MIB`), this file
+is one sandbox worker: it reads the tokenizer once, then answers JSON lines: for each
+constraint it converts and compiles it against the tokenizer, and replies
+`{"grammar": text}` or `{"error": message}`. A native crash or a runaway compile kills only
+this process; the parent answers the request with a 400 and starts a fresh child.
+
+Invariant: this module imports nothing from pagoda (nor torch), so a child starts in well
+under a second and its address-space limit stays small.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from typing import Any
+
+
+def grammar_text(kind: str, spec: Any, disable_any_whitespace: bool = True,
+                 whitespace_pattern: str | None = None) -> str:
+    """llguidance's grammar for one constraint; raises on an invalid one."""
+    from llguidance import LLMatcher
+
+    if kind in ("json", "json_object"):
+        schema: Any = spec if kind == "json" else {"type": "object"}
+        if isinstance(schema, str):
+            schema = json.loads(schema)
+        if not isinstance(schema, dict):
+            raise ValueError("a JSON schema must be an object")
+        options: dict[str, Any] = {"whitespace_flexible": not disable_any_whitespace}
+        if whitespace_pattern is not None:
+            options["whitespace_pattern"] = whitespace_pattern
+        return str(LLMatcher.grammar_from_json_schema(schema, defaults=options))  # type: ignore[arg-type]
+    if kind == "regex":
+        return str(LLMatcher.grammar_from_regex(spec))
+    if kind == "choice":
+        return str(LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec)))
+    if kind == "grammar":
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        return str(LLMatcher.grammar_from_lark(any_to_lark(spec)))
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def compile_one(tokenizer: Any, request: dict[str, Any]) -> dict[str, str]:
+    """One request's reply: the grammar text if it compiles, else the library's error."""
+    from llguidance import LLMatcher
+
+    try:
+        text = grammar_text(request["kind"], request["spec"], request["disable_any_whitespace"],
+                            request["whitespace_pattern"])
+        matcher = LLMatcher(tokenizer, text, log_level=0)
+    except Exception as e:  # noqa: BLE001 - the constraint is the user's: any failure is theirs
+        return {"error": str(e) or type(e).__name__}
+    if matcher.is_error():
+        return {"error": str(matcher.get_error())}
+    return {"grammar": text}
+
+
+def _die_with_parent() -> None:
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass  # NOTE: not Linux: the child still ends when its stdin closes
+
+
+def _serve(memory_mib: int) -> None:
+    import resource
+
+    from llguidance import LLTokenizer
+
+    if memory_mib > 0:
+        limit = memory_mib * 2**20
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    init = json.loads(sys.stdin.readline())
+    tokenizer = LLTokenizer(init["tokenizer"], n_vocab=init["n_vocab"], eos_token=init["eos"])
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(compile_one(tokenizer, json.loads(line))), flush=True)
+
+
+def main() -> None:
+    """The child's main: limits, tokenizer, then one reply per request line until EOF."""
+    _die_with_parent()
+    # NOTE: compiled on a thread, as the parent compiles on one: the same stack limit.
+    thread = threading.Thread(target=_serve, args=(int(sys.argv[1]),), name="grammar-compile")
+    thread.start()
+    thread.join()
+
+
+if __name__ == "__main__":
+    main()
