@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
-from pagoda.engine_setup import EngineParts, build_engine_parts
+from pagoda.engine_setup import EngineParts
+from pagoda.executor import build_engine_parts
 from pagoda.input_processor import EngineRequest, InputProcessor, PromptTooLongError
 from pagoda.isolation import StepResult, execute_isolating, untrusted_blocks, uses_any
 from pagoda.metrics.base import StatLoggerBase
@@ -35,7 +36,17 @@ from pagoda.structured_output import GrammarError
 
 logger = logging.getLogger("pagoda")
 
-__all__ = ["LLMEngine", "PromptTooLongError"]
+__all__ = ["LLMEngine", "PromptTooLongError", "EngineStuckError"]
+
+# NOTE: steps in a row in which every one of several requests failed, each alone too: no
+# request's input can do that to the others, the engine itself cannot compute (a lost device).
+MAX_STUCK_STEPS = 3
+
+
+class EngineStuckError(RuntimeError):
+    """Step after step fails for every request: the engine, not a request, is broken."""
+
+    fatal = True
 
 
 class LLMEngine:
@@ -61,6 +72,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._pending_stats = IterationStats()
         self.last_scheduler_stats = self.scheduler_stats()
+        self._num_stuck_steps = 0
 
     @classmethod
     def from_engine_args(cls, model: str = "smollm2", stat_loggers: Sequence[StatLoggerBase] = (),
@@ -166,6 +178,7 @@ class LLMEngine:
 
     def _run(self, sched: SchedulerOutput, stats: IterationStats) -> None:
         result = execute_isolating(self.runner, sched)
+        self._check_stuck(sched, result)
         untrusted = untrusted_blocks(result.failed, self.block_manager.block_size)
         for request, exc in result.failed:
             self._fail(request, exc, stats)
@@ -189,6 +202,17 @@ class LLMEngine:
                 self._fail(request, exc, stats)
         for request, _ in result.executed:
             request.spec_token_ids = []
+
+    def _check_stuck(self, sched: SchedulerOutput, result: StepResult) -> None:
+        """Raises `EngineStuckError` after `MAX_STUCK_STEPS` steps in a row in which every one
+        of two or more requests failed alone as well (failing them all forever while the
+        health check says ok would be a lie)."""
+        everyone = len(sched.requests) >= 2 and len(result.failed) == len(sched.requests)
+        self._num_stuck_steps = self._num_stuck_steps + 1 if everyone else 0
+        if self._num_stuck_steps >= MAX_STUCK_STEPS:
+            exc = result.failed[-1][1]
+            raise EngineStuckError(f"{MAX_STUCK_STEPS} steps in a row failed for every request, each "
+                                   f"alone too ({type(exc).__name__}: {exc})") from exc
 
     def _rejected_drafts(self, request: Request, result: StepResult,
                          stats: IterationStats) -> int:

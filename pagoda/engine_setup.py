@@ -82,7 +82,7 @@ def resolve_max_model_len(requested: int | None, hf_config: object) -> int:
     return requested
 
 
-def _eos_ids(hf_config: object, tokenizer: object | None) -> set[int]:
+def eos_token_ids(hf_config: object, tokenizer: object | None) -> set[int]:
     ids: set[int] = set()
     for source in (hf_config, tokenizer):
         value = getattr(source, "eos_token_id", None)
@@ -91,15 +91,6 @@ def _eos_ids(hf_config: object, tokenizer: object | None) -> set[int]:
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
     return ids
-
-
-def build_engine_parts(config: EngineConfig) -> EngineParts:
-    """The tokenizer and, in this process or in parallel workers, the model and its KV pool."""
-    if config.parallel.world_size > 1:
-        from pagoda.executor import start_parallel_engine_parts
-
-        return start_parallel_engine_parts(config)
-    return build_model_parts(config)
 
 
 def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
@@ -149,7 +140,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     log_capacity(spec, num_blocks, config.cache.block_size, max_model_len)
     logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
     return EngineParts(config, tokenizer, runner, num_blocks, spec.block_bytes(config.cache.block_size),
-                       _eos_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, plan))
+                       eos_token_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, plan))
 
 
 def engine_info(device: torch.device, plan: KernelPlan | None) -> EngineInfo:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from pagoda.config import EngineConfig
-from pagoda.engine_setup import EngineParts, resolve_max_model_len
+from pagoda.engine_setup import EngineParts, build_model_parts, eos_token_ids, resolve_max_model_len
 from pagoda.model_inputs import InputPreparer
 from pagoda.models.loader import load_hf_config, load_tokenizer, resolve_model_path
 from pagoda.request import Request
@@ -221,10 +221,15 @@ def check_parallel_sizes(hf_config: object, tp_size: int, pp_size: int) -> None:
                          f"{c.num_hidden_layers} layers.")
 
 
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    """The tokenizer and, in this process or in parallel workers, the model and its KV pool."""
+    if config.parallel.world_size > 1:
+        return start_parallel_engine_parts(config)
+    return build_model_parts(config)
+
+
 def start_parallel_engine_parts(config: EngineConfig) -> EngineParts:
     """Node 0's engine parts, with this node's workers started and ready."""
-    from pagoda.engine_setup import _eos_ids
-
     path = resolve_model_path(config.model.model)
     hf_config = load_hf_config(path)
     tokenizer = load_tokenizer(path, config.model.chat_template)
@@ -239,7 +244,7 @@ def start_parallel_engine_parts(config: EngineConfig) -> EngineParts:
                 "%d KV blocks per rank", par.tensor_parallel_size, par.pipeline_parallel_size,
                 par.nnodes, info["num_blocks"])
     return EngineParts(config, tokenizer, executor, info["num_blocks"], info["block_bytes"],
-                       _eos_ids(hf_config, tokenizer), info["vocab_size"])
+                       eos_token_ids(hf_config, tokenizer), info["vocab_size"])
 
 
 def run_headless(config: EngineConfig) -> int:

@@ -65,6 +65,8 @@ def execute_isolating(runner: StepRunner, out: SchedulerOutput) -> StepResult:
         try:
             result.add_run(alone, *runner.execute(alone))
         except Exception as exc:  # noqa: BLE001
+            if getattr(exc, "fatal", False):
+                raise
             result.failed.append((request, exc))
     return result
 

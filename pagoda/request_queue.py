@@ -133,13 +133,12 @@ class RequestQueue:
         self._settle(key, level)
         return request
 
-    def remove(self, request: Request) -> None:
-        """Takes `request` out of the queue; ValueError if it is not in it."""
+    def discard(self, request: Request) -> None:
+        """Takes `request` out of the queue if it is in it."""
         for key, level in list(self._levels.items()):
             if level.remove(request):
                 self._settle(key, level)
                 return
-        raise ValueError("request not in the queue")
 
     def _settle(self, key: int, level: _Level) -> None:
         self._len -= 1

@@ -57,12 +57,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []
-        self.requests: dict[tuple[str, int], Request] = {}
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
-        self.requests[request.key] = request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -205,11 +203,10 @@ class Scheduler:
         """Removes a request (finished, aborted or failed) and frees its blocks."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif not request.is_finished and request in self.waiting:
-            self.waiting.remove(request)
+        elif not request.is_finished:
+            self.waiting.discard(request)
         if status is RequestStatus.FINISHED_ERROR:
             # NOTE: blocks computed before the failed step hold good KV (a shared system prompt).
             self.block_manager.uncache(request, request.num_computed_tokens // self.block_manager.block_size)
         self.block_manager.free(request)
         request.status = status
-        self.requests.pop(request.key, None)

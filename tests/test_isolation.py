@@ -235,3 +235,33 @@ def test_stop_strings_wait_for_min_tokens(llm: LLM):
     assert late.token_ids == ref.token_ids[:len(late.token_ids)]
     if late.finish_reason == "stop":  # a later occurrence ends it, and is cut
         assert late.text.startswith(early.text) and stop not in late.text[len(head):]
+
+
+def test_a_step_that_fails_for_everyone_stops_the_engine(tiny_llama, monkeypatch: pytest.MonkeyPatch):
+    """Issue 24: a step that fails every time (a lost device) was rerun request by request
+    forever, failing every request while /health said ok. After three steps in which every
+    one of several requests failed alone too, the engine raises a fatal `EngineStuckError`."""
+    from pagoda.engine import EngineStuckError
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    engine = llm.engine
+
+    def broken(out):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    for step in range(2):
+        engine.add_request(f"a{step}", PROMPTS["a"], greedy())
+        engine.add_request(f"b{step}", PROMPTS["b"], greedy())
+        outs = {o.request_id: o for o in engine.step()}
+        assert all(o.finished and o.error and "device lost" in o.error for o in outs.values())
+    engine.add_request("alone", PROMPTS["c"], greedy())
+    engine.step()  # NOTE: one request failing alone may be its own fault: the count restarts
+    for step in range(2):
+        engine.add_request(f"c{step}", PROMPTS["a"], greedy())
+        engine.add_request(f"d{step}", PROMPTS["b"], greedy())
+        engine.step()
+    engine.add_request("e", PROMPTS["a"], greedy())
+    engine.add_request("f", PROMPTS["b"], greedy())
+    with pytest.raises(EngineStuckError, match="3 steps in a row failed for every request.*device lost"):
+        engine.step()

@@ -135,3 +135,25 @@ def test_the_stack_takes_only_steps_its_plan_gives_the_gemm(tiny_model_factory, 
     assert native == run(False)
     decode_rows = {rows: taken for rows, taken in calls if rows <= 3}
     assert decode_rows == {1: True, 2: True, 3: False}
+
+
+def test_the_native_structs_match_their_ctypes_mirrors():
+    """Issue 24: decoder.cpp's structs were mirrored by hand with no check; the library now
+    reports their sizes and every mirror is checked at load (a stale build is a clear error)."""
+    import ctypes
+
+    from pagoda.layers import cpu_kernels
+    from pagoda.layers.cpu_kernels.loader import AbiMismatchError
+    from pagoda.models.native_decoder import ABI_MIRRORS
+
+    lib = cpu_kernels.library()
+    if lib is None:
+        pytest.skip("no native kernels on this machine")
+    lib.check_abi({"GemmWeight": cpu_kernels.ops.GemmWeight, **ABI_MIRRORS})
+    assert set(lib.abi_sizes) == {"GemmWeight", *ABI_MIRRORS}
+
+    class Stale(ctypes.Structure):
+        _fields_ = [("num_tokens", ctypes.c_int64)]
+
+    with pytest.raises(AbiMismatchError, match="DecodeStep: 8 bytes here.*rebuild"):
+        lib.check_abi({"DecodeStep": Stale})

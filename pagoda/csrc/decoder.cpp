@@ -147,3 +147,13 @@ extern "C" void pagoda_decoder_stack_bf16(const void* stack, const void* step, i
   const auto& t = *static_cast<const pagoda::DecodeStep*>(step);
   for (int64_t i = 0; i < s.num_layers; ++i) pagoda::decode_layer(s, s.layers[i], t, i == 0 && !has_residual);
 }
+
+// The sizes of the structs Python mirrors with ctypes (pagoda/layers/cpu_kernels/ops.py,
+// pagoda/models/native_decoder.py), in this order; checked when the library loads.
+extern "C" void pagoda_abi_sizes(int64_t* out) {
+  out[0] = sizeof(pagoda::GemmWeight);
+  out[1] = sizeof(pagoda::LinearWeight);
+  out[2] = sizeof(pagoda::DecoderLayer);
+  out[3] = sizeof(pagoda::DecoderStack);
+  out[4] = sizeof(pagoda::DecodeStep);
+}

@@ -64,6 +64,11 @@ def linear_weight(layer: Linear) -> _LinearWeight | None:
     return _LinearWeight(packed.desc, bias.data_ptr() if bias is not None else None)
 
 
+ABI_MIRRORS: dict[str, type[ctypes.Structure]] = {
+    "LinearWeight": _LinearWeight, "DecoderLayer": _DecoderLayer, "DecoderStack": _DecoderStack,
+    "DecodeStep": _DecodeStep}
+
+
 class NativeDecoder:
     """Runs every decoder layer of a decode step in one native call."""
 
@@ -89,6 +94,8 @@ class NativeDecoder:
     def build(cls, model: LlamaForCausalLM) -> NativeDecoder | None:
         """The native stack for `model`'s weights and bound KV pool, or None where it does not fit."""
         lib = cpu_kernels.library()
+        if lib is not None:
+            lib.check_abi(ABI_MIRRORS)
         if lib is None or model.embed_tokens is None or model.norm is None:
             return None
         if model.embed_tokens.tp.size != 1 or model.rotary.cos.dtype != torch.float32:

@@ -41,7 +41,7 @@ class DraftModelProposer:
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig,
                  target_vocab_size: int) -> None:
-        from pagoda.engine_setup import build_engine_parts
+        from pagoda.executor import build_engine_parts
 
         assert spec.model is not None
         quantization = spec.quantization if spec.quantization is not None else config.model.quantization

@@ -22,9 +22,16 @@ _loaded = False
 def library() -> KernelLibrary | None:
     global _library, _loaded
     if not _loaded:
-        _library, _loaded = load(), True
-        ops.LIB = _library
+        _library, _loaded = _adopt(load()), True
     return _library
+
+
+def _adopt(lib: KernelLibrary | None) -> KernelLibrary | None:
+    """Makes `lib` the one `ops` calls, once its structs match ours (`AbiMismatchError`)."""
+    if lib is not None:
+        lib.check_abi({"GemmWeight": ops.GemmWeight})
+    ops.LIB = lib
+    return lib
 
 
 def available() -> bool:
@@ -41,8 +48,7 @@ def computes_bf16() -> bool:
 def use_variant(variant: str | None) -> KernelLibrary | None:
     """Loads `variant` (None: the CPU's own) in place of the current library; for tests."""
     global _library, _loaded
-    _library, _loaded = load(variant), True
-    ops.LIB = _library
+    _library, _loaded = _adopt(load(variant)), True
     return _library
 
 

@@ -44,7 +44,14 @@ _PLAIN: dict[str, ArgTypes] = {
     "gemm_pack_bf16": [_P, _L, _P, _L, _L],
     "set_num_threads": [_I],
     "decoder_stack_bf16": [_P, _P, _L],
+    "abi_sizes": [_P],
 }
+# NOTE: the order of `pagoda_abi_sizes`'s output (pagoda/csrc/decoder.cpp).
+ABI_STRUCTS = ("GemmWeight", "LinearWeight", "DecoderLayer", "DecoderStack", "DecodeStep")
+
+
+class AbiMismatchError(RuntimeError):
+    """A ctypes mirror of a native struct has another size than the loaded library's."""
 _RETURNING: dict[str, tuple[ArgTypes, type]] = {
     "gemm_packed_size_bf16": ([_L, _L], _L),
     "gemm_int8_format": ([], _L),
@@ -122,6 +129,17 @@ class KernelLibrary:
         for name, (argtypes, restype) in _RETURNING.items():
             self._bind(name, argtypes, restype)
         self.fns["set_num_threads"](torch.get_num_threads())
+        sizes = (ctypes.c_int64 * len(ABI_STRUCTS))()
+        self.fns["abi_sizes"](sizes)
+        self.abi_sizes = dict(zip(ABI_STRUCTS, sizes, strict=True))
+
+    def check_abi(self, mirrors: dict[str, type[ctypes.Structure]]) -> None:
+        """Raises `AbiMismatchError` if a ctypes mirror's size differs from its native struct's."""
+        wrong = [f"{name}: {ctypes.sizeof(mirror)} bytes here, {self.abi_sizes[name]} in {self.path.name}"
+                 for name, mirror in mirrors.items() if ctypes.sizeof(mirror) != self.abi_sizes[name]]
+        if wrong:
+            raise AbiMismatchError("pagoda's mirror of the native kernels' structs does not match the "
+                                   f"library ({'; '.join(wrong)}): rebuild them (make install)")
 
     def _bind(self, name: str, argtypes: ArgTypes, restype: type | None = None) -> None:
         fn = getattr(self._cdll, f"pagoda_{name}")
