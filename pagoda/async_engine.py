@@ -205,10 +205,10 @@ class AsyncLLM:
         return self.engine.get_num_unfinished_requests()
 
     def kv_cache_free_blocks(self) -> int:
-        return self.engine.block_manager.num_free_blocks
+        return self._snapshot.num_blocks_free
 
     def kv_cache_total_blocks(self) -> int:
-        return self.engine.block_manager.num_blocks
+        return self._snapshot.num_blocks_total
 
     def kv_report(self) -> dict[str, float]:
         """`LLMEngine.kv_report()` from the stats of the engine loop's last iteration."""
@@ -229,7 +229,7 @@ class AsyncLLM:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
-                self._num_waiting = len(self.engine.scheduler.waiting)
+                self._num_waiting = self.engine.num_waiting_requests()
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
                     self._snapshot = self.engine.last_scheduler_stats

@@ -1,57 +1,89 @@
-"""From sampled tokens to `RequestOutput` deltas and per-request stats.
+"""From the core's new tokens to `RequestOutput` deltas, and per-request stats.
 
-One `RequestState` per user request groups its n samples (child `Request`s), each with an
-incremental detokenizer. After a step it turns the children's new tokens into delta
-`CompletionOutput`s, applies stop strings, and records timings for the stats.
+One `RequestState` per user request groups its n samples, each a `SampleState` with its own
+copy of the tokens, logprobs and finish reason the core reported (`EngineCoreOutput`) and an
+incremental detokenizer. `update` feeds a sample its new tokens and says when a stop string
+ended it (the tokens after it are dropped; the engine then stops the core's sequence);
+`make_output` turns what changed into delta `CompletionOutput`s.
 """
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from pagoda.detokenizer import IncrementalDetokenizer
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampler import TokenLogprobs
+from pagoda.sampling_params import SamplingParams
 from pagoda.stats import FinishedRequestStats, IterationStats
+
+if TYPE_CHECKING:
+    from pagoda.engine_core import EngineCoreOutput
 
 
 class SampleState:
-    """One child sequence as the API sees it."""
+    """One sample as the API sees it."""
 
-    def __init__(self, index: int, request: Request, tokenizer: object | None) -> None:
+    def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 tokenizer: object | None) -> None:
         self.index = index
-        self.request = request
+        self.params = params
         self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, request.sampling_params)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.num_cached_tokens = 0
         self.num_emitted_tokens = 0
         self.num_emitted_logprobs = 0
         self.reported = False
 
-    def add_token(self, token_id: int) -> bool:
-        return self.detok.add_token(token_id)
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, out: EngineCoreOutput) -> bool:
+        """Takes the core's news for this sample; True when a stop string ended it (the new
+        tokens after the one that completed it are dropped)."""
+        self.num_cached_tokens = out.num_cached_tokens
+        if self.finished:
+            return False
+        for i, token in enumerate(out.new_token_ids):
+            self.token_ids.append(token)
+            if out.new_logprobs is not None:
+                entry = out.new_logprobs[i]
+                self.logprobs.append(entry)
+                self.cumulative_logprob += entry[token][0]
+            if self.detok.add_token(token):
+                self.finish_reason, self.stop_reason = "stop", self.detok.stop_reason
+                return True
+        if out.finish_reason is not None:
+            self.finish_reason = _finish_reason(out.finish_reason)
+            self.stop_reason = out.stop_reason
+        return False
 
     def delta(self) -> CompletionOutput | None:
-        r = self.request
-        finished = r.is_finished
-        if self.num_emitted_tokens == r.num_output_tokens and not (finished and not self.reported):
+        finished = self.finished
+        if self.num_emitted_tokens == len(self.token_ids) and not (finished and not self.reported):
             return None
-        tokens = r.output_token_ids[self.num_emitted_tokens:]
-        self.num_emitted_tokens = r.num_output_tokens
+        tokens = self.token_ids[self.num_emitted_tokens:]
+        self.num_emitted_tokens = len(self.token_ids)
         self.reported = self.reported or finished
         return CompletionOutput(
             index=self.index, text=self.detok.take_delta(finished), token_ids=tokens,
-            logprobs=self._logprob_delta(), cumulative_logprob=r.cumulative_logprob if r.logprobs else None,
-            finish_reason=_finish_reason(r.status) if finished else None,
-            stop_reason=r.stop_reason,
+            logprobs=self._logprob_delta(), cumulative_logprob=self.cumulative_logprob if self.logprobs else None,
+            finish_reason=self.finish_reason, stop_reason=self.stop_reason,
         )
 
     def _logprob_delta(self) -> list[dict[int, Logprob]] | None:
-        r = self.request
-        if r.sampling_params.logprobs is None:
+        if self.params.logprobs is None:
             return None
-        new = r.logprobs[self.num_emitted_logprobs:]
-        self.num_emitted_logprobs = len(r.logprobs)
+        new = self.logprobs[self.num_emitted_logprobs:]
+        self.num_emitted_logprobs = len(self.logprobs)
         return [self._to_logprobs(entry) for entry in new]
 
     def _to_logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
@@ -66,26 +98,41 @@ def _finish_reason(status: RequestStatus) -> str:
 class RequestState:
     """A user request: prompt, its samples, and whether all have been reported finished."""
 
-    def __init__(self, request_id: str, prompt: str | None, children: list[Request], tokenizer: object | None) -> None:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: list[SamplingParams], metrics: RequestMetrics, tokenizer: object | None) -> None:
         self.request_id = request_id
         self.prompt = prompt
-        self.samples = [SampleState(i, c, tokenizer) for i, c in enumerate(children)]
+        self.prompt_token_ids = prompt_token_ids
+        self.metrics = metrics
+        self.samples = [SampleState(i, prompt_token_ids, p, tokenizer) for i, p in enumerate(params)]
         self.error: str | None = None
         self.error_is_request = False  # the request's own fault (its constraint), not the engine's
 
     @property
     def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.samples)
+        return all(s.finished for s in self.samples)
+
+    def update(self, out: EngineCoreOutput) -> bool:
+        """Feeds one sample its news (see `SampleState.update`)."""
+        if out.error is not None and self.error is None:
+            self.error, self.error_is_request = out.error, out.error_is_request
+        return self.samples[out.sample_index].update(out)
+
+    def fail(self, error: str) -> None:
+        """Ends every sample still open with `error` (a failure on the frontend's side)."""
+        self.error = self.error or error
+        for sample in self.samples:
+            if not sample.finished:
+                sample.finish_reason = "error"
 
     def make_output(self) -> RequestOutput | None:
         deltas = [d for s in self.samples if (d := s.delta()) is not None]
         if not deltas:
             return None
-        first = self.samples[0].request
         return RequestOutput(
-            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=deltas, finished=self.finished, metrics=first.metrics,
-            num_cached_tokens=max(s.request.num_cached_tokens for s in self.samples), error=self.error,
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=deltas, finished=self.finished, metrics=self.metrics,
+            num_cached_tokens=max(s.num_cached_tokens for s in self.samples), error=self.error,
             error_is_request=self.error_is_request,
         )
 

@@ -175,7 +175,7 @@ def test_a_detokenizer_error_fails_only_its_request(llm: LLM):
     def broken(token_id: int) -> bool:
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
 
-    engine.states["bad"].samples[0].add_token = broken  # type: ignore[method-assign]
+    engine.states["bad"].samples[0].detok.add_token = broken  # type: ignore[method-assign]
     results = run(engine)
     assert_innocents_exact(results, cases)
     assert results["bad"].error.startswith("UnicodeDecodeError")
@@ -213,7 +213,7 @@ def test_request_ids_are_typed(llm: LLM):
 
 def test_min_tokens_masks_eos_even_with_ignore_eos(llm: LLM, monkeypatch: pytest.MonkeyPatch):
     first = alone(llm, PROMPTS["a"], greedy())[0]
-    monkeypatch.setattr(llm.engine, "eos_token_ids", {first})
+    monkeypatch.setattr(llm.engine.core, "eos_token_ids", {first})
     out = llm.generate([PROMPTS["a"]], greedy(min_tokens=3), use_tqdm=False)[0].outputs[0]
     assert out.token_ids[0] != first  # vLLM: EOS is masked until min_tokens, ignore_eos or not
     free = llm.generate([PROMPTS["a"]], greedy(), use_tqdm=False)[0].outputs[0]

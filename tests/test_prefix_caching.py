@@ -156,7 +156,8 @@ def test_abort_midway_keeps_others_exact(tiny_llama, reference):
     for _ in range(4):
         for delta in engine.step():
             results[delta.request_id] = merge_delta(results.get(delta.request_id), delta)
-    r3, r4 = (engine.states[rid].samples[0].request for rid in ("r3", "r4"))
+    queued = [*engine.scheduler.running, *engine.scheduler.waiting]
+    r3, r4 = (next(r for r in queued if r.request_id == rid) for rid in ("r3", "r4"))
     assert PREFIX_LEN < r3.num_computed_tokens < r3.num_tokens  # mid-prefill, after its hit
     assert r4.num_computed_tokens == 0 and not r4.block_ids  # still waiting
     num_done = r3.num_computed_tokens
