@@ -105,7 +105,7 @@ def test_decode_across_block_boundaries(block_size: int, dtype: torch.dtype) -> 
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2)])
-@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 192, 256])
 def test_decode_gqa_ratios_and_head_dims(heads: int, kv_heads: int, head_dim: int) -> None:
     run_attention([5, 40, 77], [1, 1, 1], 16, heads, kv_heads, head_dim, torch.bfloat16, seed=head_dim)
 

@@ -98,7 +98,7 @@ class Sim:
             assert block.ref_cnt == holders.get(block.block_id, 0), f"block {block.block_id}"
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, extra_blocks=st.integers(0, 12), block_size=st.sampled_from([2, 4, 8]),
        caching=st.booleans(), max_num_seqs=st.integers(1, 6),
        budget=st.integers(MAX_MODEL_LEN // 2, 64), policy=st.sampled_from(["fcfs", "priority"]))

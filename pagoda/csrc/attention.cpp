@@ -11,6 +11,7 @@
 // group, and every row of the tile, is scored against one read of each K/V row. A small batch
 // takes one KV head per item, so two cores share even a single sequence; a large batch takes
 // all KV heads per item, so that each item reads whole pool blocks.
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -20,6 +21,9 @@
 namespace pagoda {
 namespace {
 
+// The largest head_dim the accumulators hold (kMaxHeadDim / kLanes vectors a row); Python
+// keeps larger heads on the torch path (PagedAttention.supports_native, MAX_NATIVE_HEAD_DIM).
+constexpr int kMaxHeadDim = 256;
 constexpr int kQueryTile = 16;
 constexpr int kKeyTile = 16;
 constexpr int kPrefetchTiles = 4;
@@ -152,7 +156,7 @@ inline void softmax_step(Scratch& w, int r, int d, int lo, int hi) {
 // itself, widened in registers as it is read.
 template <int DC, int RB, typename V>
 void accumulate_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int rows, int n, int d) {
-  constexpr int kMax = DC > 0 ? DC : 16;
+  constexpr int kMax = DC > 0 ? DC : kMaxHeadDim / kLanes;
   const int dc = DC > 0 ? DC : (d + kLanes - 1) / kLanes;
   Vf x[RB][kMax];
   for (int r = 0; r < rows; ++r)
@@ -280,6 +284,7 @@ void attend_item(const T* q, const C* k_cache, const C* v_cache, T* out, const A
 template <typename T, typename C>
 void paged_attention(const void* q, const void* k_cache, const void* v_cache, void* out, int num_seqs,
                      const AttnArgs& a) {
+  if (a.head_dim > kMaxHeadDim) std::abort();  // NOTE: refused in Python first; never overrun
   // NOTE: items are (sequence, query tile) x KV head, listed once per call so that a long
   // prefill's tiles spread over threads like separate sequences.
   std::vector<std::pair<int64_t, int64_t>> tiles;

@@ -28,6 +28,8 @@ from torch import nn
 
 from pagoda.layers import cpu_kernels
 
+MAX_NATIVE_HEAD_DIM = 256  # NOTE: attention.cpp's kMaxHeadDim: larger heads stay on torch
+
 
 @dataclass
 class PrefillChunk:
@@ -80,6 +82,11 @@ class PagedAttention(nn.Module):
         # set at start-up); unused for a pool in the model's dtype.
         self.k_scale = 1.0
         self.v_scale = 1.0
+
+    @property
+    def supports_native(self) -> bool:
+        """Whether the native kernels take this layer's heads (at most 256 wide)."""
+        return self.head_dim <= MAX_NATIVE_HEAD_DIM
 
     @property
     def rotates_qk(self) -> bool:

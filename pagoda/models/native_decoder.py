@@ -103,6 +103,8 @@ class NativeDecoder:
         decoder_layers = [layer for layer in model.layers if isinstance(layer, LlamaDecoderLayer)]
         if not decoder_layers or len(decoder_layers) != len(model.layers):
             return None
+        if not all(layer.self_attn.attn.supports_native for layer in decoder_layers):
+            return None
         layers = []
         for layer in decoder_layers:
             native = cls._layer(layer)

@@ -33,8 +33,9 @@ def resolve_architecture(config: object) -> tuple[type[LlamaForCausalLM], LlamaF
         if arch in _REGISTRY:
             cls, flags = _REGISTRY[arch]
             return cls, _with_config_flags(flags, config)
-    raise ValueError(f"Unsupported model architecture {archs or '(none)'}; "
-                     f"pagoda supports {supported_architectures()}.")
+    found = archs or [f"model_type {getattr(config, 'model_type', None)!r}"]
+    raise ValueError(f"Unsupported model architecture {', '.join(map(str, found))}; "
+                     f"pagoda supports {supported_architectures()} (model types {sorted(_MODEL_TYPES)}).")
 
 
 def _with_config_flags(flags: LlamaFlags, config: object) -> LlamaFlags:

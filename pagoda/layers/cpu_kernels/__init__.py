@@ -53,10 +53,11 @@ def use_variant(variant: str | None) -> KernelLibrary | None:
 
 
 def enable(model: nn.Module, on: bool) -> None:
-    """Sets the `native` flag of every module that has one (the layers with a kernel path)."""
+    """Sets the `native` flag of every module that has one (the layers with a kernel path),
+    except where the module says the kernels cannot take it (`supports_native`)."""
     for module in model.modules():
         if hasattr(module, "native"):
-            module.native = on  # type: ignore[assignment]
+            module.native = on and getattr(module, "supports_native", True)  # type: ignore[assignment]
 
 
 __all__ = ["available", "computes_bf16", "enable", "library", "ops", "use_variant"]

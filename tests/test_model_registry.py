@@ -1,0 +1,35 @@
+"""What pagoda refuses about a model, clearly: architectures it lacks, heads its kernels cannot
+take (issue 25)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from torch import nn
+
+from pagoda.layers import cpu_kernels
+from pagoda.layers.attention import PagedAttention
+from pagoda.models.registry import resolve_architecture
+
+
+@pytest.mark.parametrize("config, named", [
+    (types.SimpleNamespace(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text"), "Gemma3ForCausalLM"),
+    # NOTE: a config read from GGUF metadata names a model type and no architecture
+    (types.SimpleNamespace(architectures=None, model_type="gemma3"), "model_type 'gemma3'"),
+])
+def test_an_unknown_architecture_is_named_with_the_supported_ones(config, named):
+    with pytest.raises(ValueError, match="Unsupported model architecture") as info:
+        resolve_architecture(config)
+    message = str(info.value)
+    assert named in message and "LlamaForCausalLM" in message and "qwen3" in message
+
+
+def test_heads_wider_than_the_kernels_take_stay_on_torch():
+    """attention.cpp holds at most 256 values of a head in registers; a wider head (none of
+    today's models) must never reach it."""
+    model = nn.ModuleList([PagedAttention(4, 1, 256), PagedAttention(4, 1, 320)])
+    cpu_kernels.enable(model, True)
+    assert [m.native for m in model] == [True, False]
+    cpu_kernels.enable(model, False)
+    assert [m.native for m in model] == [False, False]
