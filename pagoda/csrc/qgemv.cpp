@@ -42,7 +42,7 @@ struct QArgs {
 // rows; both K long.
 struct Acts {
   const bf16* xb;   // [M, K] bf16, stream order (int4)
-  const float* xf;  // [M, K] fp32 (int8)
+  const float* xf;  // [M, K] fp32 (int8; int4 on AVX2: the bf16 rows widened, stream order)
   const float* sx;  // [M, G] group sums of the bf16 rows (int4)
 };
 
@@ -228,8 +228,89 @@ inline int nibble(const uint8_t* q, int64_t i) {
   return (i % 64) < 32 ? (b & 15) : (b >> 4);
 }
 
+#if defined(PAGODA_AVX2)
+// 16 bytes (codes 0..15) as fp32 (exact).
+inline Vf widen_codes(__m128i b) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
+}
+
+// int4_rows on 16-lane fp32 vectors: the same stream order as the AVX-512 kernel, each byte
+// of a 32-byte step a lane of its own (bytes 0-15 in `lo`, 16-31 in `hi`): its low nibble
+// multiplies x at stream position 64t + p, its high nibble 64t + 32 + p, and every byte of a
+// superblock belongs to one block (byte p: block p / 2 / (16 / S)), so a superblock's sums take
+// their block scales in two multiplies at its end; the offsets come in through the group sums.
+// n f16 values as fp32, 8 at a time with F16C.
+inline void f16_to_float(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(load128(src + i)));
+  for (; i < n; ++i) dst[i] = f16_from_bits(src[i]);
+}
+
+template <int M>
+void int4_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+  const StreamOrder& order = stream_order(a.K);
+  // NOTE: each lane's group within its superblock, once per call: a byte's scale is
+  // dq[lane_group[32 s + p]] (scalar f16 conversions and index arithmetic per row cost more
+  // than the row's products at K = 576).
+  thread_local std::vector<float> dq, mq;
+  thread_local std::vector<int32_t> lane_group;
+  dq.resize(a.G);
+  mq.resize(a.G);
+  lane_group.clear();
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(a.gs / 32));
+  for (const Superblock& sb : order.superblocks)
+    for (int p = 0; p < 32; ++p)
+      lane_group.push_back(static_cast<int32_t>((sb.block0 + ((p >> 1) >> __builtin_ctz(16 / sb.blocks))) >> shift));
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* q = a.w + n * a.row_bytes;
+    const auto* d = reinterpret_cast<const uint16_t*>(q + a.K / 2);
+    f16_to_float(d, dq.data(), a.G);
+    f16_to_float(d + a.G, mq.data(), a.G);
+    Vf y[M];
+    for (int m = 0; m < M; ++m) y[m] = vzero();
+    const uint8_t* qs = q;
+    int64_t pos = 0;
+    const int32_t* groups = lane_group.data();
+    for (const Superblock& sb : order.superblocks) {
+      Vf lo_acc[M], hi_acc[M];
+      for (int m = 0; m < M; ++m) lo_acc[m] = hi_acc[m] = vzero();
+#pragma GCC unroll 2
+      for (int t = 0; t < sb.blocks / 2; ++t) {
+        const __m128i b0 = load128(qs + 32 * t), b1 = load128(qs + 32 * t + 16);
+        const Vf q0l = widen_codes(_mm_and_si128(b0, low)), q1l = widen_codes(_mm_and_si128(b1, low));
+        const Vf q0h = widen_codes(_mm_and_si128(_mm_srli_epi16(b0, 4), low));
+        const Vf q1h = widen_codes(_mm_and_si128(_mm_srli_epi16(b1, 4), low));
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) {
+          const float* xm = x.xf + m * a.K + pos + 64 * t;
+          lo_acc[m] = vfma(q0h, load_full(xm + 32), vfma(q0l, load_full(xm), lo_acc[m]));
+          hi_acc[m] = vfma(q1h, load_full(xm + 48), vfma(q1l, load_full(xm + 16), hi_acc[m]));
+        }
+      }
+      const auto gather = [&](int p) {
+        return _mm256_i32gather_ps(dq.data(), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(groups + p)), 4);
+      };
+      const Vf s0{gather(0), gather(8)}, s1{gather(16), gather(24)};
+      for (int m = 0; m < M; ++m) y[m] = vfma(s1, hi_acc[m], vfma(s0, lo_acc[m], y[m]));
+      qs += 16 * sb.blocks;
+      pos += 32 * sb.blocks;
+      groups += 32;
+    }
+    for (int m = 0; m < M; ++m) {
+      float offsets = 0.f;
+      for (int64_t g = 0; g < a.G; ++g) offsets += mq[g] * x.sx[m * a.G + g];
+      out[m * a.N + n] = reduce_add(y[m]) + offsets;
+    }
+  }
+}
+#endif
+
 template <int M>
 void int4_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+#if defined(PAGODA_AVX2)
+  return int4_rows_avx2<M>(a, x, n0, n1, out);
+#endif
   const StreamOrder& order = stream_order(a.K);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = a.w + n * a.row_bytes;
@@ -356,6 +437,12 @@ void qgemv(Format format, const T* x, int64_t x_stride, const QArgs& a, const T*
     }
     acts.xb = xb.data();
     acts.sx = sx.data();
+#if defined(PAGODA_AVX2)
+    // NOTE: widened once here, not once per output row (it halved the AVX2 kernel's work).
+    xf.resize(M * a.K);
+    for (int64_t i = 0; i < M * a.K; ++i) xf[i] = to_float(xb[i]);
+    acts.xf = xf.data();
+#endif
     all_rows<Format::kInt4>(a, acts, M, out.data(), bias, y, y_stride, max_threads);
   } else {
     xf.resize(M * a.K);
