@@ -126,7 +126,7 @@ def test_sampling_follows_the_target_distribution(tiny_llama: Path, plain: LLM):
     """Token frequencies at positions 2-4 over many seeds, with and without speculation."""
     llm, stats = spec_llm(tiny_llama, k=3)
     prompt = prompts(1)[0]
-    num = 300
+    num = 200
     params = [SamplingParams(temperature=0.8, top_k=4, max_tokens=4, ignore_eos=True, seed=s)
               for s in range(num)]
     counts = []
