@@ -177,6 +177,14 @@ def test_serve_flags_map_to_engine_kwargs():
     assert args.model_tag is None and args.host == "127.0.0.1" and args.port == 8000
 
 
+def test_vllm_launch_flags_pagoda_needs_no_action_for_are_accepted():
+    """Issue 26: a vLLM launch script passing these exited with "unrecognized arguments"."""
+    args = serve_parser().parse_args(["serve", "m", "--enforce-eager", "--enable-prompt-tokens-details",
+                                      "--scheduling-policy", "priority", "--grammar-compile-workers", "0"])
+    assert args.enforce_eager and args.enable_prompt_tokens_details
+    assert engine_kwargs(args) == {"scheduling_policy": "priority", "grammar_compile_workers": 0}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--block-size", "7"], "invalid choice"),

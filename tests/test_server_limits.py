@@ -106,6 +106,9 @@ def error_of(r: httpx.Response, status: int) -> dict:
     ({"prompt": "x" * 2001}, "prompt", "--max-prompt-chars"),
     ({"prompt": [[5, 6]] * 2000}, "n", "--max-queued-requests"),
     ({"priority": 3}, "priority", "priority scheduling is not enabled (--scheduling-policy priority)"),
+    ({"stream_options": {"include_usage": True}}, "stream_options",
+     "Stream options can only be defined when `stream=True`."),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1 or positive"),
 ])
 def test_hostile_completion_gets_a_400_and_innocents_their_output(
         engine: AsyncLLM, alone: list[str], body: dict, param: str | None, words: str):
@@ -115,6 +118,21 @@ def test_hostile_completion_gets_a_400_and_innocents_their_output(
     assert words in error["message"] and error["param"] == param
     assert "Traceback" not in error["message"] and "Overflow" not in error["message"]
     assert texts(innocents) == alone
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(engine: AsyncLLM):
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the context length)."""
+    ids = list(range(100, 140))
+
+    async def main() -> list[httpx.Response]:
+        async with app_client(engine) as client:
+            bodies = [{"prompt": ids, "max_tokens": 2, "temperature": 0, "truncate_prompt_tokens": k}
+                      for k in (5, -1, None)] + [{"prompt": ids[-5:], "max_tokens": 2, "temperature": 0}]
+            return [await client.post("/v1/completions", json=body) for body in bodies]
+
+    five, whole, plain, last_five = asyncio.run(main())
+    assert [r.json()["usage"]["prompt_tokens"] for r in (five, whole, plain)] == [5, 40, 40]
+    assert texts([five]) == texts([last_five])
 
 
 def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_server_lives(tiny_llama: Path):

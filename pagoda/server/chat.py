@@ -40,6 +40,7 @@ from pagoda.server.serving import (
     token_str,
     tokenize_text,
     top_entries,
+    truncate_prompt,
 )
 from pagoda.server.streaming import sse, until_disconnect
 from pagoda.server.tools import ToolPlan, ToolStream, parse_calls, plan_tools
@@ -139,7 +140,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         fields["structured_outputs"], structured_param = plan.constraint(), "tools"
     text = await render_chat(ctx, req.messages, req.add_generation_prompt,
                              req.chat_template_kwargs, plan)
-    prompt = Prompt(await tokenize_text(ctx, text, False, "messages"), text)
+    prompt = truncate_prompt(Prompt(await tokenize_text(ctx, text, False, "messages"), text),
+                             req.truncate_prompt_tokens, ctx.max_model_len)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     num_logprobs = _num_logprobs(req)

@@ -27,6 +27,7 @@ from pagoda.server.serving import (
     token_str,
     tokenize_text,
     top_entries,
+    truncate_prompt,
 )
 from pagoda.server.streaming import sse, until_disconnect
 
@@ -79,7 +80,8 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
     fields, structured_param = request_fields(req)
-    prompts = await completion_prompts(ctx, req.prompt)
+    prompts = [truncate_prompt(p, req.truncate_prompt_tokens, ctx.max_model_len)
+               for p in await completion_prompts(ctx, req.prompt)]
     params = [build_sampling_params(ctx, fields, len(p.token_ids), req.max_tokens, req.logprobs)
               for p in prompts]
     gen = await Generation.create(ctx, random_id("cmpl"), prompts, params, structured_param,

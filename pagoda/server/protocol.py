@@ -160,6 +160,7 @@ class SamplingFields(RequestModel):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
     priority: int = 0
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto `SamplingParams`, without unset ones."""

@@ -145,6 +145,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds running requests may take to finish after SIGTERM")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
+    net.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="accepted for vLLM launch scripts: usage always carries "
+                          "prompt_tokens_details.cached_tokens")
     net.add_argument("--disable-log-stats", action="store_true",
                      help="turn off the periodic engine stats log")
     net.add_argument("--disable-web-ui", action="store_true",
@@ -183,6 +186,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-num-seqs", type=int, default=None)
     cache.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step (default 512: sooner first tokens; raise it for throughput)")
+    cache.add_argument("--enforce-eager", action="store_true",
+                       help="accepted for vLLM launch scripts: pagoda captures no CUDA graphs, "
+                            "so every step already runs eagerly")
     cache.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                        help="fcfs (default): arrival order, with the requests of a many-prompt "
                             "request taking turns with others; priority: each request's "

@@ -120,10 +120,25 @@ def request_fields(req: SamplingFields) -> tuple[dict[str, Any], str]:
     """The request's `SamplingParams` keywords (constraints included) and the field a grammar
     error names; refuses unknown fields (400)."""
     check_supported(req)
+    if req.stream_options is not None and not req.stream:
+        # NOTE: vLLM's answer, word for word: a client that sets it expects a stream.
+        raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     structured, param = structured_constraint(req)
     fields = req.sampling_kwargs()
     fields.update(structured_outputs=structured, logit_bias=logit_bias(req))
     return fields, param
+
+
+def truncate_prompt(prompt: Prompt, keep: int | None, max_model_len: int) -> Prompt:
+    """vLLM's `truncate_prompt_tokens`: only the last `keep` tokens (-1: the context length)."""
+    if keep is None:
+        return prompt
+    keep = max_model_len if keep == -1 else keep
+    if keep == 0:
+        raise bad_request("truncate_prompt_tokens must be -1 or positive.", "truncate_prompt_tokens")
+    if len(prompt.token_ids) <= keep:
+        return prompt
+    return Prompt(prompt.token_ids[-keep:])
 
 
 def build_sampling_params(ctx: ServerContext, fields: dict[str, Any], num_prompt_tokens: int,
