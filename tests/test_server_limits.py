@@ -120,6 +120,31 @@ def test_hostile_completion_gets_a_400_and_innocents_their_output(
     assert texts(innocents) == alone
 
 
+def test_the_requests_of_one_user_share_a_scheduling_group(engine: AsyncLLM,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    """Issue 23: one client's many requests must not starve others; requests naming the same
+    OpenAI `user` take turns as one group (without it, each request is its own group)."""
+    groups: list[str | None] = []
+    process = engine.processor.process
+
+    def recording(*args: object, **kwargs: object):  # noqa: ANN202
+        groups.append(kwargs.get("group"))  # type: ignore[arg-type]
+        return process(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.processor, "process", recording)
+
+    async def main() -> list[httpx.Response]:
+        async with app_client(engine) as client:
+            bodies = [{"prompt": "hi", "max_tokens": 2, "user": "alice"},
+                      {"prompt": ["a", "b"], "max_tokens": 2, "user": "alice"},
+                      {"prompt": ["a", "b"], "max_tokens": 2}]
+            return [await client.post("/v1/completions", json=body) for body in bodies]
+
+    texts(asyncio.run(main()))
+    assert groups[:3] == ["user:alice"] * 3
+    assert groups[3] == groups[4] and groups[3].startswith("cmpl-")  # type: ignore[union-attr]
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(engine: AsyncLLM):
     """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the context length)."""
     ids = list(range(100, 140))

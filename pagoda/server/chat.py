@@ -147,7 +147,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     num_logprobs = _num_logprobs(req)
     params = build_sampling_params(ctx, fields, len(prompt.token_ids), max_tokens, num_logprobs)
     gen = await Generation.create(ctx, random_id("chatcmpl"), [prompt], [params],
-                                  structured_param, req.priority)
+                                  structured_param, req.priority, req.user)
     model = req.model or ctx.model_name
     if req.stream:
         return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, plan)),

@@ -85,7 +85,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     params = [build_sampling_params(ctx, fields, len(p.token_ids), req.max_tokens, req.logprobs)
               for p in prompts]
     gen = await Generation.create(ctx, random_id("cmpl"), prompts, params, structured_param,
-                                  req.priority)
+                                  req.priority, req.user)
     model = req.model or ctx.model_name
     if req.stream:
         return StreamingResponse(sse(stream_completion(gen, req, model)),

@@ -226,15 +226,18 @@ class Generation:
     @classmethod
     async def create(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
                      params: list[SamplingParams], structured_param: str = "structured_outputs",
-                     priority: int = 0) -> Generation:
+                     priority: int = 0, user: str | None = None) -> Generation:
+        """Validates and compiles every prompt's request. The prompts share one scheduling
+        group (they take turns with other requests), and so do all requests naming the same
+        OpenAI `user`: one client's many requests cannot starve another's."""
         request_ids = ([request_id] if len(prompts) == 1
                        else [f"{request_id}-{i}" for i in range(len(prompts))])
+        group = f"user:{user}" if user else request_id
 
         def process() -> list[EngineRequest]:
-            # NOTE: one group: the prompts of one request take turns with other requests.
             return [ctx.processor.process(rid, p.token_ids, sp, prompt_text=p.text,
                                           structured_param=structured_param, priority=priority,
-                                          group=request_id)
+                                          group=group)
                     for rid, p, sp in zip(request_ids, prompts, params, strict=True)]
 
         try:
