@@ -37,6 +37,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sliding_window = sliding_window
+        # NOTE: the whole layer stack in one native call, built once the KV pool is bound.
+        self.native_decoder: NativeDecoder | None = None
         self.sampler = Sampler()
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
         self.preparer = InputPreparer(block_size, device, sliding_window, self.use_cpu_kernel)
@@ -49,7 +51,7 @@ class ModelRunner:
         for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):
             attn.k_cache, attn.v_cache = k, v
         if self.use_cpu_kernel:
-            self.model.native_decoder = NativeDecoder.build(self.model)
+            self.native_decoder = NativeDecoder.build(self.model)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
@@ -65,7 +67,7 @@ class ModelRunner:
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """The model on one step's inputs; logits at `inputs.logits_rows`."""
         self._set_threads(inputs.num_tokens)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, fused=self.native_decoder)
         if not inputs.logits_rows.numel():
             return hidden.new_empty(0, self.model.dims.vocab_size)
         return self.model.compute_logits(hidden[inputs.logits_rows])

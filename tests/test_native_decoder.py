@@ -37,8 +37,9 @@ class Recorder:
     """Wraps the model's logits and native stack: the hidden states and the native calls."""
 
     def __init__(self, llm: LLM) -> None:
-        self.model = llm.engine.runner.model
-        self.native = self.model.native_decoder
+        self.runner = llm.engine.runner
+        self.model = self.runner.model
+        self.native = self.runner.native_decoder
         self.hidden: list[torch.Tensor] = []
         self.native_calls = 0
         logits = self.model.compute_logits
@@ -59,9 +60,9 @@ class Recorder:
                     self.native_calls += 1
                     return stack(*args)
 
-            self.model.native_decoder = Counting()
+            self.runner.native_decoder = Counting()
         else:
-            self.model.native_decoder = None
+            self.runner.native_decoder = None
         params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=0)
         outs = llm.generate(prompts(), params)
         return [list(o.outputs[0].token_ids) for o in outs]
@@ -102,7 +103,7 @@ def test_native_stack_equals_the_layer_path(arch: str, engine: dict, tiny_model_
 def test_models_the_stack_does_not_take_run_their_layers(arch: str, engine: dict, why: str,
                                                           tiny_model_factory) -> None:
     llm = LLM(str(tiny_model_factory(arch)), **{"dtype": "bfloat16", **engine})
-    assert llm.engine.runner.model.native_decoder is None, why
+    assert llm.engine.runner.native_decoder is None, why
     out = llm.generate([prompts()[1]], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
 
@@ -119,7 +120,7 @@ def test_the_stack_takes_only_steps_its_plan_gives_the_gemm(tiny_model_factory, 
     lengths = [6, 12, 24]  # steps of 3 rows, then 2, then 1
 
     def run(native: bool) -> list[list[int]]:
-        rec.model.native_decoder = rec.native if native else None
+        rec.runner.native_decoder = rec.native if native else None
         outs = llm.generate(batch, [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0) for n in lengths])
         return [list(o.outputs[0].token_ids) for o in outs]
 

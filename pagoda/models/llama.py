@@ -15,7 +15,7 @@ normalize" is one step (`RMSNorm.forward_with_residual`); the sums are those of 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -32,8 +32,15 @@ from pagoda.layers.tensor_parallel import (
     VocabParallelEmbedding,
 )
 
-if TYPE_CHECKING:
-    from pagoda.models.native_decoder import NativeDecoder
+
+class FusedLayers(Protocol):
+    """Every decoder layer of a step in one call (the runner's `NativeDecoder`), for the steps
+    it `takes`; the model runs its own layers for the others."""
+
+    def takes(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool: ...
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -170,20 +177,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
         inv_freq, scaling = inv_freq_for(config, d.head_dim)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
-        # NOTE: set by the model runner where the whole stack runs as one native call.
-        self.native_decoder: NativeDecoder | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+                intermediate: Intermediate | None = None,
+                fused: FusedLayers | None = None) -> torch.Tensor | Intermediate:
         """The final hidden states; a stage that is not the last returns its `Intermediate`,
-        and one that is not the first takes the previous stage's instead of `input_ids`."""
+        and one that is not the first takes the previous stage's instead of `input_ids`.
+        `fused`, when it takes the step, runs every layer in one call."""
         if intermediate is None:
             assert self.embed_tokens is not None
             h, residual = self.embed_tokens(input_ids), None
         else:
             h, residual = intermediate
-        if self.native_decoder is not None and self.native_decoder.takes(h, positions, meta):
-            h, residual = self.native_decoder(h, residual, positions, meta)
+        if fused is not None and fused.takes(h, positions, meta):
+            h, residual = fused(h, residual, positions, meta)
         else:
             rope = self.rotary(positions, h.dtype)
             for layer in self.layers:
