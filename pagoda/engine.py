@@ -93,11 +93,10 @@ class LLMEngine:
     def add_processed(self, req: EngineRequest) -> str:
         """Queues a request that `self.processor` already validated; returns its id."""
         self._check_new_id(req.request_id)
-        params = req.sampling_params
         metrics = self.core.add_request(req)
-        children = [params.for_child(i) if params.n > 1 else params for i in range(params.n)]
         self.states[req.request_id] = RequestState(req.request_id, req.prompt, req.prompt_token_ids,
-                                                   children, metrics[0], self.tokenizer)
+                                                   req.sampling_params.per_sample(), metrics[0],
+                                                   self.tokenizer)
         return req.request_id
 
     def _check_new_id(self, request_id: str) -> None:

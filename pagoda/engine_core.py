@@ -96,15 +96,14 @@ class EngineCore:
         (timings the core fills in as they run)."""
         if req.request_id in self._requests:
             raise ValueError(f"Request id {req.request_id!r} is already in use.")
-        params = req.sampling_params
+        samples = req.sampling_params.per_sample()
         grammars = [req.grammar] + [req.grammar.fork() if req.grammar else None
-                                    for _ in range(params.n - 1)]
+                                    for _ in range(len(samples) - 1)]
         children = [
-            Request(req.request_id, req.prompt_token_ids,
-                    params.for_child(i) if params.n > 1 else params, self.eos_token_ids,
+            Request(req.request_id, req.prompt_token_ids, params, self.eos_token_ids,
                     req.arrival_time, self.max_model_len, sample_index=i, grammar=grammars[i],
                     priority=req.priority, group=req.group)
-            for i in range(params.n)
+            for i, params in enumerate(samples)
         ]
         self._requests[req.request_id] = children
         for child in children:
@@ -266,9 +265,10 @@ class EngineCore:
         out = self._change(request)
         out.new_token_ids.append(token)
         if logprobs is not None:
-            request.logprobs.append(logprobs)
-            request.cumulative_logprob += logprobs[token][0]
-            out.new_logprobs = (out.new_logprobs or []) + [logprobs]
+            # NOTE: only reported; the frontend keeps a sample's logprobs and their sum.
+            if out.new_logprobs is None:
+                out.new_logprobs = []
+            out.new_logprobs.append(logprobs)
         record_token_timing(request, now, stats)
         if request.grammar is not None and not request.grammar.accept(token):
             # NOTE: the sampler masks every token the grammar rejects, so a rejected token means

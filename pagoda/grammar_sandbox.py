@@ -123,22 +123,23 @@ class GrammarSandbox:
         reply = child.ask(request, self.timeout_s)
         if reply is None:
             self._lose(child)
-            return self._failed(request["kind"], time.monotonic() - start)
+            raise self._failure(request["kind"], time.monotonic() - start)
         self._idle.put(child)
         if "error" in reply:
             raise SandboxError(reply["error"])
         grammar: str = reply["grammar"]
         return grammar
 
-    def _failed(self, kind: str, elapsed: float) -> str:
+    def _failure(self, kind: str, elapsed: float) -> SandboxError:
+        """The request's error once its child was lost (logged, counted)."""
         self.num_failures += 1
         if elapsed >= self.timeout_s:
             logger.warning("a %s took more than %g s to compile; its process was stopped", kind, self.timeout_s)
-            raise SandboxError(f"compiling this {kind} took more than {self.timeout_s:g} s "
-                               "(--grammar-compile-timeout)")
+            return SandboxError(f"compiling this {kind} took more than {self.timeout_s:g} s "
+                                "(--grammar-compile-timeout)")
         logger.warning("the grammar compiler crashed on a %s; its process was replaced", kind)
-        raise SandboxError(f"the grammar compiler failed on this {kind} (it crashed or ran out of "
-                           "memory, --grammar-compile-memory)")
+        return SandboxError(f"the grammar compiler failed on this {kind} (it crashed or ran out of "
+                            "memory, --grammar-compile-memory)")
 
     def _acquire(self) -> _Child:
         """An idle child, a new one while fewer than `num_workers` run, or the next freed."""

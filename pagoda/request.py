@@ -65,8 +65,6 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         self.max_tokens = self._max_tokens(max_model_len)
         self.generator = self._make_generator()
-        self.logprobs: list[dict[int, tuple[float, int]]] = []
-        self.cumulative_logprob = 0.0
         self.grammar = grammar
         # NOTE: tokens drafted for this step (speculative decoding); verified, then cleared.
         self.spec_token_ids: list[int] = []

@@ -143,3 +143,7 @@ class SamplingParams:
         """The params of the index-th of n parallel samples (n=1, seed offset by index)."""
         seed = None if self.seed is None else self.seed + index
         return dataclasses.replace(self, n=1, seed=seed)
+
+    def per_sample(self) -> list[SamplingParams]:
+        """The params of each of the n samples (these params themselves when n is 1)."""
+        return [self.for_child(i) for i in range(self.n)] if self.n > 1 else [self]

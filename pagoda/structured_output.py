@@ -176,10 +176,13 @@ class GrammarCompiler:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max(self.limits.grammar_compile_workers, 1),
                                                     thread_name_prefix="pagoda-grammar")
-        await asyncio.get_running_loop().run_in_executor(self._executor, self._template, params, param)
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._template, params, param, True)
 
-    def _template(self, params: StructuredOutputsParams, param: str) -> Any:
-        check_limits(params, self.limits, param)
+    def _template(self, params: StructuredOutputsParams, param: str, checked: bool = False) -> Any:
+        """The cached matcher of `params`, built if new; the limits are checked first (they
+        also guard the cache key's JSON encoding) unless the caller just did."""
+        if not checked:
+            check_limits(params, self.limits, param)
         key = params.cache_key()
         with self._lock:
             template = self._cache.get(key)

@@ -57,6 +57,7 @@ struct Superblock {
 struct StreamOrder {
   std::vector<Superblock> superblocks;
   std::vector<int32_t> element;
+  std::vector<int32_t> lane_block;  // per superblock, the block of each byte p of a step (32 a superblock)
 
   explicit StreamOrder(int64_t K) {
     int64_t left = K / 32, b0 = 0;  // even: K is a multiple of 64
@@ -64,6 +65,7 @@ struct StreamOrder {
       for (; left >= s; left -= s, b0 += s) superblocks.push_back({s, b0});
     for (const Superblock& sb : superblocks) {
       const int lanes = 16 / sb.blocks;
+      for (int p = 0; p < 32; ++p) lane_block.push_back(static_cast<int32_t>(sb.block0 + p / 2 / lanes));
       for (int t = 0; t < sb.blocks / 2; ++t)
         for (int half = 0; half < 2; ++half)
           for (int p = 0; p < 32; ++p) {
@@ -249,18 +251,12 @@ inline void f16_to_float(const uint16_t* src, float* dst, int64_t n) {
 template <int M>
 void int4_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
   const StreamOrder& order = stream_order(a.K);
-  // NOTE: each lane's group within its superblock, once per call: a byte's scale is
-  // dq[lane_group[32 s + p]] (scalar f16 conversions and index arithmetic per row cost more
-  // than the row's products at K = 576).
+  // NOTE: a byte's scale is dq[lane_block[32 s + p] >> shift], gathered 8 at a time (scalar
+  // f16 conversions and index arithmetic per row cost more than the row's products at K = 576).
   thread_local std::vector<float> dq, mq;
-  thread_local std::vector<int32_t> lane_group;
   dq.resize(a.G);
   mq.resize(a.G);
-  lane_group.clear();
-  const int shift = __builtin_ctzll(static_cast<uint64_t>(a.gs / 32));
-  for (const Superblock& sb : order.superblocks)
-    for (int p = 0; p < 32; ++p)
-      lane_group.push_back(static_cast<int32_t>((sb.block0 + ((p >> 1) >> __builtin_ctz(16 / sb.blocks))) >> shift));
+  const __m128i shift = _mm_cvtsi32_si128(__builtin_ctzll(static_cast<uint64_t>(a.gs / 32)));
   const __m128i low = _mm_set1_epi8(15);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = a.w + n * a.row_bytes;
@@ -271,7 +267,7 @@ void int4_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float
     for (int m = 0; m < M; ++m) y[m] = vzero();
     const uint8_t* qs = q;
     int64_t pos = 0;
-    const int32_t* groups = lane_group.data();
+    const int32_t* blocks = order.lane_block.data();
     for (const Superblock& sb : order.superblocks) {
       Vf lo_acc[M], hi_acc[M];
       for (int m = 0; m < M; ++m) lo_acc[m] = hi_acc[m] = vzero();
@@ -289,13 +285,14 @@ void int4_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float
         }
       }
       const auto gather = [&](int p) {
-        return _mm256_i32gather_ps(dq.data(), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(groups + p)), 4);
+        const __m256i block = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + p));
+        return _mm256_i32gather_ps(dq.data(), _mm256_srl_epi32(block, shift), 4);
       };
       const Vf s0{gather(0), gather(8)}, s1{gather(16), gather(24)};
       for (int m = 0; m < M; ++m) y[m] = vfma(s1, hi_acc[m], vfma(s0, lo_acc[m], y[m]));
       qs += 16 * sb.blocks;
       pos += 32 * sb.blocks;
-      groups += 32;
+      blocks += 32;
     }
     for (int m = 0; m < M; ++m) {
       float offsets = 0.f;

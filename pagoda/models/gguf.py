@@ -16,7 +16,6 @@ import functools
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import torch
@@ -51,10 +50,6 @@ def hf_name(gguf_name: str) -> str | None:
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-
-
-def _field(reader: GGUFIndex, key: str) -> Any:
-    return reader.fields.get(key)
 
 
 def _reader(path: str) -> GGUFIndex:
@@ -109,9 +104,9 @@ def iter_gguf_weights(path: str, packed: set[str] | None = None) -> Iterator[tup
     from gguf.quants import dequantize
 
     reader = _reader(path)
-    arch = str(_field(reader, "general.architecture"))
-    n_head = int(_field(reader, f"{arch}.attention.head_count"))
-    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv") or n_head)
+    arch = str(reader.fields.get("general.architecture"))
+    n_head = int(reader.fields[f"{arch}.attention.head_count"])
+    n_kv = int(reader.fields.get(f"{arch}.attention.head_count_kv") or n_head)
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
