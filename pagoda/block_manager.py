@@ -110,9 +110,14 @@ class BlockManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
         return hashes
 
+    def takes_prefix_hits(self, request: Request) -> bool:
+        """Whether `request` may reuse cached blocks: not when it wants prompt logprobs, which
+        need the logits of every prompt row (vLLM v1's rule); its own blocks are still cached."""
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> list[Block]:
         """The longest cached prefix of the request, in whole blocks, never its last token."""
-        if not self.enable_prefix_caching:
+        if not self.takes_prefix_hits(request):
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         bs = self.block_size

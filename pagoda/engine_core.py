@@ -3,10 +3,11 @@ behind a typed boundary.
 
 The core takes validated requests (`EngineRequest`: token ids, sampling params, a compiled
 grammar, priority, group) and, each `step()`, returns a `CoreStep`: per sequence the token
-ids it gained, their logprob ids, its finish reason and cached-token count, plus the step's
-stats. It knows nothing of text: detokenizing, stop strings and `RequestOutput`s are the
-frontend's (`LLMEngine` with its `RequestState`s), which tells the core when a stop string
-ended a sequence (`stop_sequence`). Nothing outside reads the core's requests.
+ids it gained, their logprob ids, the prompt logprobs scored (when asked for), its finish
+reason and cached-token count, plus the step's stats. It knows nothing of text:
+detokenizing, stop strings and `RequestOutput`s are the frontend's (`LLMEngine` with its
+`RequestState`s), which tells the core when a stop string ended a sequence
+(`stop_sequence`). Nothing outside reads the core's requests.
 
 One request never fails another: a step whose model call fails is rerun a request at a
 time (`isolation.py`) and only the requests that fail alone are failed (with their siblings
@@ -56,6 +57,7 @@ class EngineCoreOutput:
     sample_index: int
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[TokenLogprobs] | None = None  # one entry a token, when asked for
+    new_prompt_logprobs: list[TokenLogprobs] | None = None  # prompt positions scored, in order
     finish_reason: RequestStatus | None = None
     stop_reason: int | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0
@@ -217,9 +219,12 @@ class EngineCore:
                 self.scheduler.preempt(request)
                 stats.num_preemptions += 1
                 result.samples.pop(request, None)
+                result.prompt_logprobs.pop(request, None)
             else:
                 ran.add(request, num_tokens - self._rejected_drafts(request, result, stats))
         self.scheduler.update_from_output(ran)
+        for request, entries in result.prompt_logprobs.items():
+            self._report_prompt_logprobs(request, entries)
         now = time.time()
         for request, (tokens, logprobs) in result.samples.items():
             try:
@@ -279,6 +284,14 @@ class EngineCore:
             self._finish(request, status, stats)
         elif request.grammar is not None and request.grammar.terminated:
             self._finish(request, RequestStatus.FINISHED_STOPPED, stats)
+
+    def _report_prompt_logprobs(self, request: Request, entries: list[TokenLogprobs]) -> None:
+        """Hands the frontend the prompt positions a step scored (each reported once)."""
+        if request.is_finished:
+            return
+        request.num_prompt_logprobs += len(entries)
+        out = self._change(request)
+        out.new_prompt_logprobs = (out.new_prompt_logprobs or []) + entries
 
     def _change(self, request: Request) -> EngineCoreOutput:
         """The output this step reports for `request`, created on first change."""

@@ -31,6 +31,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine_setup import EngineParts, build_model_parts, eos_token_ids, resolve_max_model_len
 from pagoda.model_inputs import InputPreparer
 from pagoda.models.loader import load_hf_config, load_tokenizer, resolve_model_path
+from pagoda.prompt_logprobs import with_prompt_logprobs
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
 from pagoda.scheduler import SchedulerOutput
@@ -144,9 +145,9 @@ class MultiprocExecutor:
         sampling, inputs = self.preparer.prepare(out)
         send(self.conn, inputs)
         logits = self._wait()
-        if not sampling:
-            return [], None
-        return sampling, sample_with_drafts(self.sampler, logits.float(), sampling)
+        num = inputs.num_sample_rows
+        result = sample_with_drafts(self.sampler, logits[:num].float(), sampling) if sampling else None
+        return sampling, with_prompt_logprobs(result, logits[num:], out.requests, inputs.prompt_rows)
 
     def _wait(self) -> torch.Tensor:
         deadline = time.monotonic() + STEP_TIMEOUT_S

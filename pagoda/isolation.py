@@ -29,10 +29,12 @@ class StepRunner(Protocol):
 
 @dataclass
 class StepResult:
-    """What a step did: requests that ran (with their token counts), samples, failures."""
+    """What a step did: requests that ran (with their token counts), samples, prompt logprobs
+    scored, failures."""
 
     executed: list[tuple[Request, int]] = field(default_factory=list)
     samples: dict[Request, tuple[list[int], TokenLogprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[Request, list[TokenLogprobs]] = field(default_factory=dict)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     def add_run(self, out: SchedulerOutput, sampled: list[Request],
@@ -41,6 +43,7 @@ class StepResult:
         if result is not None:
             for i, (request, logprobs) in enumerate(zip(sampled, result.logprobs, strict=True)):
                 self.samples[request] = (result.emitted(i), logprobs)
+            self.prompt_logprobs.update(result.prompt_logprobs)
 
 
 def execute_isolating(runner: StepRunner, out: SchedulerOutput) -> StepResult:

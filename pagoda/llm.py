@@ -31,6 +31,8 @@ def merge_delta(into: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     into.outputs = sorted(by_index.values(), key=lambda o: o.index)
     into.finished, into.metrics, into.error = delta.finished, delta.metrics, delta.error
     into.num_cached_tokens = delta.num_cached_tokens
+    if delta.prompt_logprobs is not None:
+        into.prompt_logprobs = delta.prompt_logprobs
     return into
 
 

@@ -1,33 +1,42 @@
 """Turning a step's scheduled requests into the model's input tensors.
 
-`InputPreparer.prepare` orders the batch (one-token decodes and draft verifications first,
-attended together by the decode kernel; then prefill chunks), flattens it without padding,
+`InputPreparer.prepare` orders the batch (the rows one batched kernel call attends first: with
+the native CPU kernel every row, otherwise the one-token decodes; then prefill chunks, one
+SDPA call each), flattens it without padding,
 and builds `input_ids`, `positions`, `slot_mapping`, the `AttentionMetadata` and the rows
-whose logits are needed. The result, `ModelInputs`, holds only tensors and plain data: the
+whose logits are needed (sampling rows, then the prompt rows of requests that ask for
+prompt logprobs). The result, `ModelInputs`, holds only tensors and plain data: the
 model runner consumes it in-process, and the parallel executor ships it to its workers.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagoda.layers.attention import AttentionMetadata, PrefillChunk
+from pagoda.prompt_logprobs import PromptRows, positions_to_score
 from pagoda.request import Request
 from pagoda.scheduler import SchedulerOutput
 
 
 @dataclass
 class ModelInputs:
-    """One step's model inputs; `logits_rows` index the hidden rows to project to logits."""
+    """One step's model inputs; `logits_rows` index the hidden rows to project to logits:
+    first the sampling rows, then the prompt positions `prompt_rows` score."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: torch.Tensor
     num_tokens: int
+    prompt_rows: list[PromptRows] = field(default_factory=list)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return self.logits_rows.numel() - sum(span.count for span in self.prompt_rows)
 
 
 class InputPreparer:
@@ -56,16 +65,33 @@ class InputPreparer:
         counts = [out.num_scheduled_tokens[i] for i in order]
         input_ids, positions, meta, sample_rows = self._prepare(reqs, counts)
         rows = [r for _, first, last in sample_rows for r in range(first, last + 1)]
+        prompt_rows, scored_rows = self._prompt_rows(out, order)
         inputs = ModelInputs(input_ids, positions, meta,
-                             torch.tensor(rows, dtype=torch.long, device=self.device),
-                             sum(counts))
+                             torch.tensor(rows + scored_rows, dtype=torch.long, device=self.device),
+                             sum(counts), prompt_rows)
         return [reqs[i] for i, _, _ in sample_rows], inputs
 
+    @staticmethod
+    def _prompt_rows(out: SchedulerOutput, order: list[int]) -> tuple[list[PromptRows], list[int]]:
+        """The prompt positions each request scores (prompt logprobs) and their hidden rows."""
+        spans: list[PromptRows] = []
+        rows: list[int] = []
+        base = 0
+        for i in order:
+            request, n = out.requests[i], out.num_scheduled_tokens[i]
+            start, count = positions_to_score(request, n)
+            if count:
+                spans.append(PromptRows(i, start, count))
+                first = base + start - request.num_computed_tokens
+                rows.extend(range(first, first + count))
+            base += n
+        return spans, rows
+
     def _in_decode_group(self, request: Request, num_tokens: int) -> bool:
-        """One new token, or (with the native kernel, which takes several query rows per
-        sequence) a verification of drafts: attended in the batched decode call."""
-        return num_tokens == 1 or (self.native and bool(request.spec_token_ids)
-                                   and num_tokens == 1 + len(request.spec_token_ids))
+        """Attended in the batched kernel call: with the native kernel (any number of query rows
+        per sequence: decodes, verified drafts, prefill chunks over a cached prefix) every
+        request; otherwise one new token."""
+        return self.native or num_tokens == 1
 
     def _slot(self, request: Request, pos: int) -> int:
         return request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size

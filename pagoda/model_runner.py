@@ -1,7 +1,8 @@
 """ModelRunner: a SchedulerOutput in, sampled tokens out.
 
 `InputPreparer` (model_inputs.py) flattens the batch into `ModelInputs`; `forward` runs the
-model and takes logits only at the rows that sample; `sample` calls the sampler (and verifies
+model and takes logits only at the rows that sample (and the prompt rows of requests asking
+for prompt logprobs, scored by `prompt_logprobs.py`); `sample` calls the sampler (and verifies
 drafts). The parallel executor uses the same three pieces across processes.
 """
 
@@ -13,6 +14,7 @@ from pagoda.layers import cpu_kernels
 from pagoda.model_inputs import InputPreparer, ModelInputs
 from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.native_decoder import NativeDecoder
+from pagoda.prompt_logprobs import with_prompt_logprobs
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
 from pagoda.scheduler import SchedulerOutput
@@ -55,13 +57,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
-        """Runs one step; returns the requests that sampled and their tokens."""
+        """Runs one step; returns the requests that sampled and their tokens (with the prompt
+        logprobs scored, when some request asked)."""
         sampling, inputs = self.preparer.prepare(out)
         logits = self.forward(inputs)
-        if not sampling:
+        if not sampling and not inputs.prompt_rows:
             return [], None
-        return sampling, self.sample(logits.cpu() if self.device.type != "cpu" else logits,
-                                     sampling)
+        logits = logits.cpu() if self.device.type != "cpu" else logits
+        num = inputs.num_sample_rows
+        result = self.sample(logits[:num], sampling) if sampling else None
+        return sampling, with_prompt_logprobs(result, logits[num:], out.requests, inputs.prompt_rows)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:

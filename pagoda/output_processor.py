@@ -4,7 +4,8 @@ One `RequestState` per user request groups its n samples, each a `SampleState` w
 copy of the tokens, logprobs and finish reason the core reported (`EngineCoreOutput`) and an
 incremental detokenizer. `update` feeds a sample its new tokens and says when a stop string
 ended it (the tokens after it are dropped; the engine then stops the core's sequence);
-`make_output` turns what changed into delta `CompletionOutput`s.
+`make_output` turns what changed into delta `CompletionOutput`s. The request's prompt logprobs
+(sample 0 scores them) accumulate here chunk by chunk and go out whole, once.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pagoda.detokenizer import IncrementalDetokenizer
-from pagoda.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 from pagoda.request import Request, RequestStatus
 from pagoda.sampler import TokenLogprobs
 from pagoda.sampling_params import SamplingParams
@@ -87,8 +88,13 @@ class SampleState:
         return [self._to_logprobs(entry) for entry in new]
 
     def _to_logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
-        decode = getattr(self.tokenizer, "decode", None)
-        return {t: Logprob(t, lp, rank, decode([t]) if decode else None) for t, (lp, rank) in entry.items()}
+        return to_logprobs(entry, self.tokenizer)
+
+
+def to_logprobs(entry: TokenLogprobs, tokenizer: object | None) -> dict[int, Logprob]:
+    """The core's (logprob, rank) per token id as `Logprob`s with their decoded text."""
+    decode = getattr(tokenizer, "decode", None)
+    return {t: Logprob(t, lp, rank, decode([t]) if decode else None) for t, (lp, rank) in entry.items()}
 
 
 def _finish_reason(status: RequestStatus) -> str:
@@ -105,6 +111,11 @@ class RequestState:
         self.prompt_token_ids = prompt_token_ids
         self.metrics = metrics
         self.samples = [SampleState(i, prompt_token_ids, p, tokenizer) for i, p in enumerate(params)]
+        self.tokenizer = tokenizer
+        # NOTE: vLLM's shape: None for the first prompt token, which nothing predicts.
+        self.prompt_logprobs: PromptLogprobs | None = (
+            [None] if params[0].prompt_logprobs is not None else None)
+        self.prompt_logprobs_sent = False
         self.error: str | None = None
         self.error_is_request = False  # the request's own fault (its constraint), not the engine's
 
@@ -116,6 +127,8 @@ class RequestState:
         """Feeds one sample its news (see `SampleState.update`)."""
         if out.error is not None and self.error is None:
             self.error, self.error_is_request = out.error, out.error_is_request
+        if out.new_prompt_logprobs and self.prompt_logprobs is not None:
+            self.prompt_logprobs += [to_logprobs(e, self.tokenizer) for e in out.new_prompt_logprobs]
         return self.samples[out.sample_index].update(out)
 
     def fail(self, error: str) -> None:
@@ -133,8 +146,16 @@ class RequestState:
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=deltas, finished=self.finished, metrics=self.metrics,
             num_cached_tokens=max(s.num_cached_tokens for s in self.samples), error=self.error,
-            error_is_request=self.error_is_request,
+            error_is_request=self.error_is_request, prompt_logprobs=self._take_prompt_logprobs(),
         )
+
+    def _take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The whole prompt's logprobs, once, as soon as every position is scored."""
+        lps = self.prompt_logprobs
+        if lps is None or self.prompt_logprobs_sent or len(lps) < len(self.prompt_token_ids):
+            return None
+        self.prompt_logprobs_sent = True
+        return lps
 
 
 def record_token_timing(request: Request, now: float, stats: IterationStats) -> None:

@@ -22,6 +22,8 @@ class Logprob:
 
 # NOTE: per position, a dict keyed by token id, holding the sampled token and the top-N.
 SampleLogprobs = list[dict[int, Logprob]]
+# NOTE: vLLM's shape: per prompt position, the prompt token and the top-K; None for the first.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
@@ -61,7 +63,11 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request (all of its samples) after a step."""
+    """The state of one request (all of its samples) after a step.
+
+    `prompt_logprobs` (when asked for) comes whole, in the first output after the prompt is
+    computed, and is None in the other deltas.
+    """
 
     request_id: str
     prompt: str | None
@@ -73,3 +79,4 @@ class RequestOutput:
     error: str | None = None
     error_is_request: bool = False  # the error is the request's own (e.g. an unsatisfiable constraint)
     extra: dict[str, object] = field(default_factory=dict)
+    prompt_logprobs: PromptLogprobs | None = None

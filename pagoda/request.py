@@ -68,6 +68,9 @@ class Request:
         self.grammar = grammar
         # NOTE: tokens drafted for this step (speculative decoding); verified, then cleared.
         self.spec_token_ids: list[int] = []
+        # NOTE: prompt positions whose logprobs were reported (prompt_logprobs.py); a recompute
+        # after preemption does not report them again.
+        self.num_prompt_logprobs = 0
 
     def _max_tokens(self, max_model_len: int | None) -> int:
         limit = self.sampling_params.max_tokens

@@ -9,7 +9,7 @@ tokens do not depend on what else is in the batch. Log-probabilities are of the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,11 +23,13 @@ TokenLogprobs = dict[int, tuple[float, int]]
 @dataclass
 class SamplerOutput:
     """Per sampling request: its token, logprobs, and (speculative decoding) every token it
-    emits this step, the first being `token_ids[i]`."""
+    emits this step, the first being `token_ids[i]`; plus the prompt logprobs scored."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
     spec_token_ids: list[list[int]] | None = None
+    # request -> entries of the prompt positions it scored this step (prompt_logprobs.py)
+    prompt_logprobs: dict[Request, list[TokenLogprobs]] = field(default_factory=dict)
 
     def emitted(self, index: int) -> list[int]:
         if self.spec_token_ids is not None:
@@ -202,21 +204,28 @@ class Sampler:
 def compute_logprobs(logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[TokenLogprobs | None]:
     """The sampled token's log-probability and rank plus the top-N, per row (raw logits)."""
     wanted = [r.sampling_params.logprobs for r in requests]
-    if all(n is None for n in wanted):
-        return [None] * len(requests)
-    logprobs = logits.float().log_softmax(dim=-1)
-    top_n = max(n or 0 for n in wanted)
-    top_vals, top_ids = logprobs.topk(max(top_n, 1), dim=-1)
-    sampled = torch.tensor(token_ids)
-    sampled_lp = logprobs.gather(1, sampled[:, None]).squeeze(1)
-    ranks = (logprobs > sampled_lp[:, None]).sum(dim=-1) + 1
-    result: list[TokenLogprobs | None] = []
-    for row, n in enumerate(wanted):
-        if n is None:
-            result.append(None)
-            continue
-        entry = {int(t): (float(v), rank + 1) for rank, (t, v) in
-                 enumerate(zip(top_ids[row, :n].tolist(), top_vals[row, :n].tolist(), strict=True))}
-        entry[token_ids[row]] = (float(sampled_lp[row]), int(ranks[row]))
+    rows = [i for i, n in enumerate(wanted) if n is not None]
+    result: list[TokenLogprobs | None] = [None] * len(requests)
+    if not rows:
+        return result
+    entries = top_logprobs(logits[rows].float().log_softmax(dim=-1), [token_ids[i] for i in rows],
+                           [wanted[i] or 0 for i in rows])
+    for i, entry in zip(rows, entries, strict=True):
+        result[i] = entry
+    return result
+
+
+def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], nums: list[int]) -> list[TokenLogprobs]:
+    """Per row of `logprobs` (float32 log-probabilities): the top `nums[row]` with ranks 1..N,
+    and `token_ids[row]` with its own rank (1 + the tokens strictly more likely)."""
+    top_vals, top_ids = logprobs.topk(max(max(nums), 1), dim=-1)
+    tokens = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
+    token_lps = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    ranks = ((logprobs > token_lps[:, None]).sum(dim=-1) + 1).tolist()
+    ids, vals, lps = top_ids.tolist(), top_vals.tolist(), token_lps.tolist()
+    result: list[TokenLogprobs] = []
+    for row, n in enumerate(nums):
+        entry = {t: (v, rank + 1) for rank, (t, v) in enumerate(zip(ids[row][:n], vals[row][:n], strict=True))}
+        entry[token_ids[row]] = (lps[row], ranks[row])
         result.append(entry)
     return result

@@ -16,6 +16,8 @@ from pagoda.structured_output import StructuredOutputsParams
 # overflows them to inf and the softmax to NaN).
 SAMPLING_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# NOTE: vLLM's default --max-logprobs; its -1 (the whole vocabulary) is over it.
+MAX_LOGPROBS = 20
 
 
 class SamplingParamError(ValueError):
@@ -43,7 +45,10 @@ class SamplingParams:
 
     temperature 0 (or below 1e-5) means greedy. top_k -1 (or 0) disables top-k. `seed` makes the request's
     samples reproducible whatever else shares its batch. `logprobs` N returns the sampled
-    token's log-probability plus the top N alternatives at each step.
+    token's log-probability plus the top N alternatives at each step. `prompt_logprobs` K
+    returns, for every prompt token after the first, its log-probability given the tokens
+    before it plus the top K (vLLM's: the first prompt token gets None); such a request takes
+    no prefix-cache hits, so that its whole prompt is computed.
     """
 
     n: int = 1
@@ -62,6 +67,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
@@ -106,12 +112,20 @@ class SamplingParams:
                  f"stop strings must be non-empty, got {_short(self.stop)}.")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", f"stop_token_ids must be non-negative ints, got {_short(self.stop_token_ids)}.")
-        _require(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-                 f"logprobs must be in [0, 20], got {self.logprobs}.")
+        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
+        self._validate_prompt_logprobs()
         self._validate_token_controls()
         _require(self.seed is None or (isinstance(self.seed, int)
                                        and INT64_MIN <= self.seed <= INT64_MAX), "seed",
                  f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}.")
+
+    def _validate_prompt_logprobs(self) -> None:
+        value = self.prompt_logprobs
+        whole_vocab = " (-1, the whole vocabulary, is more than this server returns)"
+        _require(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
+                 "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"
+                 f"{whole_vocab if value == -1 else ''}, got {value}.")
 
     def _validate_token_controls(self) -> None:
         bias = self.logit_bias or {}
@@ -140,9 +154,12 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
     def for_child(self, index: int) -> SamplingParams:
-        """The params of the index-th of n parallel samples (n=1, seed offset by index)."""
+        """The params of the index-th of n parallel samples (n=1, seed offset by index).
+
+        NOTE: the prompt is the same for every sample: only the first scores it."""
         seed = None if self.seed is None else self.seed + index
-        return dataclasses.replace(self, n=1, seed=seed)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
 
     def per_sample(self) -> list[SamplingParams]:
         """The params of each of the n samples (these params themselves when n is 1)."""

@@ -185,7 +185,7 @@ class Scheduler:
             request.num_cached_tokens = num_hit
             request.metrics.num_cached_tokens = num_hit
             request.metrics.first_scheduled_time = time.time()
-            if self.block_manager.enable_prefix_caching:
+            if self.block_manager.takes_prefix_hits(request):
                 self.block_manager.record_prefix_query(request.num_tokens, num_hit)
         request.status = RequestStatus.RUNNING
         self.running.append(request)

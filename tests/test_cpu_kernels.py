@@ -118,6 +118,24 @@ def test_several_query_rows_causal_and_window(dtype: torch.dtype, window: int) -
     run_attention([9, 30, 17, 100], [1, 4, 17, 40], 16, 6, 2, 64, dtype, window)
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 80), (16, 2, 128),
+                                                     (2, 2, 256)])
+@pytest.mark.parametrize("window", [0, 21])
+def test_prefill_chunks_over_cached_prefixes(heads: int, kv_heads: int, head_dim: int, window: int) -> None:
+    # NOTE: tiles of 16+ query vectors (rows x GQA group) take the prefill path (scores as a
+    # small GEMM, softmax down the lanes); decodes in the same call keep the decode path.
+    # Cached prefixes of 0-50 tokens end on, before and after block edges (block 16); chunks
+    # of 5-70 rows end mid-tile; head_dim 80 is not whole 16-lane chunks.
+    cached, chunk = [0, 15, 16, 17, 50, 9], [16, 70, 33, 5, 40, 1]
+    lens = [c + n for c, n in zip(cached, chunk, strict=True)]
+    run_attention(lens, chunk, 16, heads, kv_heads, head_dim, torch.bfloat16, window, seed=head_dim + window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_tiles_in_fp32_and_fp16(dtype: torch.dtype) -> None:
+    run_attention([100, 64], [100, 31], 16, 9, 3, 64, dtype, window=0, seed=5)
+
+
 def test_single_long_sequence_uses_every_row() -> None:
     run_attention([1000], [1], 32, 9, 3, 64, torch.bfloat16, window=0, seed=3)
 

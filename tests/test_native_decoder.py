@@ -2,8 +2,8 @@
 
 It runs the same kernels in the same order on the same buffers, so the bound is equality:
 every final hidden state bit for bit, hence the same greedy tokens. The engine runs prompts of
-mixed lengths (steps that prefill take the layer path, pure decode steps the native stack), in
-bf16, under each weight scheme and KV cache dtype the stack takes, and with speculative
+mixed lengths (prefill steps and decode steps both through the native stack, whose paged
+attention takes prefill chunks too), in bf16, under each weight scheme and KV cache dtype the stack takes, and with speculative
 verification (several decode rows per sequence).
 """
 
@@ -42,12 +42,13 @@ class Recorder:
         self.native = self.runner.native_decoder
         self.hidden: list[torch.Tensor] = []
         self.native_calls = 0
+        self.native_rows = 0  # the widest step the stack ran
         logits = self.model.compute_logits
         self.model.compute_logits = lambda h: (self.hidden.append(h.clone()), logits(h))[1]
 
     def run(self, llm: LLM, native: bool) -> list[list[int]]:
         self.hidden.clear()
-        self.native_calls = 0
+        self.native_calls = self.native_rows = 0
         if native:
             assert self.native is not None
             stack = self.native
@@ -58,6 +59,7 @@ class Recorder:
 
                 def __call__(inner, *args):  # noqa: N805
                     self.native_calls += 1
+                    self.native_rows = max(self.native_rows, args[0].shape[0])
                     return stack(*args)
 
             self.runner.native_decoder = Counting()
@@ -86,9 +88,10 @@ def test_native_stack_equals_the_layer_path(arch: str, engine: dict, tiny_model_
     rec = Recorder(llm)
     assert isinstance(rec.native, NativeDecoder)
     native = rec.run(llm, native=True)
-    native_hidden, calls = list(rec.hidden), rec.native_calls
+    native_hidden, calls, widest = list(rec.hidden), rec.native_calls, rec.native_rows
     layered = rec.run(llm, native=False)
     assert calls >= 20  # the decode steps ran natively
+    assert widest >= sum(len(p) for p in prompts())  # so did the step prefilling every prompt
     assert rec.native_calls == 0
     assert native == layered
     assert len(native_hidden) == len(rec.hidden)

@@ -281,6 +281,168 @@ void attend_item(const T* q, const C* k_cache, const C* v_cache, T* out, const A
   for (int h = 0; h < nh; ++h) finish_head(out_rows + int64_t(h0 + h) * group * d, a, heads[h], rows, group);
 }
 
+// ---- Prefill tiles: many query vectors a tile, scored as one small GEMM per key tile.
+//
+// A tile of rows x group query vectors (R of them, rounded up to whole vectors in R16) keeps
+// them transposed, qt[i][r], so that scores, max, sum and rescaling all run down the vector
+// lanes, one lane a query vector: a key tile's scores are st[j][r] = sum_i k[j][i] * qt[i][r]
+// (kKeyBlock keys x one 16-vector chunk in registers), with no horizontal reduction anywhere.
+// The running max starts finite (kFloor), so a row whose keys are all masked so far gets
+// exp(-inf - kFloor) = 0, never NaN. A decode tile (few vectors) keeps attend_item.
+constexpr int kBlockMinVectors = 16;
+constexpr int kKeyBlock = 4;
+constexpr int kAccRows = 4;
+constexpr float kFloor = -1e30f;
+
+struct BlockScratch {
+  std::vector<float> qt, kf, vf, st, m, l, acc;
+  int r16 = 0;
+  void reset(int vectors, int d) {
+    r16 = (vectors + kLanes - 1) / kLanes * kLanes;
+    qt.assign(size_t(d) * r16, 0.f);
+    kf.resize(size_t(kKeyTile) * d);
+    vf.resize(size_t(kKeyTile) * d);
+    st.resize(size_t(kKeyTile) * r16);
+    m.assign(r16, kFloor);
+    l.assign(r16, 0.f);
+    acc.assign(size_t(vectors) * d, 0.f);
+  }
+};
+
+// st[j][c..c+16) for keys [j0, j0 + KB) of the tile against query chunk c.
+template <int KB>
+inline void score_keys(BlockScratch& w, int d, int j0, int c) {
+  Vf s[KB];
+  for (int jj = 0; jj < KB; ++jj) s[jj] = vzero();
+  const float* k = &w.kf[size_t(j0) * d];
+  for (int i = 0; i < d; ++i) {
+    const Vf qv = load(&w.qt[size_t(i) * w.r16 + c]);
+    for (int jj = 0; jj < KB; ++jj) s[jj] = vfma(vset1(k[jj * d + i]), qv, s[jj]);
+  }
+  for (int jj = 0; jj < KB; ++jj) store(&w.st[size_t(j0 + jj) * w.r16 + c], s[jj]);
+}
+
+// Masks (to -inf) the scores a row may not see: only tiles on the causal diagonal or the
+// window's edge have any.
+void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64_t pos0, int64_t window) {
+  const int64_t last = pos0 + rows - 1;
+  const bool all_seen = key0 + n - 1 <= pos0 && (window <= 0 || key0 >= last - window + 1);
+  if (all_seen) return;
+  for (int j = 0; j < n; ++j) {
+    const int64_t key = key0 + j;
+    for (int r = 0; r < rows * group; ++r) {
+      const int64_t pos = pos0 + r / group;
+      if (key > pos || (window > 0 && key <= pos - window)) w.st[size_t(j) * w.r16 + r] = kNegInf;
+    }
+  }
+}
+
+// Online softmax down the lanes: each row's new max, its probabilities left in st, its sum,
+// and in corr the factor its accumulator is rescaled by (1 where the max did not move).
+void softmax_block(BlockScratch& w, int n, float* corr) {
+  for (int c = 0; c < w.r16; c += kLanes) {
+    const Vf m_old = load(&w.m[c]);
+    Vf mx = m_old;
+    for (int j = 0; j < n; ++j) mx = vmax(mx, load(&w.st[size_t(j) * w.r16 + c]));
+    Vf sum = vzero();
+    for (int j = 0; j < n; ++j) {
+      float* s = &w.st[size_t(j) * w.r16 + c];
+      const Vf p = vexp(load(s) - mx);
+      store(s, p);
+      sum = sum + p;
+    }
+    const Vf f = vexp(m_old - mx);
+    store(&corr[c], f);
+    store(&w.l[c], vfma(load(&w.l[c]), f, sum));
+    store(&w.m[c], mx);
+  }
+}
+
+// acc[r] = acc[r] * corr[r] + sum_j p[j][r] * v[j] for RB rows from r0, one 16-lane chunk of
+// head_dim at a time (AVX2's 16 registers hold 4 rows x 2 halves). FULL: d is whole chunks.
+template <int RB, bool FULL>
+void accumulate_rows_block(BlockScratch& w, const float* corr, int r0, int n, int d) {
+  for (int c = 0; c < d; c += kLanes) {
+    const Mask mask = FULL ? Mask(0xFFFF) : tail_mask(d - c);
+    Vf x[RB];
+    for (int r = 0; r < RB; ++r) x[r] = load(&w.acc[size_t(r0 + r) * d + c], mask) * vset1(corr[r0 + r]);
+    for (int j = 0; j < n; ++j) {
+      const Vf vv = FULL ? load(&w.vf[size_t(j) * d + c]) : load(&w.vf[size_t(j) * d + c], mask);
+      const float* p = &w.st[size_t(j) * w.r16 + r0];
+      for (int r = 0; r < RB; ++r) x[r] = vfma(vset1(p[r]), vv, x[r]);
+    }
+    for (int r = 0; r < RB; ++r) store(&w.acc[size_t(r0 + r) * d + c], x[r], mask);
+  }
+}
+
+template <bool FULL>
+void accumulate_block(BlockScratch& w, const float* corr, int vectors, int n, int d) {
+  int r0 = 0;
+  for (; r0 + kAccRows <= vectors; r0 += kAccRows) accumulate_rows_block<kAccRows, FULL>(w, corr, r0, n, d);
+  for (; r0 < vectors; ++r0) accumulate_rows_block<1, FULL>(w, corr, r0, n, d);
+}
+
+template <typename C>
+void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_stride, const AttnArgs& a, int rows,
+                       int group, int n, int64_t key0, int64_t pos0, float* corr) {
+  const int d = a.head_dim;
+  for (int j = 0; j < n; ++j) {
+    widen_row(k + j * kv_stride, &w.kf[size_t(j) * d], d);
+    widen_row(v + j * kv_stride, &w.vf[size_t(j) * d], d);
+  }
+  for (int c = 0; c < w.r16; c += kLanes) {
+    int j = 0;
+    for (; j + kKeyBlock <= n; j += kKeyBlock) score_keys<kKeyBlock>(w, d, j, c);
+    for (; j < n; ++j) score_keys<1>(w, d, j, c);
+  }
+  mask_block(w, rows, group, n, key0, pos0, a.window);
+  softmax_block(w, n, corr);
+  if (d % kLanes == 0) {
+    accumulate_block<true>(w, corr, rows * group, n, d);
+  } else {
+    accumulate_block<false>(w, corr, rows * group, n, d);
+  }
+}
+
+// One prefill work item (see attend_item), head by head.
+template <typename T, typename C>
+void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, const AttnArgs& a,
+                       int64_t seq, int h0, int nh, int64_t row0) {
+  const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
+  const int64_t q_begin = a.query_start_loc[seq], qlen = a.query_start_loc[seq + 1] - q_begin;
+  const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, qlen - row0));
+  const int vectors = rows * group;
+  const int64_t pos0 = a.seq_lens[seq] - qlen + row0;
+  const int64_t kv_stride = int64_t(a.num_kv_heads) * d;
+  thread_local BlockScratch w;
+  thread_local std::vector<KeyTile> tiles;
+  thread_local std::vector<float> corr;
+  list_tiles(a, seq, a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0, pos0 + rows, tiles);
+  for (int h = h0; h < h0 + nh; ++h) {
+    w.reset(vectors, d);
+    corr.resize(w.r16);
+    const T* q_rows = q + (q_begin + row0) * a.q_stride + int64_t(h) * group * d;
+    for (int r = 0; r < vectors; ++r) {
+      const T* src = q_rows + (r / group) * a.q_stride + (r % group) * d;
+      for (int i = 0; i < d; ++i) w.qt[size_t(i) * w.r16 + r] = to_float(src[i]) * a.scale;
+    }
+    for (const KeyTile& t : tiles) {
+      const int64_t offset = t.offset + int64_t(h) * d;
+      attend_block_tile(w, k_cache + offset, v_cache + offset, kv_stride, a, rows, group, t.n, t.key0, pos0,
+                        corr.data());
+    }
+    T* out_rows = out + (q_begin + row0) * a.out_stride + int64_t(h) * group * d;
+    for (int r = 0; r < vectors; ++r) {
+      T* dst = out_rows + (r / group) * a.out_stride + (r % group) * d;
+      const float inv = w.l[r] > 0.f ? a.v_scale / w.l[r] : 0.f;
+      for (int i = 0; i < d; i += kLanes) {
+        const Mask mk = tail_mask(d - i);
+        store(dst + i, load(&w.acc[size_t(r) * d + i], mk) * vset1(inv), mk);
+      }
+    }
+  }
+}
+
 template <typename T, typename C>
 void paged_attention(const void* q, const void* k_cache, const void* v_cache, void* out, int num_seqs,
                      const AttnArgs& a) {
@@ -290,13 +452,18 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
   std::vector<std::pair<int64_t, int64_t>> tiles;
   int64_t key_rows = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    for (int64_t r = 0; r < a.query_start_loc[s + 1] - a.query_start_loc[s]; r += kQueryTile) {
+    const int64_t qlen = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    for (int64_t r = 0; r < qlen; r += kQueryTile) {
       tiles.emplace_back(s, r);
-      key_rows += a.window > 0 ? std::min(a.seq_lens[s], a.window + kQueryTile) : a.seq_lens[s];
+      // NOTE: a tile's work is its query rows times the keys they read (a decode: one row).
+      const int64_t keys = a.seq_lens[s] - qlen + r + 1;
+      const int64_t seen = a.window > 0 ? std::min(keys, a.window + kQueryTile) : keys;
+      key_rows += std::min<int64_t>(kQueryTile, qlen - r) * seen;
     }
   }
-  // NOTE: a call reading fewer K/V rows than this runs on the calling thread: waking a worker
-  // cost more than it saved for one short sequence, and lost badly on a busy machine.
+  // NOTE: a call with less work than this (K/V rows read, times the query rows reading them)
+  // runs on the calling thread: waking a worker cost more than it saved for one short
+  // sequence, and lost badly on a busy machine.
   const int max_threads = key_rows * a.num_kv_heads < kMinParallelKeyRows ? 1 : num_threads();
   // NOTE: a small batch splits over KV heads too, so that two cores share one sequence; a
   // large one keeps each token's K/V row (all heads, contiguous) in one item, which reads the
@@ -311,6 +478,11 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
     const auto* vt = static_cast<const C*>(v_cache);
     auto* ot = static_cast<T*>(out);
     const int h0 = static_cast<int>(i % groups) * nh;
+    const int64_t qlen = a.query_start_loc[seq + 1] - a.query_start_loc[seq];
+    if (std::min<int64_t>(kQueryTile, qlen - row0) * (a.num_heads / kv) >= kBlockMinVectors) {
+      attend_block_item(qt, kt, vt, ot, a, seq, h0, nh, row0);
+      return;
+    }
     switch (a.head_dim) {
       case 64: attend_item<4>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;
       case 128: attend_item<8>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;

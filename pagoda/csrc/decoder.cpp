@@ -1,4 +1,5 @@
-// A decode step's whole stack of Llama decoder layers in one call (bf16 activations).
+// A step's whole stack of Llama decoder layers in one call (bf16 activations): decodes and
+// prefill chunks alike, whatever the paged-attention kernel takes.
 //
 // The Python path calls ~10 kernels a layer through ctypes and nn.Module (~60 us a layer,
 // ~2 ms a step for 30 layers: as much as the attention at one stream). This runs the same

@@ -1,13 +1,15 @@
 """Attention over the paged KV cache.
 
 `AttentionMetadata` is built once per step by the model runner and passed explicitly to every
-layer. The flattened batch holds decode tokens first (attended in one batched call), then
-prefill chunks (one call each, causal over the cached context plus the new tokens). K/V of
-every scheduled token are written to their slots before attention reads them.
+layer. The flattened batch holds the rows of the batched call first ("decode" rows), then
+prefill chunks (one SDPA call each, causal over the cached context plus the new tokens). K/V
+of every scheduled token are written to their slots before attention reads them.
 With `native` set (by the runner, on CPU) the slot write is one `reshape_and_cache` call and
-the decode rows go to the paged-attention kernel, which reads K/V in place through the block
-tables; its metadata (`decode_query_start_loc`) already allows several query rows per
-sequence (speculative verification, prefix continuations). Otherwise torch ops do both.
+every row of the step, decodes and prefill chunks alike, goes to the paged-attention kernel,
+which reads K/V in place through the block tables and takes any number of query rows per
+sequence (`decode_query_start_loc`): causal over the cached prefix and the new rows, tiled
+over keys with an online softmax, prefill tiles scored as small GEMMs (attention.cpp; 1.7x
+SDPA's speed on a 1,024-token prompt here, docs/performance.md). Otherwise torch ops do both.
 An fp8 pool (`kv_cache_dtype`) holds K / k_scale and V / v_scale in one byte: the kernels
 convert on write and read; the torch paths quantize on write and dequantize what they gather,
 and a prefill chunk without cached context attends to its fresh K/V rounded as stored, so
@@ -50,9 +52,10 @@ class PrefillChunk:
 class AttentionMetadata:
     """Per-step inputs of every attention layer.
 
-    Decode rows use either the native kernel (`decode_block_tables`, `decode_seq_lens` with
-    the new rows counted, `decode_query_start_loc`: int64, read in place) or the torch path
-    (`decode_slots` gather index + `decode_mask`).
+    The batched call's rows (`num_decode_tokens`: with the native kernel, every row of the
+    step) use either the native kernel (`decode_block_tables`, `decode_seq_lens` with the new
+    rows counted, `decode_query_start_loc`: int64, read in place) or the torch path (one row a
+    sequence: `decode_slots` gather index + `decode_mask`). `prefills` are the torch path's.
     """
 
     slot_mapping: torch.Tensor

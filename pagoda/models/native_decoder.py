@@ -1,4 +1,4 @@
-"""A decode step's whole stack of Llama decoder layers as one native call (CPU, bf16).
+"""A step's whole stack of Llama decoder layers as one native call (CPU, bf16).
 
 The layer-by-layer path makes ~10 kernel calls a layer through ctypes and nn.Module, ~2 ms
 a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention at one stream.
@@ -9,7 +9,8 @@ pipeline parallelism), bf16, every linear on the small-M GEMM's packed weights (
 int4 panels), no per-head q/k norm (Qwen3), a bf16 or fp8 KV pool bound. It takes steps of at
 most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
 builds it when it binds the KV pool; the model calls it in place of its layer loop for steps
-whose rows all decode (`takes`), and runs its layers otherwise.
+the paged-attention kernel attends whole (on the native path every step: decodes and prefill
+chunks alike) of at most `max_rows` rows (`takes`), and runs its layers otherwise.
 """
 
 from __future__ import annotations
@@ -139,8 +140,9 @@ class NativeDecoder:
                              attn.attn.k_scale, attn.attn.v_scale)
 
     def takes(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step's rows all decode, with the kernel's metadata, in bf16, and are few
-        enough that every linear's kernel plan takes the GEMM (`max_rows`)."""
+        """Whether the kernel attends every row of this step (its metadata, no torch-path
+        prefill chunks), in bf16, with few enough rows that every linear's kernel plan takes
+        the GEMM (`max_rows`)."""
         return (meta.num_decode_tokens == h.shape[0] <= self.max_rows and not meta.prefills
                 and h.dtype == torch.bfloat16
                 and meta.decode_block_tables is not None and h.is_contiguous()

@@ -36,6 +36,7 @@ from pagoda.server.serving import (
     ServerContext,
     build_sampling_params,
     invalid_input,
+    prompt_logprobs_field,
     request_fields,
     token_str,
     tokenize_text,
@@ -175,7 +176,8 @@ def full_chat(gen: Generation, model: str, num_logprobs: int | None,
             logprobs=logprobs, finish_reason=_finish_reason(plan, state.finish_reason, bool(calls)),
             stop_reason=state.stop_reason))
     return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=model,
-                                  choices=choices, usage=gen.usage())
+                                  choices=choices, usage=gen.usage(),
+                                  prompt_logprobs=prompt_logprobs_field(gen.prompt_logprobs[0]))
 
 
 async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,

@@ -1,4 +1,9 @@
-"""POST /v1/completions: a prompt (text, texts, token ids or lists of them) in, text out."""
+"""POST /v1/completions: a prompt (text, texts, token ids or lists of them) in, text out.
+
+With `echo` the prompt leads the text and, with `logprobs`, its tokens' scores lead the
+logprobs (vLLM: `echo` sets `prompt_logprobs` to `logprobs`); `max_tokens=0` with `echo`
+returns only that (lm-eval's loglikelihood request).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from pagoda.server.serving import (
     Prompt,
     ServerContext,
     build_sampling_params,
+    prompt_logprobs_field,
     request_fields,
     token_str,
     tokenize_text,
@@ -55,17 +61,22 @@ def echo_text(ctx: ServerContext, prompt: Prompt) -> str:
     return prompt.text
 
 
-def completion_logprobs(ctx: ServerContext, token_ids: list[int], entries: list[dict[int, Logprob]],
-                        num: int, offset: int) -> CompletionLogProbs:
-    """The legacy logprobs object: per token its string, offset, logprob and the top-`num`."""
+def completion_logprobs(ctx: ServerContext, token_ids: list[int],
+                        entries: list[dict[int, Logprob] | None], num: int,
+                        offset: int) -> CompletionLogProbs:
+    """The legacy logprobs object: per token its string, offset, logprob and the top-`num`
+    (null for a token nothing scored: an echoed prompt's first)."""
     out = CompletionLogProbs()
     for token_id, entry in zip(token_ids, entries, strict=False):
-        sampled = entry.get(token_id)
+        sampled = entry.get(token_id) if entry is not None else None
         token = token_str(ctx, sampled) if sampled else str(ctx.tokenizer.decode([token_id]))
         out.text_offset.append(offset)
         offset += len(token)
         out.tokens.append(token)
         out.token_logprobs.append(sampled.logprob if sampled else None)
+        if entry is None:
+            out.top_logprobs.append(None)
+            continue
         tops = top_entries(entry, num)
         if sampled is not None and sampled not in tops:
             tops.append(sampled)
@@ -73,16 +84,48 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int], entries: list[
     return out
 
 
+def scores_prompt_only(req: CompletionRequest) -> bool:
+    """vLLM's `max_tokens=0` with echo (lm-eval's loglikelihood): the prompt and its scores
+    only; one token is sampled and never shown."""
+    return req.echo and req.max_tokens == 0
+
+
+def choice_tokens(gen: Generation, req: CompletionRequest, index: int, text: str,
+                  token_ids: list[int], entries: list[dict[int, Logprob]], echo: bool
+                  ) -> tuple[str, list[int], list[dict[int, Logprob] | None]]:
+    """A choice's (part of) text, token ids and logprob entries: the prompt first when
+    echoing it (`echo`), its scores as logprobs (vLLM's null first); nothing generated when
+    only the prompt is scored."""
+    shown: list[dict[int, Logprob] | None] = list(entries)
+    if scores_prompt_only(req):
+        text, token_ids, shown = "", [], []
+    if not echo:
+        return text, token_ids, shown
+    i = index // gen.n
+    prompt = gen.prompts[i]
+    scores = gen.prompt_logprobs[i] or [None] * len(prompt.token_ids)
+    return echo_text(gen.ctx, prompt) + text, prompt.token_ids + token_ids, scores + shown
+
+
+def finish(req: CompletionRequest, reason: str | None,
+           stop_reason: int | str | None) -> tuple[str | None, int | str | None]:
+    if scores_prompt_only(req) and reason in ("stop", "length"):
+        return "length", None
+    return reason, stop_reason
+
+
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(req.model)
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs (prompt logprobs) is not supported.", "echo")
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
     fields, structured_param = request_fields(req)
+    if req.echo and fields.get("prompt_logprobs") is None:
+        # NOTE: vLLM's rule: an echoed prompt is scored with as many alternatives as `logprobs`.
+        fields["prompt_logprobs"] = req.logprobs
+    max_tokens = 1 if scores_prompt_only(req) else req.max_tokens
     prompts = [truncate_prompt(p, req.truncate_prompt_tokens, ctx.max_model_len)
                for p in await completion_prompts(ctx, req.prompt)]
-    params = [build_sampling_params(ctx, fields, len(p.token_ids), req.max_tokens, req.logprobs)
+    params = [build_sampling_params(ctx, fields, len(p.token_ids), max_tokens, req.logprobs)
               for p in prompts]
     gen = await Generation.create(ctx, random_id("cmpl"), prompts, params, structured_param,
                                   req.priority, req.user)
@@ -98,33 +141,37 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
 def full_completion(gen: Generation, req: CompletionRequest, model: str) -> CompletionResponse:
     ctx, choices = gen.ctx, []
     for index, state in enumerate(gen.choices):
-        prefix = echo_text(ctx, gen.prompts[index // gen.n]) if req.echo else ""
+        text, token_ids, entries = choice_tokens(gen, req, index, state.text, state.token_ids,
+                                                 state.logprobs, req.echo)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(ctx, state.token_ids, state.logprobs, req.logprobs, 0)
+            logprobs = completion_logprobs(ctx, token_ids, entries, req.logprobs, 0)
+        reason, stop_reason = finish(req, state.finish_reason, state.stop_reason)
         choices.append(CompletionResponseChoice(
-            index=index, text=prefix + state.text, logprobs=logprobs,
-            finish_reason=state.finish_reason, stop_reason=state.stop_reason))
+            index=index, text=text, logprobs=logprobs, finish_reason=reason,
+            stop_reason=stop_reason,
+            prompt_logprobs=prompt_logprobs_field(gen.prompt_logprobs[index // gen.n])))
     return CompletionResponse(id=gen.request_id, created=gen.created, model=model,
                               choices=choices, usage=gen.usage())
 
 
 async def stream_completion(gen: Generation, req: CompletionRequest, model: str
                             ) -> AsyncIterator[str]:
-    """The chunks' JSON: one per delta, then the usage chunk if asked for."""
+    """The chunks' JSON: one per delta (the first of a choice led by the echoed prompt and its
+    scores, as vLLM streams it), then the usage chunk if asked for."""
     ctx, echoed = gen.ctx, set()
     chunks = ChunkEncoder(gen.request_id, "text_completion", gen.created, model)
     async for index, delta in gen.deltas():
-        text = delta.text
-        if req.echo and index not in echoed:
-            echoed.add(index)
-            text = echo_text(ctx, gen.prompts[index // gen.n]) + text
+        echo = req.echo and index not in echoed
+        echoed.add(index)
+        text, token_ids, entries = choice_tokens(gen, req, index, delta.text, delta.token_ids,
+                                                 delta.logprobs or [], echo)
         logprobs = NULL
         if req.logprobs is not None:
-            offset = len(gen.choices[index].text) - len(delta.text)
-            logprobs = part_json(completion_logprobs(ctx, delta.token_ids, delta.logprobs or [],
-                                                     req.logprobs, offset))
-        choice = completion_choice(index, text, logprobs, delta.finish_reason, delta.stop_reason)
+            offset = 0 if echo else len(gen.choices[index].text) - len(delta.text)
+            logprobs = part_json(completion_logprobs(ctx, token_ids, entries, req.logprobs, offset))
+        reason, stop_reason = finish(req, delta.finish_reason, delta.stop_reason)
+        choice = completion_choice(index, text, logprobs, reason, stop_reason)
         yield chunks.encode(choice, part_json(gen.usage() if req.continuous_usage else None))
     if req.include_usage:
         yield chunks.encode(None, part_json(gen.usage()))

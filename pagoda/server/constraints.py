@@ -20,7 +20,7 @@ BACKENDS = (None, "auto", "guidance", "llguidance")
 
 
 def check_supported(req: RequestModel) -> None:
-    """Refuses fields the schema does not know (e.g. best_of, prompt_logprobs)."""
+    """Refuses fields the schema does not know (e.g. best_of)."""
     unknown = req.unsupported_fields()
     if unknown:
         names = ", ".join(f"'{name}'" for name in unknown[:10])

@@ -161,13 +161,14 @@ class SamplingFields(RequestModel):
     guided_decoding_backend: str | None = None
     priority: int = 0
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    prompt_logprobs: int | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto `SamplingParams`, without unset ones."""
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-                 "allowed_token_ids")
+                 "allowed_token_ids", "prompt_logprobs")
         values = {name: getattr(self, name) for name in names}
         return {name: value for name, value in values.items() if value is not None}
 
@@ -201,12 +202,36 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's `Logprob` as its responses' `prompt_logprobs` carry it (keyed by token id)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# NOTE: vLLM's shape: None for the first prompt token, then token id -> PromptLogprob.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
+def _drop_unasked_prompt_logprobs(data: dict[str, Any]) -> dict[str, Any]:
+    """Leaves `prompt_logprobs` out unless asked for: the other responses stay OpenAI's."""
+    if data.get("prompt_logprobs") is None:
+        data.pop("prompt_logprobs", None)
+    return data
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_unasked_prompt_logprobs(handler(self))
 
 
 class PromptTokensDetails(OpenAIBaseModel):
@@ -326,6 +351,11 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsField = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_unasked_prompt_logprobs(handler(self))
 
 
 class DeltaFunctionCall(OpenAIBaseModel):

@@ -18,11 +18,17 @@ from typing import Any, Protocol
 
 from pagoda.async_engine import EngineDeadError, QueueFullError, StreamCutError
 from pagoda.input_processor import EngineRequest, InputProcessor
-from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
+from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.sampling_params import SamplingParams
 from pagoda.server.constraints import check_supported, logit_bias, structured_constraint
 from pagoda.server.errors import APIError, bad_request, context_length_error
-from pagoda.server.protocol import PromptTokensDetails, SamplingFields, UsageInfo, now
+from pagoda.server.protocol import (
+    PromptLogprob,
+    PromptTokensDetails,
+    SamplingFields,
+    UsageInfo,
+    now,
+)
 from pagoda.server.streaming import merge
 
 logger = logging.getLogger(__name__)
@@ -123,6 +129,10 @@ def request_fields(req: SamplingFields) -> tuple[dict[str, Any], str]:
     if req.stream_options is not None and not req.stream:
         # NOTE: vLLM's answer, word for word: a client that sets it expects a stream.
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    if req.stream and req.prompt_logprobs is not None and req.prompt_logprobs != 0:
+        # NOTE: vLLM's rule and words; echo with logprobs still streams the prompt's scores.
+        raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
+                          "prompt_logprobs")
     structured, param = structured_constraint(req)
     fields = req.sampling_kwargs()
     fields.update(structured_outputs=structured, logit_bias=logit_bias(req))
@@ -220,6 +230,7 @@ class Generation:
         self.requests = requests
         self.n = requests[0].sampling_params.n
         self.choices = [ChoiceState() for _ in range(len(prompts) * self.n)]
+        self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
         self.num_cached_tokens = [0] * len(prompts)
         self.finished = [False] * len(prompts)
 
@@ -261,6 +272,8 @@ class Generation:
                     raise APIError(500, f"Generation failed: {out.error}")
                 self.num_cached_tokens[i] = out.num_cached_tokens
                 self.finished[i] = out.finished
+                if out.prompt_logprobs is not None:
+                    self.prompt_logprobs[i] = out.prompt_logprobs
                 for delta in out.outputs:
                     index = i * self.n + delta.index
                     self.choices[index].add(delta)
@@ -311,6 +324,16 @@ def token_str(ctx: ServerContext, logprob: Logprob) -> str:
     if logprob.decoded_token is not None:
         return logprob.decoded_token
     return str(ctx.tokenizer.decode([logprob.token_id]))
+
+
+def prompt_logprobs_field(lps: PromptLogprobs | None) -> list[dict[int, PromptLogprob] | None] | None:
+    """A response's `prompt_logprobs` in vLLM's shape, -inf clamped to -9999.0 as vLLM does."""
+    if lps is None:
+        return None
+    return [None if entry is None else
+            {t: PromptLogprob(logprob=max(lp.logprob, -9999.0), rank=lp.rank,
+                              decoded_token=lp.decoded_token) for t, lp in entry.items()}
+            for entry in lps]
 
 
 def top_entries(entry: dict[int, Logprob], num: int) -> list[Logprob]:

@@ -1,0 +1,260 @@
+"""Prompt logprobs (vLLM's `prompt_logprobs`, lm-eval's `echo` + `logprobs` + `max_tokens=0`).
+
+Every value is compared with transformers' log_softmax of the same tiny random model's
+logits on the same prompt: the whole prompt in one step, spread over several chunked-prefill
+steps beside other requests, and after other requests warmed the prefix cache. The HTTP API
+is checked with the exact request lm-evaluation-harness sends, in-process over a real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import test_health as health
+import torch
+
+from pagoda import LLM, SamplingParams
+from pagoda.async_engine import AsyncLLM
+from pagoda.outputs import PromptLogprobs
+
+NUM_TOP = 3
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [1] + torch.randint(100, 49000, (n - 1,), generator=g).tolist()
+
+
+PROMPT = _prompt(40, 3)
+OTHER = _prompt(23, 4)
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(tiny_llama: Path):
+    """Transformers' log-probabilities over every row of a prompt (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+    def of(prompt: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(torch.tensor([prompt])).logits[0].float().log_softmax(-1)
+
+    return of
+
+
+def assert_matches(got: PromptLogprobs | None, prompt: list[int], ref: torch.Tensor,
+                   num: int = NUM_TOP) -> None:
+    """vLLM's shape (None, then one dict a prompt token) with transformers' values."""
+    assert got is not None and len(got) == len(prompt)
+    assert got[0] is None
+    for pos in range(1, len(prompt)):
+        entry, row, token = got[pos], ref[pos - 1], prompt[pos]
+        assert entry is not None
+        assert entry[token].logprob == pytest.approx(float(row[token]), abs=1e-4), pos
+        # NOTE: a deep token's rank moves with rounding when another is within 1e-4 of it
+        surely_above, maybe_above = int((row > row[token] + 1e-4).sum()), int((row > row[token] - 1e-4).sum())
+        assert surely_above + 1 <= entry[token].rank <= maybe_above + 1
+        top = row.topk(num)
+        for rank, (t, v) in enumerate(zip(top.indices.tolist(), top.values.tolist(), strict=True)):
+            assert entry[t].logprob == pytest.approx(v, abs=1e-4) and entry[t].rank == rank + 1
+        assert set(entry) == set(top.indices.tolist()) | {token}
+        assert entry[token].decoded_token is not None
+
+
+def params(**kw: object) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 2, "ignore_eos": True, **kw})  # type: ignore[arg-type]
+
+
+def test_whole_prompt_in_one_step(tiny_llama: Path, hf_logprobs):
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    out = llm.generate([PROMPT], params(prompt_logprobs=NUM_TOP), use_tqdm=False)[0]
+    assert_matches(out.prompt_logprobs, PROMPT, hf_logprobs(PROMPT))
+    plain = llm.generate([PROMPT], params(), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None
+    assert plain.outputs[0].token_ids == out.outputs[0].token_ids
+    zero = llm.generate([PROMPT], params(prompt_logprobs=0), use_tqdm=False)[0].prompt_logprobs
+    assert zero is not None and all(len(e) == 1 for e in zero[1:] if e is not None)
+
+
+def test_chunked_prefill_beside_other_requests(tiny_llama: Path, hf_logprobs):
+    """A 16-token budget: PROMPT spans 3+ steps, sharing them with OTHER's chunks and decodes."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256,
+              max_num_batched_tokens=16, enable_prefix_caching=False)
+    steps = []
+    execute = llm.engine.runner.execute
+
+    def counting(out):  # noqa: ANN001, ANN202
+        steps.append(list(out.num_scheduled_tokens))
+        return execute(out)
+
+    llm.engine.runner.execute = counting  # type: ignore[method-assign]
+    outs = llm.generate([OTHER, PROMPT, PROMPT[:5]],
+                        [params(max_tokens=8), params(prompt_logprobs=NUM_TOP),
+                         params(prompt_logprobs=1)], use_tqdm=False)
+    assert len(steps) >= 4 and max(sum(s) for s in steps) <= 16
+    assert outs[0].prompt_logprobs is None
+    assert_matches(outs[1].prompt_logprobs, PROMPT, hf_logprobs(PROMPT))
+    assert_matches(outs[2].prompt_logprobs, PROMPT[:5], hf_logprobs(PROMPT[:5]), num=1)
+    llm.engine.check_integrity()
+
+
+def test_prefix_cache_is_not_used_but_still_filled(tiny_llama: Path, hf_logprobs):
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256,
+              block_size=8, enable_prefix_caching=True)
+    warm = llm.generate([PROMPT], params(), use_tqdm=False)[0]
+    assert warm.num_cached_tokens == 0
+    out = llm.generate([PROMPT], params(prompt_logprobs=NUM_TOP), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    assert_matches(out.prompt_logprobs, PROMPT, hf_logprobs(PROMPT))
+    again = llm.generate([PROMPT], params(), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 32  # NOTE: whole blocks, never the last prompt token
+
+
+def test_preempted_request_reports_each_position_once(tiny_llama: Path, hf_logprobs):
+    """A pool too small for both: one is preempted and recomputed from its first token."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=8, max_model_len=64, block_size=8,
+              max_num_batched_tokens=16, enable_prefix_caching=False)
+    outs = llm.generate([PROMPT, PROMPT[::-1]], params(max_tokens=20, prompt_logprobs=2),
+                        use_tqdm=False)
+    assert sum(o.metrics.num_preemptions for o in outs if o.metrics) > 0
+    assert_matches(outs[0].prompt_logprobs, PROMPT, hf_logprobs(PROMPT), num=2)
+    assert_matches(outs[1].prompt_logprobs, PROMPT[::-1], hf_logprobs(PROMPT[::-1]), num=2)
+
+
+def test_tensor_parallel_workers_score_the_prompt(tiny_llama: Path, hf_logprobs):
+    """The parallel executor: the workers return the prompt rows' logits too (chunked)."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256,
+              tensor_parallel_size=2, max_num_batched_tokens=16)
+    try:
+        out = llm.generate([PROMPT], params(prompt_logprobs=NUM_TOP), use_tqdm=False)[0]
+        assert_matches(out.prompt_logprobs, PROMPT, hf_logprobs(PROMPT))
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("value", [-1, 21, -2])
+def test_bad_values_are_refused(value: int):
+    with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 20\]") as e:
+        SamplingParams(prompt_logprobs=value)
+    assert ("whole vocabulary" in str(e.value)) == (value == -1)
+
+
+# ---- the HTTP API ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
+    eng = health.make_engine(tiny_llama, None, dtype="float32", num_kv_blocks=64,
+                             max_model_len=256, max_num_batched_tokens=16)
+    yield eng
+    eng.shutdown()
+
+
+def post(engine: AsyncLLM, path: str, body: dict) -> httpx.Response:
+    async def main() -> httpx.Response:
+        async with health.app_client(engine) as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(main())
+
+
+def lm_eval_request(prompt: str | list[int]) -> dict:
+    """What lm-evaluation-harness's local-completions sends for a loglikelihood request."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1,
+            "temperature": 0, "seed": 1234}
+
+
+@pytest.mark.parametrize("as_text", [True, False], ids=["text", "token_ids"])
+def test_lm_eval_loglikelihood_request(engine: AsyncLLM, hf_logprobs, as_text: bool):
+    tokenizer = engine.tokenizer
+    text = "The capital of France is Paris, and the capital of Japan is Tokyo."
+    ids = tokenizer.encode(text)
+    r = post(engine, "/v1/completions", lm_eval_request(text if as_text else ids))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["text"] == (text if as_text else tokenizer.decode(ids))
+    assert choice["finish_reason"] == "length"
+    lp = choice["logprobs"]
+    ref = hf_logprobs(ids)
+    assert lp["tokens"] == [tokenizer.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    offsets = [0]
+    for token in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp["text_offset"] == offsets
+    for pos in range(1, len(ids)):
+        row = ref[pos - 1]
+        assert lp["token_logprobs"][pos] == pytest.approx(float(row[ids[pos]]), abs=1e-4)
+        best = int(row.argmax())
+        tops = lp["top_logprobs"][pos]
+        assert tops[tokenizer.decode([best])] == pytest.approx(float(row[best]), abs=1e-4)
+        assert len(tops) <= 2 and tokenizer.decode([ids[pos]]) in tops
+    # NOTE: vLLM's prompt_logprobs rides along: None, then token id -> logprob, rank, text
+    prompt_lps = choice["prompt_logprobs"]
+    assert prompt_lps[0] is None and len(prompt_lps) == len(ids)
+    entry = prompt_lps[5][str(ids[5])]
+    assert entry["logprob"] == pytest.approx(lp["token_logprobs"][5])
+    assert entry["decoded_token"] == lp["tokens"][5] and entry["rank"] >= 1
+
+
+def test_lm_eval_batch_of_prompts(engine: AsyncLLM, hf_logprobs):
+    """lm-eval batches several contexts+continuations in one request: each choice its own."""
+    batch = [PROMPT[:30], OTHER]
+    r = post(engine, "/v1/completions", lm_eval_request(batch))
+    assert r.status_code == 200, r.text
+    for choice, ids in zip(r.json()["choices"], batch, strict=True):
+        ref = hf_logprobs(ids)
+        got = choice["logprobs"]["token_logprobs"]
+        assert got[0] is None and len(got) == len(ids)
+        assert got[1:] == pytest.approx([float(ref[p - 1, ids[p]]) for p in range(1, len(ids))],
+                                        abs=1e-4)
+
+
+def test_echo_logprobs_then_generated_tokens(engine: AsyncLLM):
+    ids = engine.tokenizer.encode("One two three four")
+    body = {**lm_eval_request(ids), "max_tokens": 3, "ignore_eos": True}
+    choice = post(engine, "/v1/completions", body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 3
+    assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+    assert choice["text"] == engine.tokenizer.decode(ids) + "".join(lp["tokens"][len(ids):])
+    streamed = post(engine, "/v1/completions", {**body, "stream": True}).text
+    assert '"token_logprobs":[null,' in streamed.replace(" ", "")
+
+
+def test_prompt_logprobs_field_on_completions_and_chat(engine: AsyncLLM):
+    r = post(engine, "/v1/completions", {"prompt": "Hello there", "max_tokens": 1,
+                                         "prompt_logprobs": 2})
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["logprobs"] is None
+    assert choice["prompt_logprobs"][0] is None and len(choice["prompt_logprobs"]) >= 2
+    assert 2 <= len(choice["prompt_logprobs"][1]) <= 3
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0}
+    r = post(engine, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    prompt_lps = r.json()["prompt_logprobs"]
+    assert prompt_lps[0] is None and all(len(e) == 1 for e in prompt_lps[1:])
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": -1}, "whole vocabulary"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 21}, "[0, 20]"),
+    ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 21, "max_tokens": 0},
+     "[0, 20]"),
+    ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True},
+     "not available when `stream=True`"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "prompt_logprobs": -3}, "[0, 20]"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens must be at least 1"),
+])
+def test_bad_requests(engine: AsyncLLM, path: str, body: dict, words: str):
+    r = post(engine, path, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert words in error["message"]
+    assert error["param"] in ("prompt_logprobs", "logprobs", "max_tokens")
