@@ -54,8 +54,9 @@ def test_no_request_gets_a_server_error(api_schema: schemathesis.BaseSchema) -> 
         "POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize",
         "POST /detokenize", "GET /v1/models", "GET /health", "GET /kv_cache"}
     for op, mode in itertools.product(ops, list(schemathesis.GenerationMode)):
-        if mode is schemathesis.GenerationMode.NEGATIVE and op.method.upper() != "POST":
-            continue  # NOTE: nothing to make invalid in a GET without parameters
+        if mode is schemathesis.GenerationMode.NEGATIVE and (op.method.upper() != "POST" or not list(op.body)):
+            continue  # NOTE: nothing to make invalid in a GET without parameters, or a POST whose
+            # body the schema leaves open (/invocations reads any JSON and routes it itself)
         @given(case=op.as_strategy(mode))
         @settings(max_examples=30, deadline=None, database=None,
                   suppress_health_check=list(HealthCheck))

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
-from pagoda.server import protocol, tools
+from pagoda.server import protocol, tool_parsers, tools
 from pagoda.server.chat import _num_logprobs, stream_chat
 from pagoda.server.completions import stream_completion
 from pagoda.server.protocol import (
@@ -40,6 +40,7 @@ from pagoda.server.protocol import (
 )
 from pagoda.server.serving import Generation, Prompt, ServerContext
 from pagoda.server.streaming import sse
+from pagoda.server.tool_parsers import HermesToolParser
 from pagoda.server.tools import plan_tools
 
 REQUEST_ID, CREATED, MODEL = "cmpl-test", 1_700_000_000, "tiny"
@@ -99,7 +100,7 @@ def completion_events(deltas: list[CompletionOutput], **request: Any) -> list[An
 def chat_events(deltas: list[CompletionOutput], n: int = 1, **request: Any) -> list[Any]:
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True, n=n,
                                 **request)
-    plan = plan_tools(req, template_has_tools=True)
+    plan = plan_tools(req, HermesToolParser())
     return events(stream_chat(generation(deltas, n), req, MODEL, _num_logprobs(req), plan))
 
 
@@ -140,6 +141,7 @@ def content_chunk(text: str, index: int = 0, **choice: Any) -> ChatCompletionStr
 def call_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tool-call ids "call-fixed", for both the named stream's and a parsed call's."""
     monkeypatch.setattr(tools, "random_id", lambda prefix: f"{prefix}-fixed")
+    monkeypatch.setattr(tool_parsers, "random_id", lambda prefix: f"{prefix}-fixed")
     monkeypatch.setattr(protocol, "random_id", lambda prefix: f"{prefix}-fixed")
 
 
@@ -289,5 +291,5 @@ def test_plain_text_chunks_keep_their_bytes():
         index=0, text=text, finish_reason="stop", stop_reason=2)]).model_dump_json()]
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True)
     chat = event_data(stream_chat(generation([CompletionOutput(0, text, [5])]), req, MODEL, None,
-                                  plan_tools(req, template_has_tools=True)))
+                                  plan_tools(req, HermesToolParser())))
     assert chat == [role_chunk().model_dump_json(), content_chunk(text).model_dump_json()]

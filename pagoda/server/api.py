@@ -2,6 +2,7 @@
 
 Routes are thin: they validate, then hand off to `completions.py` / `chat.py`. Every error
 leaves in the OpenAI shape (`errors.py`); the gate middleware handles keys and draining.
+`/invocations` (SageMaker) routes a body to chat or completions, as vLLM does.
 The engine runs in its own thread, so these handlers only wait on it and /health or
 /v1/models answer at once even when it is saturated. /health answers 503 with the reason when
 the engine loop died or stalls; /kv_cache reports the KV pool (bytes, blocks, tokens held,
@@ -16,6 +17,8 @@ import importlib.metadata
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 from starlette.responses import Response
 
 from pagoda.metrics import LiveStatLogger, format_kv_memory_report, render_metrics
@@ -95,6 +98,25 @@ async def completions(req: CompletionRequest, raw: Request, ctx: Ctx) -> Respons
 @router.post("/v1/chat/completions", dependencies=JSON_BODY)
 async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx) -> Response:
     return await create_chat_completion(ctx, req, raw)
+
+
+@router.post("/invocations", dependencies=JSON_BODY)
+async def invocations(raw: Request, ctx: Ctx) -> Response:
+    """SageMaker's one route, as vLLM routes it: a body with `messages` is a chat completion,
+    any other a completion."""
+    try:
+        body = await raw.json()
+    except ValueError as e:
+        raise bad_request(f"Malformed JSON body: {e}") from e
+    chat = isinstance(body, dict) and "messages" in body
+    try:
+        if chat:
+            return await create_chat_completion(
+                ctx, ChatCompletionRequest.model_validate(body), raw)
+        return await create_completion(ctx, CompletionRequest.model_validate(body), raw)
+    except ValidationError as e:
+        # NOTE: the same 400 a malformed body gets on the routes themselves.
+        raise RequestValidationError(e.errors()) from e
 
 
 @router.post("/tokenize", dependencies=JSON_BODY)

@@ -16,6 +16,7 @@ from pagoda.server.chunks import (
     ChunkEncoder,
     chat_choice,
     content_delta,
+    ids_members,
     part_json,
 )
 from pagoda.server.errors import bad_request
@@ -133,7 +134,9 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                  ) -> Response:
     ctx.check_model(req.model)
     fields, structured_param = request_fields(req)
-    plan = plan_tools(req, template_has_tools(ctx))
+    plan = plan_tools(req, ctx.tool_parser)
+    if plan.mode == "auto" and plan.parser is not None and not plan.parser.skip_special_tokens:
+        fields["skip_special_tokens"] = False  # NOTE: its call marker is a special token
     if plan.constraint() is not None:
         if fields["structured_outputs"] is not None:
             raise bad_request("A tool call and another output constraint cannot be combined.",
@@ -155,7 +158,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                  media_type="text/event-stream")
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
-    return JSONResponse(full_chat(gen, model, num_logprobs, plan).model_dump())
+    return JSONResponse(full_chat(gen, model, num_logprobs, plan,
+                                  bool(req.return_token_ids)).model_dump())
 
 
 def _finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | None:
@@ -163,8 +167,8 @@ def _finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | No
     return "tool_calls" if called and plan.mode != "named" and reason == "stop" else reason
 
 
-def full_chat(gen: Generation, model: str, num_logprobs: int | None,
-              plan: ToolPlan) -> ChatCompletionResponse:
+def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolPlan,
+              return_token_ids: bool = False) -> ChatCompletionResponse:
     choices = []
     for index, state in enumerate(gen.choices):
         logprobs = None
@@ -174,10 +178,12 @@ def full_chat(gen: Generation, model: str, num_logprobs: int | None,
         choices.append(ChatCompletionResponseChoice(
             index=index, message=AssistantMessage(content=content, tool_calls=calls),
             logprobs=logprobs, finish_reason=_finish_reason(plan, state.finish_reason, bool(calls)),
-            stop_reason=state.stop_reason))
-    return ChatCompletionResponse(id=gen.request_id, created=gen.created, model=model,
-                                  choices=choices, usage=gen.usage(),
-                                  prompt_logprobs=prompt_logprobs_field(gen.prompt_logprobs[0]))
+            stop_reason=state.stop_reason,
+            token_ids=list(state.token_ids) if return_token_ids else None))
+    return ChatCompletionResponse(
+        id=gen.request_id, created=gen.created, model=model, choices=choices, usage=gen.usage(),
+        prompt_logprobs=prompt_logprobs_field(gen.prompt_logprobs[0]),
+        prompt_token_ids=list(gen.prompts[0].token_ids) if return_token_ids else None)
 
 
 async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
@@ -186,12 +192,16 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
     then the usage chunk if asked for."""
     chunks = ChunkEncoder(gen.request_id, "chat.completion.chunk", gen.created, model)
 
-    def chunk(choice: str) -> str:
-        return chunks.encode(choice, part_json(gen.usage() if req.continuous_usage else None))
+    def chunk(choice: str, extra: str = "") -> str:
+        return chunks.encode(choice, part_json(gen.usage() if req.continuous_usage else None),
+                             extra)
 
     streams = [ToolStream(plan) for _ in gen.choices]
+    # NOTE: vLLM's stream: the prompt's ids in the first chunk, a delta's ids in its chunk.
+    prompt_ids = ids_members(prompt_token_ids=gen.prompts[0].token_ids) \
+        if req.return_token_ids else ""
     for index in range(len(gen.choices)):
-        yield chunk(chat_choice(index, ROLE_DELTA))
+        yield chunk(chat_choice(index, ROLE_DELTA), prompt_ids if index == 0 else "")
     async for index, delta in gen.deltas():
         wants_logprobs = num_logprobs is not None and bool(delta.token_ids)
         if not (delta.text or delta.finish_reason or wants_logprobs):
@@ -204,12 +214,13 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
         if plan.calls_tools:
             pieces, called = _tool_pieces(streams[index], delta)
         pieces = pieces or [content_delta("")]
+        ids = ids_members(token_ids=list(delta.token_ids)) if req.return_token_ids else ""
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             yield chunk(chat_choice(
                 index, piece, logprobs if i == 0 else NULL,
                 _finish_reason(plan, delta.finish_reason, called) if last else None,
-                delta.stop_reason if last else None))
+                delta.stop_reason if last else None, ids if i == 0 else ""))
     if req.include_usage:
         yield chunks.encode(None, part_json(gen.usage()))
 

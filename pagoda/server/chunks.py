@@ -39,23 +39,30 @@ def content_delta(text: str) -> str:
     return f'{{"content":{_encode(text)}}}'
 
 
+def ids_members(**ids: list[int] | None) -> str:
+    """vLLM's `token_ids` / `prompt_token_ids` as extra members (`,"token_ids":[...]`), the
+    ones given only: a stream that did not ask for them keeps its bytes."""
+    return "".join(f',"{name}":{_encode(value)}' for name, value in ids.items() if value is not None)
+
+
 def completion_choice(index: int, text: str, logprobs: str = NULL,
                       finish_reason: str | None = None,
-                      stop_reason: int | str | None = None) -> str:
-    """A `CompletionResponseChoice`; `logprobs` is already JSON."""
-    return _choice(index, f'"text":{_encode(text)}', logprobs, finish_reason, stop_reason)
+                      stop_reason: int | str | None = None, extra: str = "") -> str:
+    """A `CompletionResponseChoice`; `logprobs` and `extra` (`ids_members`) are already JSON."""
+    return _choice(index, f'"text":{_encode(text)}', logprobs, finish_reason, stop_reason, extra)
 
 
 def chat_choice(index: int, delta: str, logprobs: str = NULL, finish_reason: str | None = None,
-                stop_reason: int | str | None = None) -> str:
-    """A `ChatCompletionStreamChoice`; `delta` and `logprobs` are already JSON."""
-    return _choice(index, f'"delta":{delta}', logprobs, finish_reason, stop_reason)
+                stop_reason: int | str | None = None, extra: str = "") -> str:
+    """A `ChatCompletionStreamChoice`; `delta`, `logprobs` and `extra` are already JSON."""
+    return _choice(index, f'"delta":{delta}', logprobs, finish_reason, stop_reason, extra)
 
 
 def _choice(index: int, body: str, logprobs: str, finish_reason: str | None,
-            stop_reason: int | str | None) -> str:
+            stop_reason: int | str | None, extra: str = "") -> str:
     return (f'{{"index":{index},{body},"logprobs":{logprobs},'
-            f'"finish_reason":{value_json(finish_reason)},"stop_reason":{value_json(stop_reason)}}}')
+            f'"finish_reason":{value_json(finish_reason)},"stop_reason":{value_json(stop_reason)}'
+            f'{extra}}}')
 
 
 class ChunkEncoder:
@@ -66,6 +73,7 @@ class ChunkEncoder:
                         "model": model})
         self._head = head[:-1] + ',"choices":['
 
-    def encode(self, choice: str | None, usage: str = NULL) -> str:
-        """A chunk with one choice (its JSON), or with none (the final usage chunk)."""
-        return f'{self._head}{choice or ""}],"usage":{usage}}}'
+    def encode(self, choice: str | None, usage: str = NULL, extra: str = "") -> str:
+        """A chunk with one choice (its JSON), or with none (the final usage chunk); `extra`:
+        more members of the chunk, already JSON (`ids_members`)."""
+        return f'{self._head}{choice or ""}],"usage":{usage}{extra}}}'

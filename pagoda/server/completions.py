@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.outputs import Logprob
-from pagoda.server.chunks import NULL, ChunkEncoder, completion_choice, part_json
+from pagoda.server.chunks import NULL, ChunkEncoder, completion_choice, ids_members, part_json
 from pagoda.server.errors import bad_request
 from pagoda.server.protocol import (
     CompletionLogProbs,
@@ -147,10 +147,13 @@ def full_completion(gen: Generation, req: CompletionRequest, model: str) -> Comp
         if req.logprobs is not None:
             logprobs = completion_logprobs(ctx, token_ids, entries, req.logprobs, 0)
         reason, stop_reason = finish(req, state.finish_reason, state.stop_reason)
+        prompt = gen.prompts[index // gen.n]
         choices.append(CompletionResponseChoice(
             index=index, text=text, logprobs=logprobs, finish_reason=reason,
             stop_reason=stop_reason,
-            prompt_logprobs=prompt_logprobs_field(gen.prompt_logprobs[index // gen.n])))
+            prompt_logprobs=prompt_logprobs_field(gen.prompt_logprobs[index // gen.n]),
+            token_ids=list(state.token_ids) if req.return_token_ids else None,
+            prompt_token_ids=list(prompt.token_ids) if req.return_token_ids else None))
     return CompletionResponse(id=gen.request_id, created=gen.created, model=model,
                               choices=choices, usage=gen.usage())
 
@@ -162,7 +165,8 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
     ctx, echoed = gen.ctx, set()
     chunks = ChunkEncoder(gen.request_id, "text_completion", gen.created, model)
     async for index, delta in gen.deltas():
-        echo = req.echo and index not in echoed
+        first = index not in echoed
+        echo = req.echo and first
         echoed.add(index)
         text, token_ids, entries = choice_tokens(gen, req, index, delta.text, delta.token_ids,
                                                  delta.logprobs or [], echo)
@@ -171,7 +175,12 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
             offset = 0 if echo else len(gen.choices[index].text) - len(delta.text)
             logprobs = part_json(completion_logprobs(ctx, token_ids, entries, req.logprobs, offset))
         reason, stop_reason = finish(req, delta.finish_reason, delta.stop_reason)
-        choice = completion_choice(index, text, logprobs, reason, stop_reason)
+        extra = ""
+        if req.return_token_ids:
+            # NOTE: vLLM's stream: the prompt's ids in a choice's first chunk only.
+            prompt_ids = gen.prompts[index // gen.n].token_ids if first else None
+            extra = ids_members(token_ids=list(delta.token_ids), prompt_token_ids=prompt_ids)
+        choice = completion_choice(index, text, logprobs, reason, stop_reason, extra)
         yield chunks.encode(choice, part_json(gen.usage() if req.continuous_usage else None))
     if req.include_usage:
         yield chunks.encode(None, part_json(gen.usage()))

@@ -162,6 +162,7 @@ class SamplingFields(RequestModel):
     priority: int = 0
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto `SamplingParams`, without unset ones."""
@@ -214,10 +215,15 @@ class PromptLogprob(OpenAIBaseModel):
 PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
 
 
-def _drop_unasked_prompt_logprobs(data: dict[str, Any]) -> dict[str, Any]:
-    """Leaves `prompt_logprobs` out unless asked for: the other responses stay OpenAI's."""
-    if data.get("prompt_logprobs") is None:
-        data.pop("prompt_logprobs", None)
+_UNASKED = ("prompt_logprobs", "token_ids", "prompt_token_ids")
+
+
+def _drop_unasked_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """Leaves vLLM's `prompt_logprobs`, `token_ids` and `prompt_token_ids` out unless asked
+    for: the other responses stay OpenAI's."""
+    for name in _UNASKED:
+        if name in data and data[name] is None:
+            del data[name]
     return data
 
 
@@ -228,10 +234,12 @@ class CompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobsField = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_unasked_prompt_logprobs(handler(self))
+        return _drop_unasked_fields(handler(self))
 
 
 class PromptTokensDetails(OpenAIBaseModel):
@@ -342,6 +350,11 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_unasked_fields(handler(self))
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -352,10 +365,11 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobsField = None
+    prompt_token_ids: list[int] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_unasked_prompt_logprobs(handler(self))
+        return _drop_unasked_fields(handler(self))
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
@@ -396,6 +410,11 @@ class ChatCompletionStreamChoice(OpenAIBaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_unasked_fields(handler(self))
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -405,6 +424,11 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_unasked_fields(handler(self))
 
 
 # ---- /v1/models, /tokenize, /detokenize ---------------------------------------------------

@@ -44,6 +44,7 @@ from pagoda.server.serving import (
     ServerContext,
     load_chat_template,
 )
+from pagoda.server.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
 
 logger = logging.getLogger("pagoda.serve")
 
@@ -131,6 +132,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_cache_arguments(parser)
     add_parallel_arguments(parser)
     add_limit_arguments(parser)
+    add_tool_arguments(parser)
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
@@ -256,6 +258,32 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="larger bodies get 413 (default 16MiB)")
 
 
+def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's pair for `tool_choice="auto"`: both, or "auto" is a 400."""
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let tool_choice "auto" (and tools without a tool_choice) answer '
+                            "freely, the calls taken out of the text by --tool-call-parser")
+    tools.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(TOOL_PARSERS) + "}",
+                       help="the model's tool-call format: hermes (<tool_call> JSON: Qwen, "
+                            "Hermes), llama3_json, mistral ([TOOL_CALLS]), pythonic "
+                            "([f(x=1)]: Llama 3.2/4)")
+
+
+def auto_tool_parser(args: argparse.Namespace) -> ToolParser | None:
+    """The parser of tool_choice "auto", None without --enable-auto-tool-choice (as vLLM,
+    --tool-call-parser alone changes nothing).
+
+    Raises:
+        ValueError: the flag without a parser, or a parser name nobody registered.
+    """
+    if not args.enable_auto_tool_choice:
+        return None
+    if args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    return get_tool_parser(args.tool_call_parser)
+
+
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Adds `serve` to the top-level CLI's subparsers; dispatch with `run_serve(args)`."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -293,6 +321,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         model = resolve_model(args)
         config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
+        auto_tool_parser(args)
     except ValueError as e:
         print(f"pagoda serve: error: {e}", file=sys.stderr)
         return 2
@@ -327,6 +356,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
         ctx = ServerContext(engine=engine, served_model_names=names, model_path=model,
                             max_model_len=engine.config.model.max_model_len,
                             chat_template=load_chat_template(config.model.chat_template),
+                            tool_parser=auto_tool_parser(args),
                             api_keys=api_keys(args),
                             max_request_body_bytes=parse_bytes(args.max_request_body_bytes))
         logger.info("engine ready in %.1f s (max_model_len %d)", time.perf_counter() - started,

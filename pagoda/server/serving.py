@@ -30,6 +30,7 @@ from pagoda.server.protocol import (
     now,
 )
 from pagoda.server.streaming import merge
+from pagoda.server.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
 
@@ -63,13 +64,15 @@ class EngineClient(Protocol):
 
 @dataclass
 class ServerContext:
-    """Everything a route needs: the engine, the names it answers to, the limits."""
+    """Everything a route needs: the engine, the names it answers to, the limits, the
+    tool-call parser of "auto" (`--enable-auto-tool-choice --tool-call-parser`)."""
 
     engine: EngineClient
     served_model_names: list[str]
     model_path: str
     max_model_len: int
     chat_template: str | None = None
+    tool_parser: ToolParser | None = None
     api_keys: list[str] = field(default_factory=list)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     draining: bool = False

@@ -4,23 +4,23 @@
   returned as one call (OpenAI's finish_reason "stop");
 - "required": the output is a JSON array of calls (`{"name", "parameters"}`, one schema per
   function; at most one call without `parallel_tool_calls`), returned as calls;
-- "auto": free generation with the tools rendered by the chat template, parsed by the
-  Hermes format (`<tool_call>{"name", "arguments"}</tool_call>`), the one Qwen2/Qwen3 and
-  most tool-tuned templates use. A template with no tool format cannot do "auto": that is a
-  400 saying so (named and required calls still work: the tools are then described in a
-  system message);
+- "auto" (also what tools without a `tool_choice` mean, as in vLLM): free generation, the
+  server's tool-call parser (`--enable-auto-tool-choice --tool-call-parser NAME`,
+  `tool_parsers.py`) taking the calls out of the text; without one it is vLLM's 400;
 - "none" (or no tools): plain chat.
-`ToolStream` turns a choice's streamed text into content and tool-call deltas.
+`ToolStream` turns a choice's streamed text into content and tool-call deltas: a call's first
+delta carries its index, id, type and name, later ones fragments of its arguments, as they
+are generated (for "required" too: its array is read by the same scanning).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda.server.errors import bad_request
+from pagoda.server.partial_json import skip_ws
 from pagoda.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionTool,
@@ -31,20 +31,58 @@ from pagoda.server.protocol import (
     ToolCall,
     random_id,
 )
+from pagoda.server.tool_parsers import (
+    PartialCall,
+    Scan,
+    ToolParser,
+    checked,
+    json_call_array,
+)
 from pagoda.structured_output import StructuredOutputsParams
 
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+AUTO_NEEDS_PARSER = ('"auto" tool choice requires --enable-auto-tool-choice and '
+                     "--tool-call-parser to be set")
+
+
+class RequiredCallsParser(ToolParser):
+    """The JSON array "required" generates under: `[{"name": ..., "parameters": {...}}]`."""
+
+    name = "required"
+    call_format = '[{"name": "<function name>", "parameters": {<arguments>}}]'
+
+    def extract(self, text: str) -> tuple[str | None, list[FunctionCall]]:
+        try:
+            calls, end = self._calls(text)
+            if end is None:
+                raise ValueError("unfinished array")
+            return None, [checked(call) for call in calls]
+        except ValueError:
+            return text, []  # NOTE: cut by max_tokens before the array closed
+
+    def scan(self, text: str) -> Scan:
+        try:
+            return Scan(0, self._calls(text)[0])
+        except ValueError:
+            return Scan(0)
+
+    def _calls(self, text: str) -> tuple[list[PartialCall], int | None]:
+        i = skip_ws(text, 0)
+        if i == len(text):
+            return [], None
+        if text[i] != "[":
+            raise ValueError("not an array")
+        return json_call_array(text, i, ("parameters",))
 
 
 @dataclass
 class ToolPlan:
-    """How one chat request treats its tools."""
+    """How one chat request treats its tools; `parser` reads the calls of auto and required."""
 
     mode: str = "none"  # none | auto | required | named
     tools: list[ChatCompletionTool] = field(default_factory=list)
     named: str | None = None
     parallel: bool = True
+    parser: ToolParser | None = None
 
     @property
     def calls_tools(self) -> bool:
@@ -63,16 +101,24 @@ class ToolPlan:
 
     def system_note(self) -> str:
         """The tools described for a template that has no tool format of its own."""
-        functions = [t.function.model_dump(exclude_none=True) for t in self.tools]
-        return ("You can call these functions; answer with the call as JSON only.\n"
-                + json.dumps(functions, ensure_ascii=False))
+        functions = json.dumps([t.function.model_dump(exclude_none=True) for t in self.tools],
+                               ensure_ascii=False)
+        if self.mode == "auto" and self.parser is not None:
+            return (f"You can call these functions: {functions}\nTo call one, answer with "
+                    f"{self.parser.call_format}")
+        return ("You can call these functions; answer with the call as JSON only.\n" + functions)
 
     def _tool(self, name: str | None) -> ChatCompletionTool:
         return next(t for t in self.tools if t.function.name == name)
 
 
-def plan_tools(req: ChatCompletionRequest, template_has_tools: bool) -> ToolPlan:
-    """Validates `tools`/`tool_choice` (400s) and decides the mode."""
+def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPlan:
+    """Validates `tools`/`tool_choice` (400s) and decides the mode.
+
+    Args:
+        parser: the server's tool-call parser for "auto" (None without
+            `--enable-auto-tool-choice`, where "auto" is vLLM's 400).
+    """
     tools = req.tools or []
     choice = req.tool_choice
     if not tools:
@@ -86,14 +132,11 @@ def plan_tools(req: ChatCompletionRequest, template_has_tools: bool) -> ToolPlan
     if choice == "none":
         return plan
     if choice is None or choice == "auto":
-        if not template_has_tools:
-            raise bad_request(
-                "tool_choice 'auto' needs a chat template with a tool-call format, and this "
-                "model's has none; use tool_choice 'required' or a named function, or pass a "
-                "template with tools (--chat-template).", "tool_choice")
-        plan.mode = "auto"
+        if parser is None:
+            raise bad_request(AUTO_NEEDS_PARSER, "tool_choice")
+        plan.mode, plan.parser = "auto", parser
     elif choice == "required":
-        plan.mode = "required"
+        plan.mode, plan.parser = "required", RequiredCallsParser()
     else:
         if choice.function.name not in names:
             raise bad_request(f"tool_choice names {choice.function.name!r}, which is not among "
@@ -124,87 +167,87 @@ def parse_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
     if plan.mode == "named":
         assert plan.named is not None
         return None, [ToolCall(function=FunctionCall(name=plan.named, arguments=text))]
-    if plan.mode == "required":
-        try:
-            items = json.loads(text)
-            return None, [ToolCall(function=FunctionCall(
-                name=item["name"], arguments=json.dumps(item["parameters"], ensure_ascii=False)))
-                for item in items]
-        except (ValueError, KeyError, TypeError):
-            return text, []  # NOTE: cut by max_tokens before the array closed
-    if plan.mode == "auto" and HERMES_OPEN in text:
-        return _parse_hermes(text)
-    return text, []
-
-
-def _parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    calls = []
-    for body in _HERMES_CALL.findall(text):
-        try:
-            item = json.loads(body)
-            calls.append(ToolCall(function=FunctionCall(
-                name=str(item["name"]),
-                arguments=json.dumps(item.get("arguments", {}), ensure_ascii=False))))
-        except (ValueError, KeyError, TypeError):
-            return text, []  # NOTE: not a well-formed call: the model's text, as it wrote it
-    content = text[:text.index(HERMES_OPEN)].strip()
-    return content or None, calls
+    if plan.parser is None:
+        return text, []
+    content, calls = plan.parser.extract(text)
+    return content, [ToolCall(id=plan.parser.call_id(), function=call) for call in calls]
 
 
 class ToolStream:
-    """One choice's stream: text deltas in, content and tool-call deltas out."""
+    """One choice's stream: text deltas in, content and tool-call deltas out.
+
+    The parser's `scan` of the text so far says what is surely content and how far each
+    call is written; what is new since the last delta goes out. At the finish, the parser's
+    `extract` of the whole text settles the rest, so the streamed calls and content add up
+    to the non-streamed message.
+    """
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""
         self.emitted = 0
+        self.sent: list[str] = []  # each call's arguments streamed so far
         self.call_id = random_id("call")
-        self.named_started = False
 
     def feed(self, delta: str) -> list[DeltaMessage]:
         self.text += delta
         if self.plan.mode == "named":
             return self._named(delta)
-        if self.plan.mode == "auto":
-            return self._content_before_tag()
-        return []  # NOTE: "required" is one JSON array: its calls are known at the end
+        if self.plan.parser is None:
+            return [DeltaMessage(content=delta)] if delta else []
+        scan = self.plan.parser.scan(self.text)
+        return self._content(scan.content_end) + self._calls(scan.calls)
 
     def finish(self) -> tuple[list[DeltaMessage], bool]:
         """The deltas the end releases, and whether the choice called tools."""
-        if self.plan.mode == "named":
-            return [], True
-        _, calls = parse_calls(self.plan, self.text)
-        out = []
-        if not calls and len(self.text) > self.emitted:
-            out.append(DeltaMessage(content=self.text[self.emitted:]))
-        out += [DeltaMessage(tool_calls=[DeltaToolCall(
-            index=i, id=call.id, type="function",
-            function=DeltaFunctionCall(name=call.function.name,
-                                       arguments=call.function.arguments))])
-            for i, call in enumerate(calls)]
-        return out, bool(calls)
+        if self.plan.mode == "named" or self.plan.parser is None:
+            return [], self.plan.mode == "named"
+        content, calls = self.plan.parser.extract(self.text)
+        if calls:
+            out = self._calls([PartialCall(c.name, c.arguments) for c in calls])
+        elif not self.sent:
+            out = self._content(len(self.text))
+        else:
+            # NOTE: a call that turned out malformed after its start went out cannot be
+            # taken back; the stream ends with what was sent, as vLLM's does.
+            out = []
+        return out, bool(self.sent)
 
-    def _named(self, delta: str) -> list[DeltaMessage]:
-        function = DeltaFunctionCall(arguments=delta)
-        call = DeltaToolCall(index=0, function=function)
-        if not self.named_started:
-            self.named_started = True
-            call.id, call.type, function.name = self.call_id, "function", self.plan.named
-        return [DeltaMessage(tool_calls=[call])] if delta or call.id else []
-
-    def _content_before_tag(self) -> list[DeltaMessage]:
-        # NOTE: hold back what may be the start of "<tool_call>", as stop strings do.
-        start = self.text.find(HERMES_OPEN)
-        end = start if start != -1 else _safe_end(self.text, HERMES_OPEN)
+    def _content(self, end: int) -> list[DeltaMessage]:
         if end <= self.emitted:
             return []
         piece, self.emitted = self.text[self.emitted:end], end
         return [DeltaMessage(content=piece)]
 
+    def _calls(self, calls: list[PartialCall]) -> list[DeltaMessage]:
+        out = []
+        for index, call in enumerate(calls):
+            if call.name is None:
+                break  # NOTE: calls start in order; a later one waits for this name
+            if index == len(self.sent):
+                self.sent.append(call.arguments)
+                assert self.plan.parser is not None
+                out.append(_call_delta(index, call.arguments, self.plan.parser.call_id(),
+                                       call.name))
+            elif call.arguments.startswith(self.sent[index]) \
+                    and len(call.arguments) > len(self.sent[index]):
+                fragment = call.arguments[len(self.sent[index]):]
+                self.sent[index] = call.arguments
+                out.append(_call_delta(index, fragment))
+        return out
 
-def _safe_end(text: str, tag: str) -> int:
-    """The end of the text that cannot be the beginning of `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return len(text) - size
-    return len(text)
+    def _named(self, delta: str) -> list[DeltaMessage]:
+        if not self.sent:
+            self.sent.append(delta)
+            assert self.plan.named is not None
+            return [_call_delta(0, delta, self.call_id, self.plan.named)]
+        return [_call_delta(0, delta)] if delta else []
+
+
+def _call_delta(index: int, arguments: str, call_id: str | None = None,
+                name: str | None = None) -> DeltaMessage:
+    """A tool-call delta: the first of a call names it (id, type, name), later ones not."""
+    call = DeltaToolCall(index=index, function=DeltaFunctionCall(name=name, arguments=arguments))
+    if call_id is not None:
+        call.id, call.type = call_id, "function"
+    return DeltaMessage(tool_calls=[call])
