@@ -130,7 +130,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     layers = model.attention_layers()
     spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, d.head_dim,
                        resolve_kv_cache_dtype(config.cache.cache_dtype, dtype))
-    runner = ModelRunner(model, config.cache.block_size, device, d.sliding_window)
+    runner = ModelRunner(model, config.cache.block_size, device)
     num_blocks = num_blocks_for(spec, config.cache, device, _available_cuda_bytes(config, runner, spec, device))
     if agree is not None:
         num_blocks = agree(num_blocks)

@@ -137,8 +137,7 @@ class MultiprocExecutor:
         assert conn is not None
         self.conn = conn
         self.sampler = Sampler()
-        self.preparer = InputPreparer(config.cache.block_size, torch.device("cpu"),
-                                      info["sliding_window"], info["native"])
+        self.preparer = InputPreparer(config.cache.block_size, torch.device("cpu"), info["native"])
         self.use_cpu_kernel = info["native"]
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:

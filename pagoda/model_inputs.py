@@ -45,15 +45,14 @@ class InputPreparer:
     Args:
         block_size: tokens per KV block.
         device: where the tensors go.
-        sliding_window: the model's window, or None.
         native: the native CPU kernels attend (several query rows per sequence allowed).
+
+    Masks are causal; each attention layer narrows them to its own sliding window.
     """
 
-    def __init__(self, block_size: int, device: torch.device, sliding_window: int | None,
-                 native: bool) -> None:
+    def __init__(self, block_size: int, device: torch.device, native: bool) -> None:
         self.block_size = block_size
         self.device = device
-        self.sliding_window = sliding_window
         self.native = native
 
     def prepare(self, out: SchedulerOutput) -> tuple[list[Request], ModelInputs]:
@@ -115,14 +114,13 @@ class InputPreparer:
         num_decode_reqs = sum(1 for r, n in zip(reqs, counts, strict=True)
                               if self._in_decode_group(r, n))
         num_decodes = sum(counts[:num_decode_reqs])
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes,
-                                 sliding_window=self.sliding_window or 0)
+        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=num_decodes)
         group, group_counts = reqs[:num_decode_reqs], counts[:num_decode_reqs]
         if num_decodes and self.native:
             meta.decode_block_tables, meta.decode_seq_lens = self._kernel_tables(group, group_counts)
             meta.decode_query_start_loc = torch.tensor([0, *itertools.accumulate(group_counts)])
         elif num_decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_tables(group)
+            meta.decode_slots, meta.decode_mask, meta.decode_seq_lens = self._decode_tables(group)
         start = num_decodes
         for r, n in zip(reqs[num_decode_reqs:], counts[num_decode_reqs:], strict=True):
             meta.prefills.append(self._prefill_chunk(r, start, n))
@@ -146,29 +144,22 @@ class InputPreparer:
         table = self._block_table(reqs, -(-max(lens) // self.block_size))
         return table, torch.tensor(lens, dtype=torch.long)
 
-    def _decode_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The gather index, causal mask and context lengths of one-token decodes."""
         ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs])
         length = int(ctx.max())
         table = self._block_table(reqs, -(-length // self.block_size))
         index = self._gather_index(table, length)
-        pos = torch.arange(length)[None, :]
-        mask = pos < ctx[:, None]
-        if self.sliding_window is not None:
-            mask &= pos > (ctx[:, None] - 1 - self.sliding_window)
-        return index.to(self.device), mask[:, None, None, :].to(self.device)
+        mask = torch.arange(length)[None, :] < ctx[:, None]
+        return index.to(self.device), mask[:, None, None, :].to(self.device), ctx.to(self.device)
 
     def _prefill_chunk(self, r: Request, start: int, n: int) -> PrefillChunk:
         c = r.num_computed_tokens
-        if c == 0 and self.sliding_window is None:
+        if c == 0:
             return PrefillChunk(query_start=start, query_len=n)
         length = c + n
-        q_pos = torch.arange(c, length)[:, None]
-        k_pos = torch.arange(length)[None, :]
-        mask = k_pos <= q_pos
-        if self.sliding_window is not None:
-            mask &= k_pos > q_pos - self.sliding_window
-        chunk = PrefillChunk(query_start=start, query_len=n, mask=mask.to(self.device))
-        if c > 0:
-            table = self._block_table([r], -(-length // self.block_size))
-            chunk.slots = self._gather_index(table, length)[0].to(self.device)
-        return chunk
+        mask = torch.arange(length)[None, :] <= torch.arange(c, length)[:, None]
+        table = self._block_table([r], -(-length // self.block_size))
+        return PrefillChunk(query_start=start, query_len=n, mask=mask.to(self.device),
+                            slots=self._gather_index(table, length)[0].to(self.device),
+                            num_computed_tokens=c)

@@ -12,8 +12,8 @@ import torch
 
 from pagoda.layers import cpu_kernels
 from pagoda.model_inputs import InputPreparer, ModelInputs
-from pagoda.models.llama import LlamaForCausalLM
 from pagoda.models.native_decoder import NativeDecoder
+from pagoda.models.registry import CausalLM
 from pagoda.prompt_logprobs import with_prompt_logprobs
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
@@ -33,17 +33,15 @@ def step_threads(num_tokens: int, max_threads: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, device: torch.device,
-                 sliding_window: int | None = None) -> None:
+    def __init__(self, model: CausalLM, block_size: int, device: torch.device) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.sliding_window = sliding_window
         # NOTE: the whole layer stack in one native call, built once the KV pool is bound.
         self.native_decoder: NativeDecoder | None = None
         self.sampler = Sampler()
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
-        self.preparer = InputPreparer(block_size, device, sliding_window, self.use_cpu_kernel)
+        self.preparer = InputPreparer(block_size, device, self.use_cpu_kernel)
         self.max_threads = torch.get_num_threads()
         cpu_kernels.enable(model, self.use_cpu_kernel)
         if self.use_cpu_kernel:

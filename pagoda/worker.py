@@ -124,8 +124,7 @@ def run_worker(spec: WorkerSpec, conn: Connection | None) -> None:
     if conn is not None:
         parts = shard.parts
         send(conn, ("ready", {"num_blocks": parts.num_blocks, "block_bytes": parts.block_bytes,
-                             "vocab_size": parts.vocab_size, "native": shard.runner.use_cpu_kernel,
-                             "sliding_window": shard.model.dims.sliding_window}))
+                             "vocab_size": parts.vocab_size, "native": shard.runner.use_cpu_kernel}))
     while True:
         message: list[Any] = [receive(conn) if conn is not None else None]
         dist.broadcast_object_list(message, src=0)

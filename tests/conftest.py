@@ -49,6 +49,17 @@ TINY_ARCHS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=16)),
+    # NOTE: local layers with an 8-token window (shorter than most test prompts), a global
+    # layer every third, linearly scaled global rope: Gemma 3's shape at 256-wide heads.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=6, head_dim=256, sliding_window=8, query_pre_attn_scalar=256,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})),
+    # NOTE: 64-wide heads, 12-token window, the older sliding_window_pattern, logit soft-capping.
+    "gemma3_hd64": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=64, sliding_window=12, query_pre_attn_scalar=48,
+        sliding_window_pattern=2, final_logit_softcapping=3.0)),
 }
 
 
@@ -79,6 +90,16 @@ def build_tiny_model(arch: str, out: Path, tokenizer_dir: Path, dtype: torch.dty
     config = getattr(transformers, config_name)(**{**TINY_COMMON, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).to(dtype)
+    if arch.startswith("gemma"):
+        # NOTE: Gemma initialises its norms to zero (a scale of 1 + w); random ones make the
+        # (1 + w) form, and which norm sits where, show in the outputs. Its embeddings are
+        # multiplied by sqrt(hidden_size): divided by it here, the inputs keep the 0.3 range
+        # (otherwise the tied head echoes the last token and the model repeats one token).
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
+            model.get_input_embeddings().weight.mul_(config.hidden_size**-0.5)
     model.save_pretrained(out)
     for f in tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)

@@ -14,15 +14,17 @@ from pagoda.models.registry import resolve_architecture
 
 
 @pytest.mark.parametrize("config, named", [
-    (types.SimpleNamespace(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text"), "Gemma3ForCausalLM"),
+    (types.SimpleNamespace(architectures=["Gemma3ForConditionalGeneration"], model_type="gemma3"),
+     "Gemma3ForConditionalGeneration"),
     # NOTE: a config read from GGUF metadata names a model type and no architecture
-    (types.SimpleNamespace(architectures=None, model_type="gemma3"), "model_type 'gemma3'"),
+    (types.SimpleNamespace(architectures=None, model_type="phi3"), "model_type 'phi3'"),
 ])
 def test_an_unknown_architecture_is_named_with_the_supported_ones(config, named):
     with pytest.raises(ValueError, match="Unsupported model architecture") as info:
         resolve_architecture(config)
     message = str(info.value)
     assert named in message and "LlamaForCausalLM" in message and "qwen3" in message
+    assert "Gemma3ForCausalLM" in message and "gemma3_text" in message
 
 
 def test_heads_wider_than_the_kernels_take_stay_on_torch():

@@ -286,9 +286,13 @@ def test_a_compile_over_its_timeout_is_stopped_and_named(smollm2_tokenizer_dir):
 
     limits = LimitsConfig(grammar_compile_workers=1, grammar_compile_timeout=1e-4)
     compiler = GrammarCompiler(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), 49152, limits=limits)
+    # NOTE: a schema that takes ~100 ms to compile: a small one could be answered while this
+    # process waits for a core on a loaded machine, before it even starts to wait for the reply.
+    fields = {f"field_{i}": {"type": "string", "pattern": "[a-z]{2,9}[0-9]+"} for i in range(200)}
+    slow = {"type": "object", "properties": fields, "required": sorted(fields)}
     try:
         with pytest.raises(GrammarError, match=r"took more than 0.0001 s \(--grammar-compile-timeout\)"):
-            compiler.compile(StructuredOutputsParams(json=SCHEMAS["nested"][1]))
+            compiler.compile(StructuredOutputsParams(json=slow))
     finally:
         compiler.close()
     assert compiler._sandbox is not None and compiler._sandbox._num_started == 0

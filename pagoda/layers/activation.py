@@ -1,4 +1,5 @@
-"""SiLU-and-multiply over a fused gate/up projection (one kernel call when `native`)."""
+"""Gated activations over a fused gate/up projection: SiLU-and-multiply (one kernel call when
+`native`) and GELU-and-multiply (GeGLU, torch)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,17 @@ class SiluAndMul(nn.Module):
         if self.native and x.is_contiguous():
             return cpu_kernels.ops.silu_and_mul(x)
         return silu_and_mul(x)
+
+
+class GeluAndMul(nn.Module):
+    """GELU(gate) * up (Gemma's GeGLU); `approximate` is torch's: 'tanh' or 'none'."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate=self.approximate) * up

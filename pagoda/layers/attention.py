@@ -39,13 +39,28 @@ class PrefillChunk:
 
     `slots` gathers the whole context (cached + new) from the cache; it is None when the
     sequence has no cached context, in which case the fresh K/V are used directly.
-    `mask` (bool, [query_len, context_len]) is None when plain causal attention applies.
+    `mask` (bool, [query_len, context_len], causal) is None when plain causal attention
+    applies; a windowed layer narrows it (`mask_for`).
     """
 
     query_start: int
     query_len: int
     slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    num_computed_tokens: int = 0
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask_for(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """The chunk's mask for a layer with this sliding window (None: global), made once a
+        step per window: key k is seen from query q when q - window < k <= q."""
+        if window is None:
+            return self.mask
+        if window not in self._window_masks:
+            c = self.num_computed_tokens
+            q_pos = torch.arange(c, c + self.query_len, device=device)[:, None]
+            k_pos = torch.arange(c + self.query_len, device=device)[None, :]
+            self._window_masks[window] = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        return self._window_masks[window]
 
 
 @dataclass
@@ -55,7 +70,9 @@ class AttentionMetadata:
     The batched call's rows (`num_decode_tokens`: with the native kernel, every row of the
     step) use either the native kernel (`decode_block_tables`, `decode_seq_lens` with the new
     rows counted, `decode_query_start_loc`: int64, read in place) or the torch path (one row a
-    sequence: `decode_slots` gather index + `decode_mask`). `prefills` are the torch path's.
+    sequence: `decode_slots` gather index + causal `decode_mask`, and `decode_seq_lens`).
+    `prefills` are the torch path's. Masks are causal: each layer applies its own sliding
+    window (`PagedAttention.sliding_window`), so the layers of one model may differ (Gemma 3).
     """
 
     slot_mapping: torch.Tensor
@@ -65,21 +82,44 @@ class AttentionMetadata:
     decode_query_start_loc: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_mask: torch.Tensor | None = None
-    sliding_window: int = 0
     prefills: list[PrefillChunk] = field(default_factory=list)
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The torch path's decode mask for a layer with this sliding window (None: global),
+        made once a step per window: a row of context length n sees keys n - window .. n - 1."""
+        if window is None or self.decode_mask is None:
+            return self.decode_mask
+        if window not in self._window_masks:
+            assert self.decode_seq_lens is not None
+            device = self.decode_mask.device
+            pos = torch.arange(self.decode_mask.shape[-1], device=device)[None, :]
+            near = pos > (self.decode_seq_lens.to(device)[:, None] - 1 - window)
+            self._window_masks[window] = self.decode_mask & near[:, None, None, :]
+        return self._window_masks[window]
 
 
 class PagedAttention(nn.Module):
-    """Scaled dot-product attention reading K/V from a block pool bound by the runner."""
+    """Scaled dot-product attention reading K/V from a block pool bound by the runner.
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    Args:
+        scale: the attention scale (default head_dim ** -0.5).
+        sliding_window: this layer's window in tokens (key k seen from query q when
+            q - window < k <= q), or None for global attention.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1 or None, got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
         self.native = False
         # NOTE: per-tensor scales of an fp8 pool (vLLM's static k_scale/v_scale, 1.0 unless
         # set at start-up); unused for a pool in the model's dtype.
@@ -139,7 +179,8 @@ class PagedAttention(nn.Module):
         keys = self._gather(k_flat, meta.decode_slots, self.k_scale, q.dtype).transpose(1, 2)
         values = self._gather(v_flat, meta.decode_slots, self.v_scale, q.dtype).transpose(1, 2)
         queries = q.reshape(batch, self.num_kv_heads, group, self.head_dim)
-        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask)
+        o = F.scaled_dot_product_attention(queries, keys, values, scale=self.scale,
+                                           attn_mask=meta.decode_mask_for(self.sliding_window))
         return o.reshape(batch, self.num_heads * self.head_dim)
 
     def _decode_native(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -147,7 +188,7 @@ class PagedAttention(nn.Module):
         assert meta.decode_query_start_loc is not None
         return cpu_kernels.ops.paged_attention(
             q, self.k_cache, self.v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-            meta.decode_query_start_loc, self.scale, meta.sliding_window, self.k_scale, self.v_scale)
+            meta.decode_query_start_loc, self.scale, self.sliding_window or 0, self.k_scale, self.v_scale)
 
     def _to_cache(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         """x as the pool stores it: unchanged, or x / scale rounded to fp8 (saturating)."""
@@ -192,9 +233,10 @@ class PagedAttention(nn.Module):
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        mask = chunk.mask_for(self.sliding_window, q.device)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-            attn_mask=chunk.mask, is_causal=chunk.mask is None,
+            attn_mask=mask, is_causal=mask is None, scale=self.scale,
         )
         return o[0].transpose(0, 1)
 

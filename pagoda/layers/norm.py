@@ -35,3 +35,23 @@ class RMSNorm(nn.Module):
             return x, residual
         residual = x + residual
         return self.forward(residual), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x normalized, times (1 + weight), all in float32 and cast back once
+    (Hugging Face's Gemma3RMSNorm). Torch only: the native kernel scales by the weight itself."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual)."""
+        residual = x + residual
+        return self.forward(residual), residual

@@ -17,14 +17,20 @@ from torch import nn
 from pagoda.layers import cpu_kernels
 
 
-def rope_parameters(config: object) -> dict:
+def rope_parameters(config: object, layer_type: str | None = None) -> dict:
+    """The config's rope parameters; with `layer_type`, those of that kind of layer (Gemma 3
+    nests them: {"sliding_attention": {...}, "full_attention": {...}})."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        if layer_type not in params:
+            raise ValueError(f"rope parameters name no {layer_type!r} layers: {sorted(params)}")
+        params = params[layer_type]
     return dict(params)
 
 
-def inv_freq_for(config: object, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Returns (inv_freq, attention_scaling) for the config's rope type."""
-    params = rope_parameters(config)
+def inv_freq_for(config: object, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq, attention_scaling) for the config's rope type (of `layer_type`'s layers)."""
+    params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -37,7 +43,8 @@ def inv_freq_for(config: object, head_dim: int) -> tuple[torch.Tensor, float]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32)
     try:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        extra = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **extra)
     finally:
         torch.set_default_dtype(previous)
     return inv_freq.float(), float(scaling)

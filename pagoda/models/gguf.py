@@ -2,8 +2,11 @@
 
 Config, tokenizer and chat template come from the GGUF metadata through transformers' own
 GGUF support; the tensors are read here with the `gguf` package so that only what the model
-needs is materialised (`GGUFIndex` reads the tensor table; `gguf` dequantizes). llama.cpp stores Llama-architecture q/k projections permuted for its
-rotary layout; they are permuted back.
+needs is materialised (`GGUFIndex` reads the tensor table; `gguf` dequantizes any kind it
+knows: Q4_0 ... Q8_0, the k-quants, F16, F32). llama.cpp stores Llama-architecture q/k
+projections permuted for its rotary layout; they are permuted back. Gemma 3 names its four
+norms of a layer its own way and stores each norm weight as 1 + w (Hugging Face's w, for
+x * (1 + w)); the 1 is taken back off.
 With `packed` names (quantization='gguf', see layers/quantization/gguf.py), those Q4_0, Q4_1
 and Q8_0 tensors are not dequantized: each yields its integer codes under its own name, and
 its block scales d (and offsets m: Q4_1's m, Q4_0's -8d) as `<name>_scale` / `<name>_zero`,
@@ -29,6 +32,12 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# NOTE: Gemma 3's `ffn_norm` is the norm before the MLP; Llama's is the one after attention.
+_ARCH_LAYER_NAMES = {
+    "gemma3": {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"},
+}
+_NORMS_PLUS_ONE = {"gemma3"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -37,14 +46,20 @@ _GLOBAL_NAMES = {
 _PERMUTED_ARCHS = {"llama", "mistral"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """Maps 'blk.3.attn_q.weight' to 'model.layers.3.self_attn.q_proj.weight'."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """Maps 'blk.3.attn_q.weight' to 'model.layers.3.self_attn.q_proj.weight' (for the GGUF's
+    `general.architecture`)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if not m or m.group(2) not in _LAYER_NAMES:
+    if not m or m.group(2) not in names:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
+
+
+def _architecture(reader: GGUFIndex) -> str:
+    return str(reader.fields.get("general.architecture"))
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -68,8 +83,10 @@ def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFIndex:
 def gguf_tensor_types(path: str) -> dict[str, str]:
     """Each model tensor's GGUF kind ('Q4_1', 'F32', ...) by HF name without 'model.'."""
     types = {}
-    for tensor in _reader(path).tensors:
-        name = hf_name(tensor.name)
+    reader = _reader(path)
+    arch = _architecture(reader)
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name, arch)
         if name is not None:
             types[name.removeprefix("model.")] = tensor.tensor_type.name
     return types
@@ -104,11 +121,11 @@ def iter_gguf_weights(path: str, packed: set[str] | None = None) -> Iterator[tup
     from gguf.quants import dequantize
 
     reader = _reader(path)
-    arch = str(reader.fields.get("general.architecture"))
+    arch = _architecture(reader)
     n_head = int(reader.fields[f"{arch}.attention.head_count"])
     n_kv = int(reader.fields.get(f"{arch}.attention.head_count_kv") or n_head)
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         shape = tuple(reversed([int(x) for x in tensor.shape]))
@@ -118,8 +135,10 @@ def iter_gguf_weights(path: str, packed: set[str] | None = None) -> Iterator[tup
             if m is not None:
                 parts[f"{name}_zero"] = m
         else:
-            array = dequantize(tensor.data, tensor.tensor_type)
-            parts = {name: np.asarray(array, dtype=np.float32).reshape(shape)}
+            array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(shape)
+            if arch in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
+                array = array - 1
+            parts = {name: array}
         for part, array in parts.items():
             yield part, torch.from_numpy(np.array(_unpermuted(array, name, arch, n_head, n_kv), copy=True))
 

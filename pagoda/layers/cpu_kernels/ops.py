@@ -14,7 +14,7 @@ import ctypes
 
 import torch
 
-from pagoda.layers.cpu_kernels import memory
+from pagoda.layers.cpu_kernels import checks, memory
 from pagoda.layers.cpu_kernels.loader import KernelLibrary
 
 # NOTE: set by `cpu_kernels.library()` / `use_variant()`; read here without an import or a
@@ -56,6 +56,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tokens, num_heads, head_dim = q.shape
     _check_rows(q, head_dim)
     _, block_size, num_kv_heads, _ = k_cache.shape
+    if checks.ENABLED:
+        checks.paged(k_cache, block_tables, seq_lens, query_start_loc, num_tokens)
     out = torch.empty(num_tokens, num_heads * head_dim, dtype=q.dtype)
     _lib().cache_fn("paged_attention", q.dtype, k_cache.dtype)(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(), block_tables.data_ptr(),
@@ -73,6 +75,8 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
     """
     _check_rows(k, k.shape[-1])
     _check_rows(v, v.shape[-1])
+    if checks.ENABLED:
+        checks.slots(slot_mapping, k.shape[0], k_cache)
     _lib().cache_fn("reshape_and_cache", k.dtype, k_cache.dtype)(
         k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(),
         k.shape[0], k.shape[1] * k.shape[2], k.stride(0), v.stride(0), k_scale, v_scale)
@@ -86,6 +90,8 @@ def rotary_inplace(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
     if x.stride(-1) != 1:
         raise ValueError("head_dim must be contiguous")
     num_tokens, num_heads, head_dim = x.shape
+    if checks.ENABLED:
+        checks.positions(positions, num_tokens, cos)
     _lib().fn("rotary", x.dtype)(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                  num_tokens, num_heads, head_dim, x.stride(0), x.stride(1))
 

@@ -1,0 +1,26 @@
+"""Prefill time of one prompt on the default model: the best of two runs for prompts of 2,000,
+500 and 128 random tokens (bf16, prefix caching off, a 512-token budget a step, one token out).
+Run it from two checkouts (e.g. `git worktree add /tmp/base REV`, each with its kernels built)
+one after the other, alternating, to compare commits.
+Usage: python docs/benchmarks/kernels/prefill_time.py [LABEL]
+"""
+import sys
+import time
+
+import torch
+
+from pagoda import LLM, SamplingParams
+
+llm = LLM("smollm2", max_num_batched_tokens=512, max_model_len=4096, enable_prefix_caching=False)
+prompt = torch.randint(100, 40000, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
+params = SamplingParams(temperature=0, max_tokens=1)
+llm.generate([prompt[:300]], params, use_tqdm=False)  # warm-up
+times = []
+for n in (2000, 500, 128):
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        llm.generate([prompt[:n]], params, use_tqdm=False)
+        best = min(best, time.perf_counter() - start)
+    times.append(f"{n} tokens {best:.3f} s")
+print(sys.argv[1] if len(sys.argv) > 1 else "", *times, sep="  ")
