@@ -111,6 +111,10 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+# NOTE: slow (17 s on a 2-vCPU Zen 3: two node processes, each with its workers, then a served
+# request): it took the default suite past its 10 minutes there (2026-12-01). The one-node
+# layouts keep the workers' protocol covered in `make test`. Run it with `pytest -m slow`.
+@pytest.mark.slow
 def test_two_nodes_on_loopback_serve_and_stop_together(tiny_llama: Path):
     addr = f"127.0.0.1:{free_port()}"
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", addr,
