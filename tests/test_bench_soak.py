@@ -33,7 +33,7 @@ def test_short_soak_passes_on_the_tiny_model(tiny_llama: Path, tmp_path: Path,
     out = tmp_path / "soak.json"
     main(["soak", "--model", str(tiny_llama), "--duration", "12s", "--interval", "4s",
           "--concurrency", "4", "--max-tokens", "8", "--port", str(free_port()),
-          "--output-json", str(out), "--max-rss-growth", "0.5",
+          "--output-json", str(out), "--max-rss-growth", "0.5", "--hostile-ratio", "0.15",
           "--server-arg=--dtype=float32", "--server-arg=--max-model-len=256"])
     result = json.loads(out.read_text())
     assert result["passed"] and result["problems"] == []
@@ -41,5 +41,7 @@ def test_short_soak_passes_on_the_tiny_model(tiny_llama: Path, tmp_path: Path,
     assert len(lines) >= 3
     assert sum(x["ok"] for x in lines) > 10
     assert sum(x["aborted"] for x in lines) > 0 and sum(x["refused"] for x in lines) > 0
+    assert sum(x["hostile"] for x in lines) > 0  # grammars, big choices, many prompts: answered
+    assert all(isinstance(x["probe_ttft_s"], float) and 0 < x["probe_ttft_s"] < 60 for x in lines)
     assert all(x["kv_blocks_held_idle"] == 0 and x["rss_mb"] > 0 for x in lines)
     assert "soak PASSED" in capsys.readouterr().out

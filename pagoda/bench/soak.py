@@ -6,9 +6,13 @@ It starts `pagoda serve MODEL` itself (so it can read the server's RSS), then ke
   logprobs; every one must succeed with exactly the tokens it asked for (ignore_eos);
 - aborted: a streamed request whose client disconnects after a few chunks;
 - malformed: bad JSON, out-of-range values, a lone surrogate, a huge n, an oversized body;
-  every one must get a 4xx, never a 5xx or a 200.
-Every --interval the load pauses until the server is idle, and the report line gives the
-throughput, the server's RSS and the KV pool's idle state. The run fails (exit 1) on any
+  every one must get a 4xx, never a 5xx or a 200;
+- hostile (--hostile-ratio): valid but heavy requests: a nested JSON schema or a regex to
+  compile and follow, a choice among hundreds of options, dozens of prompts in one request;
+  each must succeed or be refused with a 4xx (a limit), never a 5xx or a dropped connection.
+Every --interval a probe (one short streamed completion) measures the time to its first
+token under the load; then the load pauses until the server is idle, and the report line
+gives the throughput, the probe's latency, the server's RSS and the KV pool's idle state. The run fails (exit 1) on any
 failed valid request, any malformed request not refused with a 4xx, a KV block still held
 when idle, or an RSS that rose by more than --max-rss-growth over the run beyond the pages
 of KV blocks used for the first time (the pool's pages are resident once written; that is
@@ -45,6 +49,25 @@ MALFORMED: list[tuple[str, bytes]] = [
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}'),
     ("/tokenize", b'{"prompt": "' + b"x" * 300_000 + b'"}'),
 ]
+NESTED_SCHEMA = {"type": "object", "required": ["name", "items"], "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "items": {"type": "array", "maxItems": 3, "items": {"type": "object", "required": ["id", "tags"], "properties": {
+        "id": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}}}}}}}
+
+
+def hostile_bodies(rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
+    """Valid, heavy requests: (path, body)."""
+    return [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A JSON record, please."}],
+                                  "max_tokens": 24, "response_format": {"type": "json_schema", "json_schema": {
+                                      "name": "record", "schema": NESTED_SCHEMA}}}),
+        ("/v1/completions", {"prompt": "Pick one:", "max_tokens": 8,
+                             "structured_outputs": {"regex": r"(yes|no|maybe)( [0-9]{1,3}){0,4}"}}),
+        ("/v1/completions", {"prompt": "Pick one:", "max_tokens": 8,
+                             "structured_outputs": {"choice": [f"option {i} of {rng.randrange(10**6)}"
+                                                               for i in range(300)]}}),
+        ("/v1/completions", {"prompt": [rng.choice(PROMPTS) for _ in range(24)], "max_tokens": 4}),
+    ]
 
 
 @dataclass
@@ -54,6 +77,7 @@ class Tally:
     ok: int = 0
     aborted: int = 0
     refused: int = 0
+    hostile: int = 0
     tokens: int = 0
     failures: list[str] = field(default_factory=list)
 
@@ -61,6 +85,7 @@ class Tally:
         self.ok += other.ok
         self.aborted += other.aborted
         self.refused += other.refused
+        self.hostile += other.hostile
         self.tokens += other.tokens
         self.failures += other.failures
 
@@ -85,6 +110,8 @@ def add_soak_args(parser: argparse.ArgumentParser) -> None:
     add("--max-tokens", type=int, default=32, help="tokens per valid request")
     add("--abort-ratio", type=float, default=0.15)
     add("--malformed-ratio", type=float, default=0.15)
+    add("--hostile-ratio", type=float, default=0.1,
+        help="share of valid but heavy requests: grammars, big choices, many prompts (default 0.1)")
     add("--max-rss-growth", type=float, default=0.10,
         help="allowed RSS rise from the first to the last report, as a fraction (default 0.10)")
     add("--port", type=int, default=8011)
@@ -169,28 +196,53 @@ class Soak:
         else:
             self.tally.failures.append(f"malformed {body[:60]!r} -> {r.status_code}")
 
+    async def hostile(self) -> None:
+        path, body = self.rng.choice(hostile_bodies(self.rng))
+        r = await self.client.post(path, json=body)
+        if r.status_code == 200 or 400 <= r.status_code < 500:
+            self.tally.hostile += 1
+        else:
+            self.tally.failures.append(f"hostile {path} {str(body)[:60]} -> {r.status_code}: {r.text[:200]}")
+
+    async def probe(self) -> float | None:
+        """Seconds to the first token of one short streamed completion (None if it failed)."""
+        start = time.monotonic()
+        body = {"prompt": "Hello", "max_tokens": 2, "stream": True}
+        async with self.client.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    return round(time.monotonic() - start, 3)
+        self.tally.failures.append(f"probe -> {r.status_code}")
+        return None
+
     # ---- the run -------------------------------------------------------------------------
     async def worker(self, stop_at: float) -> None:
+        a = self.args
         while time.monotonic() < stop_at:
             await self.paused.wait()
             roll = self.rng.random()
             try:
-                if roll < self.args.malformed_ratio:
+                if roll < a.malformed_ratio:
                     await self.malformed()
-                elif roll < self.args.malformed_ratio + self.args.abort_ratio:
+                elif roll < a.malformed_ratio + a.abort_ratio:
                     await self.abort()
+                elif roll < a.malformed_ratio + a.abort_ratio + a.hostile_ratio:
+                    await self.hostile()
                 else:
                     await self.valid()
             except httpx.HTTPError as e:
                 self.tally.failures.append(f"transport {type(e).__name__}: {e}")
 
     async def report(self, index: int, started: float, interval: float) -> dict[str, Any]:
-        """Pauses the load, waits for the server to idle, and reads RSS and the KV pool."""
+        """Probes the latency under load, pauses the load, waits for the server to idle, and
+        reads RSS and the KV pool."""
+        probe = await self.probe()
         self.paused.clear()
         kv = await self._idle_kv()
         tally, self.tally = self.tally, Tally()
         line = {"t_min": round((time.monotonic() - started) / 60, 2), "ok": tally.ok,
-                "aborted": tally.aborted, "refused": tally.refused,
+                "aborted": tally.aborted, "refused": tally.refused, "hostile": tally.hostile,
+                "probe_ttft_s": probe,
                 "output_tok_s": round(tally.tokens / interval, 1), "rss_mb": rss_mb(self.pid),
                 "kv_blocks_held_idle": kv["num_blocks"] - kv["num_blocks_free"],
                 "kv_touched_mb": round(kv["pool_bytes_touched"] / 2**20, 1),
