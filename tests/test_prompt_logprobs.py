@@ -126,6 +126,9 @@ def test_preempted_request_reports_each_position_once(tiny_llama: Path, hf_logpr
     assert_matches(outs[1].prompt_logprobs, PROMPT[::-1], hf_logprobs(PROMPT[::-1]), num=2)
 
 
+# NOTE: slow (6-8 s on a 2-vCPU Zen 3: two workers start) to keep the default suite under its
+# 10 minutes there (2026-12-01); passed when written. `pytest -m slow` runs it.
+@pytest.mark.slow
 def test_tensor_parallel_workers_score_the_prompt(tiny_llama: Path, hf_logprobs):
     """The parallel executor: the workers return the prompt rows' logits too (chunked)."""
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256,
