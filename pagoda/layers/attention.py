@@ -8,8 +8,9 @@ With `native` set (by the runner, on CPU) the slot write is one `reshape_and_cac
 every row of the step, decodes and prefill chunks alike, goes to the paged-attention kernel,
 which reads K/V in place through the block tables and takes any number of query rows per
 sequence (`decode_query_start_loc`): causal over the cached prefix and the new rows, tiled
-over keys with an online softmax, prefill tiles scored as small GEMMs (attention.cpp; 2.2x
-SDPA's speed on a 1,024-token prompt on a Zen 3, docs/performance.md). Otherwise torch ops do both.
+over keys with an online softmax, prefill tiles scored as small GEMMs (attention.cpp; on a
+Zen 3 1.7x SDPA's speed on a chunk over a cached prefix, as fast at 2,048 rows without one,
+docs/performance.md). Otherwise torch ops do both.
 An fp8 pool (`kv_cache_dtype`) holds K / k_scale and V / v_scale in one byte: the kernels
 convert on write and read; the torch paths quantize on write and dequantize what they gather,
 and a prefill chunk without cached context attends to its fresh K/V rounded as stored, so

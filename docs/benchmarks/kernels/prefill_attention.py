@@ -26,6 +26,8 @@ for n, c in [(16,0),(64,0),(128,0),(256,0),(512,0),(128,512),(1024,0),(2048,0)]:
         qq, kk, vv = (x.to(dtype).transpose(0, 1)[None] for x in (q, k, v))
         if expand:
             kk, vv = kk.repeat_interleave(H // KV, 1), vv.repeat_interleave(H // KV, 1)
+        if c == 0:  # NOTE: as the torch path calls it: is_causal, no mask tensor
+            return F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=not expand)
         mask = torch.arange(L)[None] <= torch.arange(c, L)[:, None]
         return F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, enable_gqa=not expand)
     kern = lambda: ops.paged_attention(q, kc, vc, table, lens, qsl, D**-0.5, 0)
