@@ -158,7 +158,9 @@ def plan_linears(model: torch.nn.Module, retune: bool = False) -> KernelPlan | N
 
     lib = cpu_kernels.library()
     max_threads = torch.get_num_threads()
-    plan = plan_for_model(model, lib.variant if lib is not None else "none",
+    # NOTE: the build (its name carries a digest of the kernel sources), not only the variant: a
+    # changed kernel makes the old timings stale.
+    plan = plan_for_model(model, lib.path.stem if lib is not None else "none",
                           lambda rows: step_threads(rows, max_threads), retune=retune)
     if plan is not None:
         logger.info("%s", plan.describe())

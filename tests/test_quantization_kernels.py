@@ -2,7 +2,9 @@
 
 For every compiled variant. Tolerances:
 - `qgemv` against F.linear on the dequantized weight in fp32: the kernel's products are exact
-  (int4 codes and bf16 activations, int8 codes and fp32 activations), its sums fp32 in another
+  (int4 codes and bf16 activations, int8 codes and fp32 activations; on the avx2 build both
+  multiply x rounded to int8 codes by groups of 32, which the reference takes alike, where K
+  and the groups allow), its sums fp32 in another
   order and a bf16 output rounded once, so |y - ref| <= 2^-8 |ref| (bf16 output) + 1e-5 sum|x w|
   (fp32 summation order); int4 first rounds fp32 activations to bf16 (2^-9 relative each),
   which the bound takes as 2^-8 sum|x w|. A wrong scale, offset or nibble moves y by about
@@ -62,10 +64,12 @@ def test_qgemv_matches_dequantize_then_matmul(scheme: str, n: int, k: int, group
     bias = torch.randn(n, generator=gen).to(dtype)
     fmt = ops.INT4 if scheme == "int4" else ops.INT8
     got = ops.qgemv(x, packed, fmt, k, group_size, bias).float()
-    want = F.linear(x.float(), w, bias.float())
-    magnitude = x.float().abs() @ w.abs().t()
+    x_group = ops.qgemv_x_group(k, group_size)
+    xr = packing.round_to_int8_groups(x, x_group) if x_group else x.float()
+    want = F.linear(xr, w, bias.float())
+    magnitude = xr.abs() @ w.abs().t()
     out_rounding = 2**-8 if dtype == torch.bfloat16 else 0.0
-    act_rounding = 2**-8 if scheme == "int4" and dtype != torch.bfloat16 else 1e-5
+    act_rounding = 2**-8 if scheme == "int4" and dtype != torch.bfloat16 and not x_group else 1e-5
     excess = (got - want).abs() - (out_rounding * want.abs() + act_rounding * magnitude + 1e-6)
     assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
 
@@ -77,6 +81,18 @@ def test_dequantize_kernel_equals_torch(scheme: str, n: int, k: int, group_size:
     fmt = ops.INT4 if scheme == "int4" else ops.INT8
     fn = packing.dequantize_int4 if scheme == "int4" else packing.dequantize_int8
     assert torch.equal(ops.dequantize(packed, fmt, k, group_size, dtype), fn(packed, k, group_size, dtype))
+
+
+@pytest.mark.parametrize("scheme,n,k,group_size", [c for c in CASES if c[2] % 64 == 0 and c[3] % 32 == 0])
+def test_records_through_gemm_equal_qgemv(scheme: str, n: int, k: int, group_size: int) -> None:
+    """`gemm` (and so the decoder stack) on `Records` runs qgemv on them: the same output."""
+    gen = torch.Generator().manual_seed(n + k)
+    packed = packed_weight(scheme, n, k, group_size, gen)
+    fmt = ops.INT4 if scheme == "int4" else ops.INT8
+    x = torch.randn(5, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    records = ops.Records(packed, fmt, k, group_size)
+    assert torch.equal(ops.gemm(x, records, bias), ops.qgemv(x, packed, fmt, k, group_size, bias))
 
 
 def test_qgemv_splits_rows_over_threads() -> None:

@@ -211,7 +211,48 @@ void avx2_block(const float* xf, int64_t xf_stride, const bf16* w, int64_t p0, i
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(sums + r * kSumsRow + 8 * h, acc[r][h]);
 }
 
+// R rows x a whole panel (both blocks, 32 columns) over k-pairs [p0, p1): the panel's 128 bytes
+// of a k-pair read in order, so that one or two rows stream the weight as one sequential run.
+// NOTE: a block at a time (above) reads every other 64-byte line of a panel, then the lines
+// between: one row streamed 7 GB/s a thread that way (docs/performance.md, Roofline).
+template <int R, bool PF>
+void avx2_panel(const float* xf, int64_t xf_stride, const bf16* w, int64_t p0, int64_t p1, float* sums, bool first) {
+  constexpr int V = kPanelPair / 16;  // 256-bit weight vectors per k-pair
+  __m256 acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kSumsRow + 8 * j);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const float* xp = xf;
+  for (int64_t p = p0; p < p1; ++p, xp += 2) {
+    const bf16* src = w + p * kPanelPair;
+    if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * j));
+      const __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+      const __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(u, high));
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        acc[r][j] = _mm256_fmadd_ps(wo, _mm256_broadcast_ss(xp + r * xf_stride + 1),
+                                    _mm256_fmadd_ps(we, _mm256_broadcast_ss(xp + r * xf_stride), acc[r][j]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) _mm256_storeu_ps(sums + r * kSumsRow + 8 * j, acc[r][j]);
+}
+constexpr int kAvx2PanelRows = 2;  // rows a whole-panel pass takes at once
+// NOTE: tiles of up to 4 rows read whole panels, two rows a pass (the second pass from L2); from
+// 6 rows the block tiles' 4 rows per widened weight vector win (linear_paths.py on Zen 3: 1-2
+// rows 2.2x faster, 3-4 rows 1.2-1.5x, 6-16 rows 10-25% slower as whole panels).
+constexpr int kAvx2PanelTileRows = 4;
+
 using Avx2BlockFn = void (*)(const float*, int64_t, const bf16*, int64_t, int64_t, float*, bool);
+constexpr Avx2BlockFn kAvx2Panels[2][kAvx2PanelRows] = {{avx2_panel<1, false>, avx2_panel<2, false>},
+                                                        {avx2_panel<1, true>, avx2_panel<2, true>}};
 constexpr Avx2BlockFn kAvx2Blocks[2][kAvx2Rows] = {
     {avx2_block<1, false>, avx2_block<2, false>, avx2_block<3, false>, avx2_block<4, false>},
     {avx2_block<1, true>, avx2_block<2, true>, avx2_block<3, true>, avx2_block<4, true>}};
@@ -222,6 +263,14 @@ template <int MR, bool PF, int NP = 1>
 void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
   const int64_t n = 2 * (p1 - p0);
   const float* xf = widen_rows(rows, MR, p0, p1);
+  if (MR <= kAvx2PanelTileRows) {
+    for (int m0 = 0; m0 < MR; m0 += kAvx2PanelRows) {
+      const int r = std::min(kAvx2PanelRows, MR - m0);
+      for (int j = 0; j < NP; ++j)
+        kAvx2Panels[PF && m0 == 0][r - 1](xf + m0 * n, n, w + j * panel_stride, p0, p1, sums + m0 * kSumsRow + j * kPanel, first);
+    }
+    return;
+  }
   for (int m0 = 0; m0 < MR; m0 += kAvx2Rows) {
     const int r = std::min(kAvx2Rows, MR - m0);
     for (int b = 0; b < 2 * NP; ++b) {
@@ -816,6 +865,14 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
     case pagoda::kPackedInt4:
       pagoda::qgemm_int4(xb, x_stride, static_cast<const uint8_t*>(w.data), static_cast<const uint16_t*>(w.scales),
                          w.group_size, b, yb, y_stride, M, w.n, w.k);
+      break;
+    case pagoda::kInt8Records:  // qgemv's format 1: [k codes][k / gs fp32 scales] a row
+      pagoda_qgemv_bf16(1, x, x_stride, w.data, w.k + 4 * (w.k / w.group_size), w.group_size, bias, y, y_stride, M,
+                        w.n, w.k, 1 << 30);
+      break;
+    case pagoda::kInt4Records:  // format 0: [k / 2 nibble bytes][k / gs f16 d][k / gs f16 m] a row
+      pagoda_qgemv_bf16(0, x, x_stride, w.data, w.k / 2 + 4 * (w.k / w.group_size), w.group_size, bias, y, y_stride,
+                        M, w.n, w.k, 1 << 30);
       break;
     default:
       pagoda::gemm(xb, x_stride, static_cast<const bf16*>(w.data), b, yb, y_stride, M, w.n, w.k);

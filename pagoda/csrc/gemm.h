@@ -6,7 +6,9 @@
 
 namespace pagoda {
 
-enum PackedKind : int64_t { kPackedBf16 = 0, kPackedInt8 = 1, kPackedInt4 = 2 };
+// Panels (this GEMM's layout) or records (qgemv.cpp's rows: int8 or int4 with group scales,
+// `scales` unused; the decoder stack takes them for steps of up to 16 rows).
+enum PackedKind : int64_t { kPackedBf16 = 0, kPackedInt8 = 1, kPackedInt4 = 2, kInt8Records = 3, kInt4Records = 4 };
 
 // A weight [n, k] packed once at load; mirrored by ops.py's `GemmWeight` field for field.
 struct GemmWeight {
@@ -21,5 +23,8 @@ struct GemmWeight {
 
 // y[M, n] (row stride y_stride) = x[M, k] (row stride x_stride) . W^T (+ bias[n]), W a
 // `pagoda::GemmWeight`.
+extern "C" void pagoda_qgemv_bf16(int format, const void* x, int64_t x_stride, const void* w, int64_t row_bytes,
+                                  int64_t gs, const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N,
+                                  int64_t K, int max_threads);
 extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_stride, const void* bias, void* y,
                                    int64_t y_stride, int64_t M);

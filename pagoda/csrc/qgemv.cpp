@@ -20,7 +20,10 @@
 // the lanes' block scales adds it to the row's sum; the offsets come in once per row through
 // the group sums of x (y = sum_g d_g sum_k q_k x_k + sum_g m_g sum_k x_k). x is permuted into
 // the same stream order once per call. int8 products widen q and x to fp32 (exact products,
-// fp32 sums). Without AVX512_BF16 the same arithmetic runs in plain loops.
+// fp32 sums). The AVX2 build (no bf16 dot products) multiplies integers instead, as llama.cpp's
+// Q4_0/Q8_0 dot products do: x rounded to int8 codes by blocks of 32 (`quantize_x_groups`),
+// vpmaddubsw/vpmaddwd sums, exact, then fp32; y is W times the rounded x. Without AVX2 or
+// AVX512_BF16 the bf16/fp32 arithmetic runs in plain loops.
 #include <mutex>
 #include <vector>
 
@@ -42,9 +45,15 @@ struct QArgs {
 // rows; both K long.
 struct Acts {
   const bf16* xb;   // [M, K] bf16, stream order (int4)
-  const float* xf;  // [M, K] fp32 (int8; int4 on AVX2: the bf16 rows widened, stream order)
+  const float* xf;  // [M, K] fp32 (int8)
   const float* sx;  // [M, G] group sums of the bf16 rows (int4)
+  const int8_t* xq = nullptr;  // [M, K] int8 codes by groups of kXGroup (AVX2; int4: stream order), or null
+  const float* dx = nullptr;   // [M, K / kXGroup] their steps (int8); int4: [M, 16 a superblock],
+                               // the step of each word_block entry's block
+  int64_t dx_stride = 0;       // floats of `dx` a row
 };
+
+constexpr int64_t kXGroup = 32;  // k's per int8 code group of x (the AVX-512 GEMM's too)
 
 struct Superblock {
   int blocks;     // S: 32-element blocks in it
@@ -57,7 +66,9 @@ struct Superblock {
 struct StreamOrder {
   std::vector<Superblock> superblocks;
   std::vector<int32_t> element;
-  std::vector<int32_t> lane_block;  // per superblock, the block of each byte p of a step (32 a superblock)
+  // per superblock, the block of each 32-bit lane j's even 16-bit word (bytes 4j, 4j + 1), then of
+  // its odd word (bytes 4j + 2, 4j + 3): 16 a superblock (the AVX2 integer int4 path)
+  std::vector<int32_t> word_block;
 
   explicit StreamOrder(int64_t K) {
     int64_t left = K / 32, b0 = 0;  // even: K is a multiple of 64
@@ -65,7 +76,8 @@ struct StreamOrder {
       for (; left >= s; left -= s, b0 += s) superblocks.push_back({s, b0});
     for (const Superblock& sb : superblocks) {
       const int lanes = 16 / sb.blocks;
-      for (int p = 0; p < 32; ++p) lane_block.push_back(static_cast<int32_t>(sb.block0 + p / 2 / lanes));
+      for (int odd = 0; odd < 2; ++odd)
+        for (int j = 0; j < 8; ++j) word_block.push_back(static_cast<int32_t>(sb.block0 + (4 * j + 2 * odd) / 2 / lanes));
       for (int t = 0; t < sb.blocks / 2; ++t)
         for (int half = 0; half < 2; ++half)
           for (int p = 0; p < 32; ++p) {
@@ -231,16 +243,6 @@ inline int nibble(const uint8_t* q, int64_t i) {
 }
 
 #if defined(PAGODA_AVX2)
-// 16 bytes (codes 0..15) as fp32 (exact).
-inline Vf widen_codes(__m128i b) {
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(b, 8)))};
-}
-
-// int4_rows on 16-lane fp32 vectors: the same stream order as the AVX-512 kernel, each byte
-// of a 32-byte step a lane of its own (bytes 0-15 in `lo`, 16-31 in `hi`): its low nibble
-// multiplies x at stream position 64t + p, its high nibble 64t + 32 + p, and every byte of a
-// superblock belongs to one block (byte p: block p / 2 / (16 / S)), so a superblock's sums take
-// their block scales in two multiplies at its end; the offsets come in through the group sums.
 // n f16 values as fp32, 8 at a time with F16C.
 inline void f16_to_float(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -248,56 +250,72 @@ inline void f16_to_float(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = f16_from_bits(src[i]);
 }
 
+// int4 records times x as int8 codes by blocks of 32 (`Acts::xq` in stream order): per step,
+// vpmaddubsw multiplies the nibbles (u8) by x's codes (s8) in adjacent pairs, which share a
+// block (at most 2 * 15 * 127 a word, 4 steps at most 30,480: int16 sums, exact); every 4 steps
+// vpmaddwd by (1, 0) and (0, 1) moves the even and the odd words into int32 lanes, which keeps
+// the two blocks of a lane apart where a superblock has one block a byte pair. At the end of a
+// superblock each lane, in fp32, times d * dx of its block joins the row's sums; the offsets
+// come in through the rounded x's group sums, so y is W times the rounded x.
 template <int M>
-void int4_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+void int4_rows_int(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
   const StreamOrder& order = stream_order(a.K);
-  // NOTE: a byte's scale is dq[lane_block[32 s + p] >> shift], gathered 8 at a time (scalar
-  // f16 conversions and index arithmetic per row cost more than the row's products at K = 576).
+  const int64_t dx_stride = 16 * static_cast<int64_t>(order.superblocks.size());
   thread_local std::vector<float> dq, mq;
   dq.resize(a.G);
   mq.resize(a.G);
   const __m128i shift = _mm_cvtsi32_si128(__builtin_ctzll(static_cast<uint64_t>(a.gs / 32)));
-  const __m128i low = _mm_set1_epi8(15);
+  const __m256i low = _mm256_set1_epi8(15), even = _mm256_set1_epi32(1), odd = _mm256_set1_epi32(1 << 16);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = a.w + n * a.row_bytes;
     const auto* d = reinterpret_cast<const uint16_t*>(q + a.K / 2);
     f16_to_float(d, dq.data(), a.G);
     f16_to_float(d + a.G, mq.data(), a.G);
-    Vf y[M];
-    for (int m = 0; m < M; ++m) y[m] = vzero();
+    __m256 y[M];
+    for (int m = 0; m < M; ++m) y[m] = _mm256_setzero_ps();
     const uint8_t* qs = q;
     int64_t pos = 0;
-    const int32_t* blocks = order.lane_block.data();
-    for (const Superblock& sb : order.superblocks) {
-      Vf lo_acc[M], hi_acc[M];
-      for (int m = 0; m < M; ++m) lo_acc[m] = hi_acc[m] = vzero();
-#pragma GCC unroll 2
-      for (int t = 0; t < sb.blocks / 2; ++t) {
-        const __m128i b0 = load128(qs + 32 * t), b1 = load128(qs + 32 * t + 16);
-        const Vf q0l = widen_codes(_mm_and_si128(b0, low)), q1l = widen_codes(_mm_and_si128(b1, low));
-        const Vf q0h = widen_codes(_mm_and_si128(_mm_srli_epi16(b0, 4), low));
-        const Vf q1h = widen_codes(_mm_and_si128(_mm_srli_epi16(b1, 4), low));
+    for (size_t s = 0; s < order.superblocks.size(); ++s) {
+      const int steps = order.superblocks[s].blocks / 2;
+      __m256i ae[M], ao[M];
+      for (int m = 0; m < M; ++m) ae[m] = ao[m] = _mm256_setzero_si256();
+      for (int t0 = 0; t0 < steps; t0 += 4) {
+        __m256i words[M];
+        for (int m = 0; m < M; ++m) words[m] = _mm256_setzero_si256();
+        for (int t = t0; t < std::min(steps, t0 + 4); ++t) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * t));
+          const __m256i lo = _mm256_and_si256(b, low), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low);
 #pragma GCC unroll 8
+          for (int m = 0; m < M; ++m) {
+            const int8_t* xm = x.xq + m * a.K + pos + 64 * t;
+            const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm));
+            const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32));
+            words[m] = _mm256_add_epi16(words[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                                                   _mm256_maddubs_epi16(hi, xh)));
+          }
+        }
         for (int m = 0; m < M; ++m) {
-          const float* xm = x.xf + m * a.K + pos + 64 * t;
-          lo_acc[m] = vfma(q0h, load_full(xm + 32), vfma(q0l, load_full(xm), lo_acc[m]));
-          hi_acc[m] = vfma(q1h, load_full(xm + 48), vfma(q1l, load_full(xm + 16), hi_acc[m]));
+          ae[m] = _mm256_add_epi32(ae[m], _mm256_madd_epi16(words[m], even));
+          ao[m] = _mm256_add_epi32(ao[m], _mm256_madd_epi16(words[m], odd));
         }
       }
-      const auto gather = [&](int p) {
-        const __m256i block = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blocks + p));
+      const auto gather = [&](int half) {
+        const __m256i block = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order.word_block.data() + 16 * s + 8 * half));
         return _mm256_i32gather_ps(dq.data(), _mm256_srl_epi32(block, shift), 4);
       };
-      const Vf s0{gather(0), gather(8)}, s1{gather(16), gather(24)};
-      for (int m = 0; m < M; ++m) y[m] = vfma(s1, hi_acc[m], vfma(s0, lo_acc[m], y[m]));
-      qs += 16 * sb.blocks;
-      pos += 32 * sb.blocks;
-      blocks += 32;
+      const __m256 de = gather(0), dodd = gather(1);
+      for (int m = 0; m < M; ++m) {
+        const float* dx = x.dx + m * dx_stride + 16 * s;
+        y[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ae[m]), _mm256_mul_ps(de, _mm256_loadu_ps(dx)), y[m]);
+        y[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ao[m]), _mm256_mul_ps(dodd, _mm256_loadu_ps(dx + 8)), y[m]);
+      }
+      qs += 16 * order.superblocks[s].blocks;
+      pos += 32 * order.superblocks[s].blocks;
     }
     for (int m = 0; m < M; ++m) {
       float offsets = 0.f;
       for (int64_t g = 0; g < a.G; ++g) offsets += mq[g] * x.sx[m * a.G + g];
-      out[m * a.N + n] = reduce_add(y[m]) + offsets;
+      out[m * a.N + n] = reduce_add(Vf{y[m], _mm256_setzero_ps()}) + offsets;
     }
   }
 }
@@ -306,7 +324,7 @@ void int4_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float
 template <int M>
 void int4_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
 #if defined(PAGODA_AVX2)
-  return int4_rows_avx2<M>(a, x, n0, n1, out);
+  return int4_rows_int<M>(a, x, n0, n1, out);
 #endif
   const StreamOrder& order = stream_order(a.K);
   for (int64_t n = n0; n < n1; ++n) {
@@ -348,11 +366,71 @@ void int8_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float
     for (int m = 0; m < M; ++m) out[m * a.N + n] = y[m];
   }
 }
+
+// int8 records times x as int8 codes by groups of 32 (`Acts::xq`, `Acts::dx`), as llama.cpp's
+// AVX2 Q8_0 dot products: per 32 k's, vpsignb moves x's signs onto the weight codes so that
+// vpmaddubsw multiplies |xq| (u8) by them (pairs at most 2 * 127 * 127, no saturation), vpmaddwd
+// sums the pairs into 8 int32 lanes, exact; then the lanes, in fp32, times dx * d add to the
+// row's sums. Three times fewer instructions a weight than widening both to fp32.
+template <int M>
+void int8_rows_int(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
+  const int64_t blocks = a.K / kXGroup, per_group = a.gs / kXGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
+    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < blocks; ++j) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kXGroup * j));
+      const float dj = d[j / per_group];
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.xq + m * a.K + kXGroup * j));
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(w, xv));
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+        acc[m] = _mm256_fmadd_ps(sums, _mm256_set1_ps(x.dx[m * blocks + j] * dj), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) out[m * a.N + n] = reduce_add(Vf{acc[m], _mm256_setzero_ps()});
+  }
+}
+
+// Row m of x as int8 codes by groups of 32 along K, round half to even of x * 127 / max |x|
+// (packing.round_to_int8_groups), and each group's step max |x| / 127.
+template <typename T>
+void quantize_x_groups(const T* x, int64_t x_stride, int64_t M, int64_t K, int8_t* xq, float* dx) {
+  const int64_t blocks = K / kXGroup;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < blocks; ++j) {
+      const T* xj = x + m * x_stride + kXGroup * j;
+      Vf amax = vzero();
+      for (int i = 0; i < kXGroup; i += kLanes) {
+        const Vf v = load_full(xj + i);
+        amax = vmax(amax, vmax(v, vzero() - v));
+      }
+      const float top = reduce_max(amax);
+      const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      __m256i codes[4];
+      for (int i = 0; i < 2; ++i) {
+        const Vf v = load_full(xj + kLanes * i);
+        codes[2 * i] = _mm256_cvtps_epi32(_mm256_mul_ps(v.lo, inv));
+        codes[2 * i + 1] = _mm256_cvtps_epi32(_mm256_mul_ps(v.hi, inv));
+      }
+      // packs interleave 128-bit lanes: the permute puts the 32 codes back in k order
+      const __m256i words = _mm256_packs_epi32(codes[0], codes[1]), words2 = _mm256_packs_epi32(codes[2], codes[3]);
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(words, words2),
+                                                        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + kXGroup * j), bytes);
+      dx[m * blocks + j] = top / 127.f;
+    }
+}
 #endif
 
 template <int M>
 void int8_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
 #if defined(PAGODA_AVX2)
+  if (x.xq) return int8_rows_int<M>(a, x, n0, n1, out);
   if (a.gs % kLanes == 0) return int8_rows_avx2<M>(a, x, n0, n1, out);
 #endif
   for (int64_t n = n0; n < n1; ++n) {
@@ -396,6 +474,8 @@ void all_rows(const QArgs& a, const Acts& x, int64_t M, float* out, const T* bia
       xm.xb = x.xb ? x.xb + m0 * a.K : nullptr;
       xm.xf = x.xf ? x.xf + m0 * a.K : nullptr;
       xm.sx = x.sx ? x.sx + m0 * a.G : nullptr;
+      xm.xq = x.xq ? x.xq + m0 * a.K : nullptr;
+      xm.dx = x.dx ? x.dx + m0 * x.dx_stride : nullptr;
       const int rows = static_cast<int>(std::min<int64_t>(M - m0, kMaxRows));
       switch (rows) {
         case 1: rows_block<F, 1>(a, xm, n0, n1, out); break;
@@ -422,8 +502,36 @@ void qgemv(Format format, const T* x, int64_t x_stride, const QArgs& a, const T*
   out.resize(std::min<int64_t>(M, kMaxRows) * a.N);
   Acts acts{nullptr, nullptr, nullptr};
   if (format == Format::kInt4) {
-    // x in stream order, rounded to bf16; the group sums from the same rounded values.
     const StreamOrder& order = stream_order(a.K);
+#if defined(PAGODA_AVX2)
+    // x as int8 codes by blocks of 32 in stream order, each word_block entry's step, and the
+    // group sums of the rounded x (int4_rows_int).
+    thread_local std::vector<int8_t> xq, codes;
+    thread_local std::vector<float> block_dx;
+    const int64_t blocks = a.K / kXGroup, dx_stride = static_cast<int64_t>(order.word_block.size());
+    xq.resize(M * a.K);
+    codes.resize(a.K);
+    block_dx.resize(blocks);
+    xf.resize(M * dx_stride);
+    sx.assign(M * a.G, 0.f);
+    for (int64_t m = 0; m < M; ++m) {
+      quantize_x_groups(x + m * x_stride, x_stride, 1, a.K, codes.data(), block_dx.data());
+      for (int64_t i = 0; i < a.K; ++i) xq[m * a.K + i] = codes[order.element[i]];
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t sum = 0;
+        for (int64_t k = 0; k < kXGroup; ++k) sum += codes[kXGroup * b + k];
+        sx[m * a.G + kXGroup * b / a.gs] += block_dx[b] * static_cast<float>(sum);
+      }
+      for (int64_t e = 0; e < dx_stride; ++e) xf[m * dx_stride + e] = block_dx[order.word_block[e]];
+    }
+    acts.xq = xq.data();
+    acts.dx = xf.data();
+    acts.dx_stride = dx_stride;
+    acts.sx = sx.data();
+    all_rows<Format::kInt4>(a, acts, M, out.data(), bias, y, y_stride, max_threads);
+    return;
+#endif
+    // x in stream order, rounded to bf16; the group sums from the same rounded values.
     xb.resize(M * a.K);
     sx.assign(M * a.G, 0.f);
     for (int64_t m = 0; m < M; ++m) {
@@ -434,14 +542,21 @@ void qgemv(Format format, const T* x, int64_t x_stride, const QArgs& a, const T*
     }
     acts.xb = xb.data();
     acts.sx = sx.data();
-#if defined(PAGODA_AVX2)
-    // NOTE: widened once here, not once per output row (it halved the AVX2 kernel's work).
-    xf.resize(M * a.K);
-    for (int64_t i = 0; i < M * a.K; ++i) xf[i] = to_float(xb[i]);
-    acts.xf = xf.data();
-#endif
     all_rows<Format::kInt4>(a, acts, M, out.data(), bias, y, y_stride, max_threads);
   } else {
+#if defined(PAGODA_AVX2)
+    if (a.K % kXGroup == 0 && a.gs % kXGroup == 0) {
+      thread_local std::vector<int8_t> xq;
+      xq.resize(M * a.K);
+      xf.resize(M * a.K / kXGroup);
+      quantize_x_groups(x, x_stride, M, a.K, xq.data(), xf.data());
+      acts.xq = xq.data();
+      acts.dx = xf.data();
+      acts.dx_stride = a.K / kXGroup;
+      all_rows<Format::kInt8>(a, acts, M, out.data(), bias, y, y_stride, max_threads);
+      return;
+    }
+#endif
     xf.resize(M * a.K);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < a.K; ++k) xf[m * a.K + k] = to_float(x[m * x_stride + k]);
@@ -514,6 +629,18 @@ void dequantize(Format format, const QArgs& a, T* out) {
 
 }  // namespace
 }  // namespace pagoda
+
+// The groups along K by which qgemv rounds x to int8 codes for int8 records of K and `gs` (0:
+// it multiplies x as it is).
+extern "C" int64_t pagoda_qgemv_x_group(int64_t K, int64_t gs) {  // int4 records: K, gs multiples of 32 always
+#if defined(PAGODA_AVX2)
+  return K % pagoda::kXGroup == 0 && gs % pagoda::kXGroup == 0 ? pagoda::kXGroup : 0;
+#else
+  (void)K;
+  (void)gs;
+  return 0;
+#endif
+}
 
 #define PAGODA_QGEMV(SUFFIX, T)                                                                        \
   extern "C" void pagoda_qgemv_##SUFFIX(int format, const void* x, int64_t x_stride, const void* w,      \

@@ -277,13 +277,13 @@ def measure(run_pass: PassFn, paths: Sequence[str], buckets: Sequence[int] = BUC
     return out
 
 
-def plan_key(shapes: Iterable[tuple[Shape, int]], variant: str, threads: int, copies: int) -> str:
+def plan_key(shapes: Iterable[tuple[Shape, int]], build: str, threads: int, copies: int) -> str:
     """A digest of everything a plan depends on: CPU model and flags, torch, the kernel build,
     threads, the shapes and how many weights of each, the storages allowed."""
     import torch
 
     cpu = _cpu_identity()
-    text = json.dumps([FORMAT_VERSION, cpu, torch.__version__, variant, threads, sorted(shapes), copies])
+    text = json.dumps([FORMAT_VERSION, cpu, torch.__version__, build, threads, sorted(shapes), copies])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

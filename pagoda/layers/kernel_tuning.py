@@ -90,7 +90,7 @@ class _Stand:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1) if "onednn" in paths else None
 
 
-def plan_for_model(model: nn.Module, variant: str, threads_for_rows: Callable[[int], int],
+def plan_for_model(model: nn.Module, build: str, threads_for_rows: Callable[[int], int],
                    retune: bool = False) -> KernelPlan | None:
     """The kernel plan for `model`'s bf16 linears: forced (PAGODA_LINEAR_PLAN), cached, or measured
     now (and cached); None when the model has no such linear."""
@@ -103,7 +103,7 @@ def plan_for_model(model: nn.Module, variant: str, threads_for_rows: Callable[[i
         shape_plan = kernel_plan.parse_forced(forced, paths)
         return KernelPlan({shape: shape_plan for shape in groups}, "forced")
     copies = kernel_plan.copies_from_env()
-    key = kernel_plan.plan_key(((s, len(layers)) for s, layers in groups.items()), variant,
+    key = kernel_plan.plan_key(((s, len(layers)) for s, layers in groups.items()), build,
                                torch.get_num_threads(), copies)
     cached = None if retune else kernel_plan.load_cached(key)
     if cached is not None and set(cached.shapes) == set(groups) and _runs_here(cached, paths):

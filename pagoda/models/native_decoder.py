@@ -16,7 +16,7 @@ chunks alike) of at most `max_rows` rows (`takes`), and runs its layers otherwis
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -58,10 +58,19 @@ class _DecodeStep(ctypes.Structure):
                 ("gate_up", _PTR), ("act", _PTR)]
 
 
+def native_packed(layer: Linear) -> Any:
+    """The layer's packed weight for the native GEMM (bf16, int8 or int4 panels, or int8/int4
+    records), or None."""
+    if layer.gemm_weight is not None:
+        return layer.gemm_weight
+    native_weight = getattr(layer.method, "native_weight", None)
+    return native_weight() if native_weight is not None else None
+
+
 def linear_weight(layer: Linear) -> _LinearWeight | None:
-    """The layer's packed weight (bf16, int8 or int4 panels) and bias; None if it has none."""
+    """The layer's packed weight (`native_packed`) and bias; None if it has none."""
     bias = layer.bias
-    packed = layer.gemm_weight or getattr(layer.method, "panels", None)
+    packed = native_packed(layer)
     if packed is None or (bias is not None and bias.dtype != torch.bfloat16):
         return None
     return _LinearWeight(packed.desc, bias.data_ptr() if bias is not None else None)
@@ -129,9 +138,12 @@ class NativeDecoder:
 
     @staticmethod
     def _gemm_rows(layer: LlamaDecoderLayer) -> int:
-        """Up to how many rows the layer's kernel plans all take the GEMM (no plan: any)."""
+        """Up to how many rows the layer's kernel plans all take the GEMM (no plan: any), and
+        its quantized records the GEMV (`Records.max_rows`)."""
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        return min((m.plan.max_rows("gemm") for m in linears if m.plan is not None), default=1 << 62)
+        planned = [m.plan.max_rows("gemm") for m in linears if m.plan is not None]
+        records = [getattr(native_packed(m), "max_rows", 1 << 62) for m in linears if m.plan is None]
+        return min(planned + records, default=1 << 62)
 
     @staticmethod
     def _layer(layer: LlamaDecoderLayer) -> _DecoderLayer | None:

@@ -289,13 +289,13 @@ def gather_in_huge_pages(weights: list[PackedWeight | Int8Panels | Int4Panels]) 
         w.desc, w.desc_ptr = describe(w.kind, w.data, w.scales, w.group_size, w.n, w.k)
 
 
-def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels,
+def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels | Records,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 (rows may be strided) times a packed weight^T (+ bias): exact bf16 products
     of x and the weight (bf16 values or int8 codes), fp32 sums, scaled per column (int8), rounded
     once to bf16. int4: x rounded to int8 codes per row and group first (step max |x| / 127, as
     llama.cpp's Q8_0 activations), integer products and sums per group, then scaled per column
-    and group in fp32 (the offsets through the rounded x's group sums)."""
+    and group in fp32 (the offsets through the rounded x's group sums). `Records`: as `qgemv`."""
     _check_rows(x, x.shape[-1])
     m, k = x.shape
     if k != weight.k or x.dtype != torch.bfloat16:
@@ -308,6 +308,22 @@ def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels,
 
 # Packed weight formats of `qgemv` / `dequantize` (csrc/qgemv.cpp describes the records).
 INT4, INT8 = 0, 1
+INT8_RECORDS, INT4_RECORDS = 3, 4  # their GemmWeight kinds (gemm.h)
+
+
+class Records:
+    """`qgemv`'s records of a layer as a GemmWeight, so that `gemm` and the decoder stack take
+    them (bf16 activations; steps of up to `max_rows` rows, where the GEMV beats dequantizing)."""
+
+    max_rows = 16
+
+    def __init__(self, packed: torch.Tensor, fmt: int, in_features: int, group_size: int) -> None:
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous():
+            raise ValueError(f"expected contiguous uint8 records, got {packed.dtype} {tuple(packed.shape)}")
+        self.kind = INT4_RECORDS if fmt == INT4 else INT8_RECORDS
+        self.data, self.scales = packed, None
+        self.n, self.k = packed.shape[0], in_features
+        self.desc, self.desc_ptr = describe(self.kind, packed, None, group_size, self.n, in_features)
 
 
 def qgemv(x: torch.Tensor, packed: torch.Tensor, fmt: int, in_features: int, group_size: int,
@@ -325,6 +341,12 @@ def qgemv(x: torch.Tensor, packed: torch.Tensor, fmt: int, in_features: int, gro
                                 bias.data_ptr() if bias is not None else None, out.data_ptr(), n,
                                 x.shape[0], n, in_features, max_threads)
     return out
+
+
+def qgemv_x_group(in_features: int, group_size: int) -> int:
+    """The groups along K by which `qgemv` rounds x to int8 codes for int8 records (the AVX2
+    build: int8 products, as llama.cpp's Q8_0), or 0 where it multiplies x as it is."""
+    return int(_lib().fn("qgemv_x_group")(in_features, group_size))
 
 
 def dequantize(packed: torch.Tensor, fmt: int, in_features: int, group_size: int,

@@ -55,6 +55,7 @@ class PackedLinearMethod:
         self.scheme = scheme
         self.packed: torch.Tensor | None = packed
         self.panels: cpu_kernels.ops.Int8Panels | cpu_kernels.ops.Int4Panels | None = None
+        self._records: cpu_kernels.ops.Records | None = None
         self.in_features = in_features
         self.group_size = group_size
         self.fmt = cpu_kernels.ops.INT4 if scheme == "int4" else cpu_kernels.ops.INT8
@@ -81,19 +82,42 @@ class PackedLinearMethod:
         self.packed = None
         return True
 
+    def native_weight(self) -> cpu_kernels.ops.Int8Panels | cpu_kernels.ops.Int4Panels | cpu_kernels.ops.Records | None:
+        """What the native GEMM and decoder stack multiply by (bf16 activations): the panels, or
+        the records as they are (steps of up to `Records.max_rows`); None without the kernels."""
+        if self.panels is not None:
+            return self.panels
+        if self.packed is None or self.packed.device.type != "cpu" or not cpu_kernels.available():
+            return None
+        if self._records is None or self._records.data is not self.packed:
+            self._records = cpu_kernels.ops.Records(self.packed, self.fmt, self.in_features, self.group_size)
+        return self._records
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.panels is not None and x.dtype == torch.bfloat16:
             return cpu_kernels.ops.gemm(x, self.panels, bias)
         if self.packed is not None and layer.native and x.shape[0] <= NATIVE_MAX_ROWS:
             return cpu_kernels.ops.qgemv(x, self.packed, self.fmt, self.in_features, self.group_size, bias)
-        if self.scheme == "int4" and x.dtype != torch.bfloat16:
-            # NOTE: the int4 GEMV multiplies bf16 activations (vdpbf16ps); this path rounds them
-            # alike, so a step's size never changes a result beyond summation order. (The GEMM's
-            # panels, which take every step where they exist, round x further, to int8 codes.)
-            x = x.to(torch.bfloat16).to(x.dtype)
         dtype = torch.float32 if x.dtype == torch.bfloat16 and not bf16_matmul_is_fast(x.device) else x.dtype
+        x_group = self._gemv_x_group() if layer.native else 0
+        # NOTE: this path rounds x as the GEMV multiplies it, so that a step's size never changes
+        # a result beyond summation order: to int8 codes by groups (the AVX2 build, in fp32,
+        # exact) or to bf16 (int4 on vdpbf16ps). (The GEMM's panels, which take every step where
+        # they exist, round x to int8 codes themselves.)
+        if x_group:
+            xin = packing.round_to_int8_groups(x, x_group).to(dtype)
+        elif self.scheme == "int4" and x.dtype != torch.bfloat16:
+            xin = x.to(torch.bfloat16).to(dtype)
+        else:
+            xin = x.to(dtype)
         w = self.dequantize(dtype, bool(layer.native))
-        return F.linear(x.to(dtype), w, None if bias is None else bias.to(dtype)).to(x.dtype)
+        return F.linear(xin, w, None if bias is None else bias.to(dtype)).to(x.dtype)
+
+    def _gemv_x_group(self) -> int:
+        """The groups by which the native GEMV rounds x to int8 codes for these records (0: none)."""
+        if self.packed is None or self.packed.device.type != "cpu" or not cpu_kernels.available():
+            return 0
+        return cpu_kernels.ops.qgemv_x_group(self.in_features, self.group_size)
 
     def dequantize(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
                    ) -> torch.Tensor:
