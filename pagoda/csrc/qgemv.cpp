@@ -312,10 +312,16 @@ void int4_rows_int(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float*
       qs += 16 * order.superblocks[s].blocks;
       pos += 32 * order.superblocks[s].blocks;
     }
+    // NOTE: the offsets 8 groups a vector into the row's sums: a scalar loop was one dependent
+    // chain of G adds a row, longer than the row's products at K = 576.
     for (int m = 0; m < M; ++m) {
-      float offsets = 0.f;
-      for (int64_t g = 0; g < a.G; ++g) offsets += mq[g] * x.sx[m * a.G + g];
-      out[m * a.N + n] = reduce_add(Vf{y[m], _mm256_setzero_ps()}) + offsets;
+      const float* sx = x.sx + m * a.G;
+      __m256 sums = y[m];
+      int64_t g = 0;
+      for (; g + 8 <= a.G; g += 8) sums = _mm256_fmadd_ps(_mm256_loadu_ps(mq.data() + g), _mm256_loadu_ps(sx + g), sums);
+      float tail = 0.f;
+      for (; g < a.G; ++g) tail += mq[g] * sx[g];
+      out[m * a.N + n] = reduce_add(Vf{sums, _mm256_setzero_ps()}) + tail;
     }
   }
 }
