@@ -1,0 +1,48 @@
+"""Two builds of the kernels, A and B, on SmolLM2's bf16 linears (30 layers of distinct weights
+in the GEMM's panels, 212 MB), M rows through `pagoda_gemm_packed`, the builds alternating
+pass by pass over 15 passes (the first dropped): an A/B of the GEMM that holds on a noisy
+machine.
+
+Usage: python gemm_ab.py LIB_A.so LIB_B.so M [M ...]
+Build A from another checkout (a git worktree: `python -m pagoda.layers.cpu_kernels` there);
+copy a .so away before rebuilding, since a build replaces its variant's older files.
+"""
+import ctypes
+import statistics
+import sys
+import time
+
+import torch
+
+from pagoda.layers import cpu_kernels
+from pagoda.layers.cpu_kernels import ops
+
+cpu_kernels.library()
+libs = [ctypes.CDLL(p) for p in sys.argv[1:3]]
+H, INTER = 576, 1536
+shapes = [(960, H), (H, H), (2 * INTER, H), (H, INTER)]
+torch.manual_seed(0)
+weights = [ops.PackedWeight((torch.randn(n, k) * 0.05).to(torch.bfloat16)) for _ in range(30) for n, k in shapes]
+L, P = ctypes.c_int64, ctypes.c_void_p
+for lib in libs:
+    lib.pagoda_gemm_packed.argtypes = [P, P, L, P, P, L, L]
+    lib.pagoda_set_num_threads.argtypes = [ctypes.c_int]
+    lib.pagoda_set_num_threads(2)
+cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+print(f"# {cpu}; load {open('/proc/loadavg').read().split()[:3]}")
+for m in [int(a) for a in sys.argv[3:]] or [16]:
+    xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in (H, INTER)}
+    ys = {n: torch.empty(m, n, dtype=torch.bfloat16) for n, _ in shapes}
+
+    def one_pass(lib: ctypes.CDLL, m: int = m, xs: dict = xs, ys: dict = ys) -> float:
+        start = time.perf_counter()
+        for w in weights:
+            lib.pagoda_gemm_packed(w.desc_ptr, xs[w.k].data_ptr(), w.k, None, ys[w.n].data_ptr(), w.n, m)
+        return time.perf_counter() - start
+
+    times: list[list[float]] = [[], []]
+    for _ in range(15):
+        for j, lib in enumerate(libs):
+            times[j].append(one_pass(lib))
+    a, b = (statistics.median(t[1:]) for t in times)
+    print(f"M={m}: A {a * 1e3:.2f} ms  B {b * 1e3:.2f} ms  A/B {a / b:.2f}", flush=True)
