@@ -267,6 +267,13 @@ def test_gemm_more_rows_than_one_pass() -> None:
     assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
 
 
+def test_gemm_over_x_too_big_to_widen_at_once() -> None:
+    # NOTE: on the avx2 build x is widened to fp32 once per call up to 2^21 floats; 700 rows of
+    # 3,000 take the per-chunk widening instead.
+    x, w, b, want = gemm_case(700, 40, 3000, False, seed=5)
+    assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
+
+
 def test_gemm_refuses_mismatched_inputs() -> None:
     w = ops.PackedWeight(torch.randn(32, 64).to(torch.bfloat16))
     with pytest.raises(ValueError):

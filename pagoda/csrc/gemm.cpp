@@ -247,6 +247,7 @@ void avx2_panel(const float* xf, int64_t xf_stride, const bf16* w, int64_t p0, i
     for (int j = 0; j < V; ++j) _mm256_storeu_ps(sums + r * kSumsRow + 8 * j, acc[r][j]);
 }
 constexpr int kAvx2PanelRows = 2;  // rows a whole-panel pass takes at once
+constexpr int64_t kMaxWidened = int64_t{1} << 21;  // floats of x widened once per call (8 MB)
 // NOTE: tiles of up to 4 rows read whole panels, two rows a pass (the second pass from L2); from
 // 6 rows the block tiles' 4 rows per widened weight vector win (linear_paths.py on Zen 3: 1-2
 // rows 2.2x faster, 3-4 rows 1.2-1.5x, 6-16 rows 10-25% slower as whole panels).
@@ -433,10 +434,13 @@ template <class MakeSource>
 void gemm_pass(const Problem& problem, MakeSource make_source) {
 #if defined(PAGODA_AVX2)
   // NOTE: x widened once per call, not once per panel and chunk: per panel it was 6% of a
-  // 16-row step (perf, SmolLM2 at 16 streams).
+  // 16-row step (perf, SmolLM2 at 16 streams). Up to kMaxWidened floats (the buffer stays
+  // allocated); bigger passes widen per chunk as before.
   Problem P = problem;
-  P.xf_stride = 2 * num_pairs(P.K);
-  P.xf = widen_rows(Rows{P.x, P.xs, P.K}, static_cast<int>(P.M), 0, num_pairs(P.K));
+  if (P.M * 2 * num_pairs(P.K) <= kMaxWidened) {
+    P.xf_stride = 2 * num_pairs(P.K);
+    P.xf = widen_rows(Rows{P.x, P.xs, P.K}, static_cast<int>(P.M), 0, num_pairs(P.K));
+  }
 #else
   const Problem& P = problem;
 #endif

@@ -21,10 +21,12 @@ struct GemmWeight {
 
 }  // namespace pagoda
 
-// y[M, n] (row stride y_stride) = x[M, k] (row stride x_stride) . W^T (+ bias[n]), W a
-// `pagoda::GemmWeight`.
+// qgemv.cpp's product over row records (format 0 int4, 1 int8), which the records kinds call.
 extern "C" void pagoda_qgemv_bf16(int format, const void* x, int64_t x_stride, const void* w, int64_t row_bytes,
                                   int64_t gs, const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N,
                                   int64_t K, int max_threads);
+
+// y[M, n] (row stride y_stride) = x[M, k] (row stride x_stride) . W^T (+ bias[n]), W a
+// `pagoda::GemmWeight`.
 extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_stride, const void* bias, void* y,
                                    int64_t y_stride, int64_t M);

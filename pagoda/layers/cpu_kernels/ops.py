@@ -344,8 +344,9 @@ def qgemv(x: torch.Tensor, packed: torch.Tensor, fmt: int, in_features: int, gro
 
 
 def qgemv_x_group(in_features: int, group_size: int) -> int:
-    """The groups along K by which `qgemv` rounds x to int8 codes for int8 records (the AVX2
-    build: int8 products, as llama.cpp's Q8_0), or 0 where it multiplies x as it is."""
+    """The groups along K by which `qgemv` rounds x to int8 codes (the AVX2 build: integer
+    products for int8 and int4 records, as llama.cpp's AVX2 dot products), or 0 where it
+    multiplies x as it is (bf16 for int4 records, fp32 for int8)."""
     return int(_lib().fn("qgemv_x_group")(in_features, group_size))
 
 
