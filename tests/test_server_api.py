@@ -25,7 +25,7 @@ from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.server.api import build_app
 from pagoda.server.errors import context_length_error
 from pagoda.server.middleware import key_matches
-from pagoda.server.serve import add_serve_parser, engine_kwargs, run_serve
+from pagoda.server.serve import add_serve_parser, engine_kwargs, no_effect_lines, run_serve
 from pagoda.server.serving import ServerContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,6 +183,20 @@ def test_vllm_launch_flags_pagoda_needs_no_action_for_are_accepted():
                                       "--scheduling-policy", "priority", "--grammar-compile-workers", "0"])
     assert args.enforce_eager and args.enable_prompt_tokens_details
     assert engine_kwargs(args) == {"scheduling_policy": "priority", "grammar_compile_workers": 0}
+
+
+def test_vllm_flags_with_no_effect_are_accepted_and_each_named_once():
+    args = serve_parser().parse_args([
+        "serve", "m", "--trust-remote-code", "--disable-log-requests", "--no-enable-chunked-prefill",
+        "--swap-space", "4", "--guided-decoding-backend", "xgrammar", "--distributed-executor-backend", "mp",
+        "--enforce-eager", "--tokenizer-mode", "auto", "--max-seq-len-to-capture", "8192"])
+    lines = no_effect_lines(args)
+    assert len(lines) == 9
+    assert any(line.startswith("--swap-space 4: ") and "recomputed" in line for line in lines)
+    assert any(line.startswith("--no-enable-chunked-prefill: ") for line in lines)
+    assert any(line.startswith("--enforce-eager: ") for line in lines)
+    assert engine_kwargs(args) == {}  # none of them reaches the engine
+    assert no_effect_lines(serve_parser().parse_args(["serve", "m"])) == []
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -133,6 +133,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_parallel_arguments(parser)
     add_limit_arguments(parser)
     add_tool_arguments(parser)
+    add_no_effect_arguments(parser)
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
@@ -270,6 +271,56 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
                             "([f(x=1)]: Llama 3.2/4)")
 
 
+# vLLM flags that launch scripts pass and that mean nothing to pagoda: (flag, how it parses,
+# why it has no effect). Each is accepted, and named in one log line at start when given.
+NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("--enforce-eager", "flag", "pagoda captures no CUDA graphs, so every step already runs eagerly"),
+    ("--enable-prompt-tokens-details", "flag", "usage always carries prompt_tokens_details.cached_tokens"),
+    ("--trust-remote-code", "flag", "pagoda runs its own code for each architecture it supports; a "
+                                    "checkpoint's Python code is never executed"),
+    ("--disable-log-requests", "flag", "pagoda does not log request contents"),
+    ("--enable-log-requests", "flag", "pagoda does not log request contents (the access log names each call)"),
+    ("--disable-frontend-multiprocessing", "flag", "the API server and the engine share one process"),
+    ("--disable-custom-all-reduce", "flag", "tensor parallelism reduces with torch.distributed"),
+    ("--disable-async-output-proc", "flag", "outputs are processed once per step in the engine loop"),
+    ("--enable-chunked-prefill", "bool", "prefills are always chunked under --max-num-batched-tokens"),
+    ("--swap-space", "value", "preempted requests are recomputed, never swapped to host memory"),
+    ("--max-seq-len-to-capture", "value", "pagoda captures no CUDA graphs"),
+    ("--guided-decoding-backend", "value", "structured outputs always compile with llguidance"),
+    ("--distributed-executor-backend", "value", "parallel workers are torch.distributed processes "
+                                                "(docs/scaling.md)"),
+    ("--tokenizer-mode", "value", "the model's own tokenizer is used (tokenizer.json, or the GGUF's)"),
+    ("--load-format", "value", "the format follows the model path (an HF directory or a .gguf file)"),
+    ("--download-dir", "value", "pagoda loads local models and aliases, never downloads"),
+    ("--revision", "value", "pagoda loads local models and aliases, never downloads"),
+)
+
+
+def add_no_effect_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("accepted for vLLM launch scripts, no effect here (logged at start)")
+    for flag, kind, why in NO_EFFECT_FLAGS:
+        if flag in ("--enforce-eager", "--enable-prompt-tokens-details"):
+            continue  # NOTE: in their own groups above, where `pagoda serve --help` lists them
+        if kind == "flag":
+            group.add_argument(flag, action="store_true", help=why)
+        elif kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=why)
+        else:
+            group.add_argument(flag, default=None, metavar="VALUE", help=why)
+
+
+def no_effect_lines(args: argparse.Namespace) -> list[str]:
+    """One line for each no-effect vLLM flag given, saying why it changes nothing."""
+    lines = []
+    for flag, kind, why in NO_EFFECT_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value is None or (value is False and kind == "flag"):
+            continue
+        shown = flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
+        lines.append(f"{shown}: accepted for vLLM launch scripts, no effect here: {why}")
+    return lines
+
+
 def auto_tool_parser(args: argparse.Namespace) -> ToolParser | None:
     """The parser of tool_choice "auto", None without --enable-auto-tool-choice (as vLLM,
     --tool-call-parser alone changes nothing).
@@ -326,6 +377,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagoda serve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    for line in no_effect_lines(args):
+        logger.info("%s", line)
     if args.headless or config.parallel.node_rank > 0:
         from pagoda.executor import run_headless
 
