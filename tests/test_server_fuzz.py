@@ -158,8 +158,13 @@ def test_a_constraint_the_vocabulary_cannot_follow_is_the_requests_error(fuzz_cl
 def test_the_pool_is_whole_after_fuzzing(fuzz_engine: AsyncLLM) -> None:
     import time
 
+    # NOTE: the pool's counts are the engine loop's snapshot, taken after each step and on its
+    # next idle pass: right after the last request finished it may still count that request's
+    # blocks (a CI run read 63 of 64). A block that leaked stays missing past the deadline.
     deadline = time.monotonic() + 30
-    while fuzz_engine.num_unfinished_requests() and time.monotonic() < deadline:
+    while ((fuzz_engine.num_unfinished_requests()
+            or fuzz_engine.kv_cache_free_blocks() != fuzz_engine.kv_cache_total_blocks())
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     assert fuzz_engine.num_unfinished_requests() == 0
     assert fuzz_engine.kv_cache_free_blocks() == fuzz_engine.kv_cache_total_blocks()
