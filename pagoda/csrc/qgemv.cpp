@@ -43,6 +43,8 @@ struct QArgs {
 
 // Activations as the kernels read them: int4 takes bf16 rows in stream order, int8 fp32
 // rows; both K long.
+struct StreamOrder;
+
 struct Acts {
   const bf16* xb;   // [M, K] bf16, stream order (int4)
   const float* xf;  // [M, K] fp32 (int8)
@@ -51,6 +53,7 @@ struct Acts {
   const float* dx = nullptr;   // [M, K / kXGroup] their steps (int8); int4: [M, 16 a superblock],
                                // the step of each word_block entry's block
   int64_t dx_stride = 0;       // floats of `dx` a row
+  const StreamOrder* order = nullptr;  // int4: K's stream order, looked up once per call
 };
 
 constexpr int64_t kXGroup = 32;  // k's per int8 code group of x (the AVX-512 GEMM's too)
@@ -163,7 +166,7 @@ inline void int4_superblock(const uint8_t* q, const bf16* x, int64_t x_stride, _
 // Output rows [n0, n1) of int4 for M input rows; out[m * N + n] gets the fp32 sum.
 template <int M>
 void int4_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
-  const StreamOrder& order = stream_order(a.K);
+  const StreamOrder& order = *x.order;
   thread_local std::vector<float> dq;
   dq.resize(a.G + 16);
   const int shift = __builtin_ctzll(static_cast<uint64_t>(a.gs / 32));
@@ -259,7 +262,7 @@ inline void f16_to_float(const uint16_t* src, float* dst, int64_t n) {
 // come in through the rounded x's group sums, so y is W times the rounded x.
 template <int M>
 void int4_rows_int(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
-  const StreamOrder& order = stream_order(a.K);
+  const StreamOrder& order = *x.order;
   const int64_t dx_stride = 16 * static_cast<int64_t>(order.superblocks.size());
   thread_local std::vector<float> dq, mq;
   dq.resize(a.G + 16);  // NOTE: 16 past the last group: the block scales load 16 from any group
@@ -340,7 +343,7 @@ void int4_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out
 #if defined(PAGODA_AVX2)
   return int4_rows_int<M>(a, x, n0, n1, out);
 #endif
-  const StreamOrder& order = stream_order(a.K);
+  const StreamOrder& order = *x.order;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* q = a.w + n * a.row_bytes;
     const auto* d = reinterpret_cast<const uint16_t*>(q + a.K / 2);
@@ -517,6 +520,7 @@ void qgemv(Format format, const T* x, int64_t x_stride, const QArgs& a, const T*
   Acts acts{nullptr, nullptr, nullptr};
   if (format == Format::kInt4) {
     const StreamOrder& order = stream_order(a.K);
+    acts.order = &order;
 #if defined(PAGODA_AVX2)
     // x as int8 codes by blocks of 32 in stream order, each word_block entry's step, and the
     // group sums of the rounded x (int4_rows_int).

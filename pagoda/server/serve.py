@@ -148,9 +148,6 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds running requests may take to finish after SIGTERM")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
-    net.add_argument("--enable-prompt-tokens-details", action="store_true",
-                     help="accepted for vLLM launch scripts: usage always carries "
-                          "prompt_tokens_details.cached_tokens")
     net.add_argument("--disable-log-stats", action="store_true",
                      help="turn off the periodic engine stats log")
     net.add_argument("--disable-web-ui", action="store_true",
@@ -189,9 +186,6 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--max-num-seqs", type=int, default=None)
     cache.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step (default 512: sooner first tokens; raise it for throughput)")
-    cache.add_argument("--enforce-eager", action="store_true",
-                       help="accepted for vLLM launch scripts: pagoda captures no CUDA graphs, "
-                            "so every step already runs eagerly")
     cache.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                        help="fcfs (default): arrival order, with the requests of a many-prompt "
                             "request taking turns with others; priority: each request's "
@@ -299,8 +293,6 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
 def add_no_effect_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("accepted for vLLM launch scripts, no effect here (logged at start)")
     for flag, kind, why in NO_EFFECT_FLAGS:
-        if flag in ("--enforce-eager", "--enable-prompt-tokens-details"):
-            continue  # NOTE: in their own groups above, where `pagoda serve --help` lists them
         if kind == "flag":
             group.add_argument(flag, action="store_true", help=why)
         elif kind == "bool":
