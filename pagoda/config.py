@@ -53,6 +53,8 @@ class ModelConfig:
             (per-channel), 'int4' (group-wise), 'gguf' (a GGUF's Q4_0/Q4_1/Q8_0 blocks kept
             packed) or 'fp8' (e4m3, where the hardware has fp8 products).
         quantization_group_size: inputs per int4 scale/offset group (32, 64 or 128).
+        tokenizer: where the tokenizer comes from (a directory, .gguf file or alias), when not
+            from `model` (vLLM's --tokenizer).
     """
 
     model: str = DEFAULT_MODEL
@@ -63,6 +65,7 @@ class ModelConfig:
     device: str = "auto"
     quantization: str | None = None
     quantization_group_size: int = 32
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
@@ -161,6 +164,8 @@ class LimitsConfig:
             own process, unprotected).
         grammar_compile_timeout: longest one grammar may take to compile, in seconds.
         grammar_compile_memory: each compiling process's address-space limit, in MiB (0: none).
+        max_logprobs: most logprobs / prompt_logprobs one request may ask for (vLLM's 20);
+            -1 allows the whole vocabulary (a request's -1).
     The grammar limits are checked before anything compiles: a 3,000-rule grammar crashed
     the grammar library's native code, and a 60,000-entry choice held a worker for a minute.
     What passes them still compiles in a separate process (`GrammarSandbox`).
@@ -179,6 +184,7 @@ class LimitsConfig:
     grammar_compile_workers: int = 2
     grammar_compile_timeout: float = 10.0
     grammar_compile_memory: int = 2048
+    max_logprobs: int = 20
 
     def __post_init__(self) -> None:
         for name in ("max_n", "max_prompt_chars"):
@@ -192,6 +198,8 @@ class LimitsConfig:
         for name in ("grammar_compile_workers", "grammar_compile_memory"):
             value = getattr(self, name)
             _check(value >= 0, name, value, "must be 0 or more")
+        _check(self.max_logprobs >= -1, "max_logprobs", self.max_logprobs,
+               "must be -1 (the whole vocabulary) or 0 or more")
 
     def resolved(self, max_num_seqs: int, max_model_len: int) -> LimitsConfig:
         """A copy with the defaults that depend on the engine filled in."""
@@ -269,6 +277,9 @@ class ParallelConfig:
         nnodes: machines the T x P ranks spread over (equally).
         node_rank: this machine's index; node 0 runs the engine and the server.
         dist_init_addr: host:port of the rendezvous (node 0's address; any free port).
+        core_process: run the engine core (scheduler, KV pool, model or its workers) in a
+            process of its own, the frontend talking to it over a pipe (core_client.py);
+            default: in the frontend's process.
     """
 
     tensor_parallel_size: int = 1
@@ -276,6 +287,7 @@ class ParallelConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
+    core_process: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):

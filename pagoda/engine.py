@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from pagoda.block_manager import BlockManager
 from pagoda.config import EngineConfig
+from pagoda.core_client import CoreProcessClient
 from pagoda.engine_core import EngineCore, EngineCoreOutput, EngineStuckError
 from pagoda.engine_setup import EngineParts
 from pagoda.executor import build_engine_parts
@@ -37,14 +38,19 @@ __all__ = ["LLMEngine", "PromptTooLongError", "EngineStuckError"]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLoggerBase] = ()) -> None:
-        parts: EngineParts = build_engine_parts(config)
+        self.core: EngineCore | CoreProcessClient
+        if config.parallel.core_process:
+            self.core = CoreProcessClient(config)
+            parts: EngineParts = self.core.parts
+        else:
+            parts = build_engine_parts(config)
+            self.core = EngineCore(parts, parts.eos_token_ids)
         self.config = parts.config
         self.tokenizer = parts.tokenizer
         self.max_model_len = parts.config.scheduler.max_model_len
         self.block_bytes = parts.block_bytes
         self.processor = InputProcessor(parts.tokenizer, parts.vocab_size, self.max_model_len,
                                         parts.config.limits, config.scheduler.scheduling_policy)
-        self.core = EngineCore(parts, parts.eos_token_ids)
         self.states: dict[str, RequestState] = {}
         self.stat_loggers = list(stat_loggers)
         self.info = parts.info
@@ -59,22 +65,28 @@ class LLMEngine:
         return cls(EngineConfig.from_kwargs(model, **kwargs), stat_loggers)
 
     # NOTE: the core's parts, read by tests, benchmarks and the KV report; nothing here
-    # changes them.
+    # changes them. The runner is None when the core runs in its own process.
     @property
     def runner(self):  # noqa: ANN201
         return self.core.runner
 
     @property
     def scheduler(self) -> Scheduler:
-        return self.core.scheduler
+        return self._local_core().scheduler
 
     @property
     def block_manager(self) -> BlockManager:
-        return self.core.block_manager
+        return self._local_core().block_manager
 
     @property
     def proposer(self):  # noqa: ANN201
-        return self.core.proposer
+        return self._local_core().proposer
+
+    def _local_core(self) -> EngineCore:
+        if not isinstance(self.core, EngineCore):
+            raise RuntimeError("The engine core runs in its own process (core_process): its "
+                               "scheduler, KV pool and proposer are not reachable from here.")
+        return self.core
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,

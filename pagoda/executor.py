@@ -5,7 +5,9 @@ until every rank has loaded its shard and agreed on the KV block count, and retu
 engine's parts with a `MultiprocExecutor` in the runner's seat. Each step the executor
 prepares the model inputs here (the same `InputPreparer` as in-process), sends them to world
 rank 0, waits for the logits of the sampling rows, and samples here: every request's state
-(seeds, penalties, grammars, drafts) stays in the engine.
+(seeds, penalties, grammars, drafts) stays in the engine. When every sampling row is plain
+greedy (`sampler.argmax_suffices`), the last stage takes the argmax and only the token ids
+come back (8 bytes a row instead of the vocabulary's logits).
 
 Failing loudly: a worker that dies, or does not answer within the step timeout, raises
 `WorkerDiedError`, which the engine does not retry (`fatal`); the server then exits 1.
@@ -33,7 +35,7 @@ from pagoda.model_inputs import InputPreparer
 from pagoda.models.loader import load_hf_config, load_tokenizer, resolve_model_path
 from pagoda.prompt_logprobs import with_prompt_logprobs
 from pagoda.request import Request
-from pagoda.sampler import Sampler, SamplerOutput
+from pagoda.sampler import Sampler, SamplerOutput, argmax_suffices
 from pagoda.scheduler import SchedulerOutput
 from pagoda.spec_decode.rejection import sample_with_drafts
 from pagoda.worker import WorkerSpec, receive, send
@@ -58,16 +60,21 @@ def free_address() -> str:
 
 class WorkerProcess:
     """One worker: a `python -m pagoda.worker` subprocess (no fork, no re-import of the
-    caller's main module), and for world rank 0 the connection the steps travel on."""
+    caller's main module), and for world rank 0 the connection the steps travel on.
 
-    def __init__(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
+    Args:
+        role: what the process is called in errors (default: its rank).
+    """
+
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes], role: str | None = None) -> None:
         self.rank = rank
         self.proc = proc
+        self.role = role or f"rank {rank}"
         self.conn: Connection | None = None
 
     @property
     def name(self) -> str:
-        return f"rank {self.rank} (pid {self.proc.pid})"
+        return f"{self.role} (pid {self.proc.pid})"
 
     def is_alive(self) -> bool:
         return self.proc.poll() is None
@@ -97,7 +104,7 @@ def start_workers(config: EngineConfig, init_addr: str) -> list[WorkerProcess]:
         for rank in range(first, first + par.ranks_per_node)}
     try:
         for _ in workers:
-            conn = _accept(listener, list(workers.values()))
+            conn = accept_from(listener, list(workers.values()))
             rank = receive(conn)
             send(conn, WorkerSpec(config, rank, init_addr, threads))
             if rank == 0:
@@ -113,7 +120,7 @@ def start_workers(config: EngineConfig, init_addr: str) -> list[WorkerProcess]:
     return list(workers.values())
 
 
-def _accept(listener: Listener, workers: list[WorkerProcess]) -> Connection:
+def accept_from(listener: Listener, workers: list[WorkerProcess]) -> Connection:
     """The next worker's connection; fails if a worker dies first or none comes in time."""
     box: list[Connection] = []
     thread = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
@@ -142,8 +149,12 @@ class MultiprocExecutor:
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         sampling, inputs = self.preparer.prepare(out)
+        inputs.sample_argmax = bool(sampling) and not inputs.prompt_rows and argmax_suffices(sampling)
         send(self.conn, inputs)
         logits = self._wait()
+        if inputs.sample_argmax:
+            # NOTE: the last stage took the argmax: token ids came back, not the logits.
+            return sampling, SamplerOutput(logits.tolist(), [None] * len(sampling))
         num = inputs.num_sample_rows
         result = sample_with_drafts(self.sampler, logits[:num].float(), sampling) if sampling else None
         return sampling, with_prompt_logprobs(result, logits[num:], out.requests, inputs.prompt_rows)
@@ -232,7 +243,7 @@ def start_parallel_engine_parts(config: EngineConfig) -> EngineParts:
     """Node 0's engine parts, with this node's workers started and ready."""
     path = resolve_model_path(config.model.model)
     hf_config = load_hf_config(path)
-    tokenizer = load_tokenizer(path, config.model.chat_template)
+    tokenizer = load_tokenizer(path, config.model.chat_template, config.model.tokenizer)
     config = config.with_max_model_len(resolve_max_model_len(config.model.max_model_len,
                                                              hf_config))
     par = config.parallel

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import LimitsConfig
-from pagoda.sampling_params import SamplingParamError, SamplingParams
+from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParamError, SamplingParams
 from pagoda.structured_output import Grammar, GrammarCompiler
 
 
@@ -148,11 +148,28 @@ class InputProcessor:
             raise SamplingParamError(
                 "stop_token_ids", f"Stop token id {bad} is out of vocabulary (size {self.vocab_size}).")
         self._check_token_controls(params)
+        params = self._check_logprobs(params)
         if params.top_k >= self.vocab_size:
             # NOTE: vLLM treats a top_k at or above the vocabulary as "off"; a huge value (2**63,
             # 1e30) would otherwise overflow the sampler's int64 tensor.
             params = dataclasses.replace(params, top_k=-1)
         return params
+
+    def _check_logprobs(self, params: SamplingParams) -> SamplingParams:
+        """logprobs and prompt_logprobs within --max-logprobs; a -1 (the whole vocabulary,
+        where the limit is -1 too) becomes the vocabulary's size."""
+        flag = self.limits.max_logprobs
+        limit = self.vocab_size if flag == WHOLE_VOCABULARY else flag
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            asked = self.vocab_size if value == WHOLE_VOCABULARY else value
+            if asked is not None and asked > limit:
+                note = " (-1, the whole vocabulary, needs --max-logprobs -1)" if value == WHOLE_VOCABULARY else ""
+                raise SamplingParamError(name, f"{name} must be in [0, {limit}] (--max-logprobs {flag}), "
+                                               f"got {value}{note}.")
+        whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
+                 if getattr(params, name) == WHOLE_VOCABULARY}
+        return dataclasses.replace(params, **whole) if whole else params  # type: ignore[arg-type]
 
     def _check_token_controls(self, params: SamplingParams) -> None:
         bias = params.logit_bias or {}

@@ -89,7 +89,8 @@ class LLM:
                         bar.update(1)
         finally:
             bar.close()
-            self.engine.runner.restore_threads()
+            if self.engine.runner is not None:  # NOTE: None when the core has its own process
+                self.engine.runner.restore_threads()
         return [results[i] for i in ids]
 
 

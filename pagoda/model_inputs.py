@@ -25,7 +25,9 @@ from pagoda.scheduler import SchedulerOutput
 @dataclass
 class ModelInputs:
     """One step's model inputs; `logits_rows` index the hidden rows to project to logits:
-    first the sampling rows, then the prompt positions `prompt_rows` score."""
+    first the sampling rows, then the prompt positions `prompt_rows` score. `sample_argmax`:
+    the parallel workers return the sampling rows' argmax token ids, not their logits (every
+    row samples greedily and plainly: `sampler.argmax_suffices`)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -33,6 +35,7 @@ class ModelInputs:
     logits_rows: torch.Tensor
     num_tokens: int
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    sample_argmax: bool = False
 
     @property
     def num_sample_rows(self) -> int:

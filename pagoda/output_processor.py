@@ -127,6 +127,9 @@ class RequestState:
         """Feeds one sample its news (see `SampleState.update`)."""
         if out.error is not None and self.error is None:
             self.error, self.error_is_request = out.error, out.error_is_request
+        if out.sample_index == 0 and out.metrics is not None:
+            # NOTE: the core's own object in process; a fresh copy when it runs apart.
+            self.metrics = out.metrics
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs += [to_logprobs(e, self.tokenizer) for e in out.new_prompt_logprobs]
         return self.samples[out.sample_index].update(out)

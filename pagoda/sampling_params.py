@@ -16,8 +16,7 @@ from pagoda.structured_output import StructuredOutputsParams
 # overflows them to inf and the softmax to NaN).
 SAMPLING_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# NOTE: vLLM's default --max-logprobs; its -1 (the whole vocabulary) is over it.
-MAX_LOGPROBS = 20
+WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1)
 
 
 class SamplingParamError(ValueError):
@@ -112,20 +111,15 @@ class SamplingParams:
                  f"stop strings must be non-empty, got {_short(self.stop)}.")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", f"stop_token_ids must be non-negative ints, got {_short(self.stop_token_ids)}.")
-        _require(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}.")
-        self._validate_prompt_logprobs()
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            # NOTE: the upper bound is the server's (--max-logprobs), checked by InputProcessor.
+            _require(value is None or (isinstance(value, int) and value >= WHOLE_VOCABULARY), name,
+                     f"{name} must be -1 (the whole vocabulary) or at least 0, got {value}.")
         self._validate_token_controls()
         _require(self.seed is None or (isinstance(self.seed, int)
                                        and INT64_MIN <= self.seed <= INT64_MAX), "seed",
                  f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}.")
-
-    def _validate_prompt_logprobs(self) -> None:
-        value = self.prompt_logprobs
-        whole_vocab = " (-1, the whole vocabulary, is more than this server returns)"
-        _require(value is None or (isinstance(value, int) and 0 <= value <= MAX_LOGPROBS),
-                 "prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]"
-                 f"{whole_vocab if value == -1 else ''}, got {value}.")
 
     def _validate_token_controls(self) -> None:
         bias = self.logit_bias or {}

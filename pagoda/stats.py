@@ -59,6 +59,15 @@ class IterationStats:
     rejected_requests: dict[str, int] = field(default_factory=dict)
     spec_decoding: SpecDecodingStats | None = None
 
+    def add_request_records(self, other: IterationStats) -> None:
+        """Adds the requests `other` saw finish, fail or be refused (what a call outside a
+        step, such as a stop string's, records) to this step's."""
+        self.finished_requests += other.finished_requests
+        for mine, theirs in ((self.failed_requests, other.failed_requests),
+                             (self.rejected_requests, other.rejected_requests)):
+            for reason, count in theirs.items():
+                mine[reason] = mine.get(reason, 0) + count
+
 
 @dataclass
 class SpecDecodingStats:

@@ -90,14 +90,20 @@ class GrammarError(ValueError):
 
 
 class Grammar:
-    """One sequence's grammar state."""
+    """One sequence's grammar state.
 
-    def __init__(self, matcher: Any) -> None:
+    Args:
+        source: the grammar text it was compiled from (llguidance's format), with which
+            another process rebuilds it (`GrammarCompiler.from_source`).
+    """
+
+    def __init__(self, matcher: Any, source: str) -> None:
         self._matcher = matcher
+        self.source = source
 
     def fork(self) -> Grammar:
         """An independent copy in the same state (one per sample of n > 1)."""
-        return Grammar(self._matcher.deep_copy())
+        return Grammar(self._matcher.deep_copy(), self.source)
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
         """Writes the allowed next tokens into `row` (int32, one bit a token)."""
@@ -164,7 +170,19 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputsParams, param: str = "structured_outputs") -> Grammar:
         """A fresh `Grammar` for `params`; raises `GrammarError` naming `param` if invalid or
         over a limit (checked before any compiling)."""
-        return Grammar(self._template(params, param).deep_copy())
+        matcher, source = self._template(params, param)
+        return Grammar(matcher.deep_copy(), source)
+
+    def from_source(self, source: str) -> Grammar:
+        """A fresh `Grammar` from the text of one this process's or another's compiler made
+        (`Grammar.source`): already checked and compiled once, so built here without the
+        sandbox; cached like the others."""
+        key = ("source", source)
+        with self._lock:
+            template = self._cache.get(key)
+        if template is None:
+            template = self._remember(key, (self._matcher_of(source, "grammar"), source))
+        return Grammar(template[0].deep_copy(), source)
 
     async def prepare(self, params: StructuredOutputsParams, param: str = "structured_outputs") -> None:
         """Compiles `params` into the cache on the compiler's own threads (so many slow
@@ -189,26 +207,32 @@ class GrammarCompiler:
             if template is not None:
                 self._cache.move_to_end(key)
                 return template
-        template = self._build(params, param)
+        return self._remember(key, self._build(params, param))
+
+    def _remember(self, key: tuple, template: tuple[Any, str]) -> tuple[Any, str]:
         with self._lock:
             self._cache[key] = template
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return template
 
-    def _build(self, params: StructuredOutputsParams, param: str) -> Any:
-        import llguidance
-
-        tokenizer = self._tokenizer()
+    def _build(self, params: StructuredOutputsParams, param: str) -> tuple[Any, str]:
+        """The matcher of `params` and the grammar text it was compiled from."""
+        self._tokenizer()  # NOTE: first, as it starts the sandbox the text is made in
         try:
             grammar = self._grammar_text(params)
         except Exception as e:  # noqa: BLE001 - the text is the user's: any conversion failure is theirs
             # NOTE: llguidance's GBNF converter raises its own GbnfToLarkError, and a bare
             # Exception for a grammar without a root rule (both found by the fuzzer).
             raise GrammarError(f"Invalid {params.kind} in {param}: {library_message(str(e))}", param) from e
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return self._matcher_of(grammar, f"{params.kind} in {param}", param), grammar
+
+    def _matcher_of(self, grammar: str, what: str, param: str = "structured_outputs") -> Any:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"Invalid {params.kind} in {param}: {library_message(matcher.get_error())}", param)
+            raise GrammarError(f"Invalid {what}: {library_message(matcher.get_error())}", param)
         return matcher
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:

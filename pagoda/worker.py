@@ -5,7 +5,8 @@ them to every rank. Each rank runs its pipeline stage's layers on its tensor-par
 stage after the first receives the previous stage's hidden states and residual first, a stage
 before the last sends its own on). The last stage gathers the logits over its group; its rank
 0 sends them to world rank 0, which answers the engine. Sampling stays in the engine, where
-every request's state lives.
+every request's state lives, except a step whose every row samples plain greedy
+(`ModelInputs.sample_argmax`): the last stage takes the argmax, and token ids go back.
 
 A worker exits with its parent (PR_SET_PDEATHSIG), and on any error: the engine, which
 watches its workers, then fails loudly rather than waiting on a collective forever.
@@ -29,6 +30,7 @@ import torch.distributed as dist
 from pagoda.config import EngineConfig
 from pagoda.distributed import launch
 from pagoda.model_inputs import ModelInputs
+from pagoda.sampler import argmax_rows
 
 logger = logging.getLogger("pagoda")
 
@@ -53,7 +55,7 @@ def receive(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # NOTE: PR_SET_PDEATHSIG = 1
@@ -90,7 +92,8 @@ class Shard:
 
     @torch.inference_mode()
     def step(self, inputs: ModelInputs) -> torch.Tensor | None:
-        """Runs this stage; returns the logits on the rank that answers for them, else None."""
+        """Runs this stage; returns the logits (with `sample_argmax`, their argmax token ids) on
+        the rank that answers for them, else None."""
         self.runner._set_threads(inputs.num_tokens)
         intermediate = None if self.stage.is_first else self._receive(inputs.num_tokens)
         out = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate)
@@ -104,7 +107,9 @@ class Shard:
         if not inputs.logits_rows.numel():
             return out.new_empty(0, self.model.dims.vocab_size)
         logits = self.model.compute_logits(out[inputs.logits_rows])
-        return logits if self.tp.rank == 0 else None
+        if self.tp.rank != 0:
+            return None
+        return argmax_rows(logits.float()) if inputs.sample_argmax else logits
 
     def _receive(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.stage.prev_rank is not None
@@ -117,7 +122,7 @@ class Shard:
 
 def run_worker(spec: WorkerSpec, conn: Connection | None) -> None:
     """A worker process's main: start, report, then serve steps until told to stop."""
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank {spec.rank}: %(message)s")
     torch.set_num_threads(spec.num_threads)
     shard = Shard(spec)
@@ -141,8 +146,9 @@ def _answer(shard: Shard, rank: int, conn: Connection | None, logits: torch.Tens
     sampler = shard.sampler_rank if shard.stage.is_last else _last_stage_rank(shard)
     if rank == 0:
         if sampler != 0:
-            logits = torch.empty(inputs.logits_rows.numel(), shard.model.dims.vocab_size,
-                                 dtype=shard.dtype)
+            rows = inputs.logits_rows.numel()
+            logits = (torch.empty(rows, dtype=torch.long) if inputs.sample_argmax
+                      else torch.empty(rows, shard.model.dims.vocab_size, dtype=shard.dtype))
             dist.recv(logits, sampler)
         assert conn is not None
         send(conn, logits)

@@ -22,7 +22,7 @@ import pytest
 import torch
 from test_server import REPO, free_port, start_server
 
-from pagoda import LLM, SamplingParams
+from pagoda import LLM, SamplingParams, executor
 from pagoda.executor import WorkerDiedError
 
 ENGINE = dict(dtype="float32", max_model_len=256)
@@ -55,17 +55,38 @@ def expected(tiny_llama: Path) -> list[list[int]]:
      {"num_kv_blocks": 20, "block_size": 16}),  # preemption
 ])
 def test_parallel_greedy_equals_one_process(tiny_llama: Path, expected: list[list[int]],
-                                            layout: dict, engine: dict):
+                                            layout: dict, engine: dict, monkeypatch):
     llm = LLM(str(tiny_llama), **ENGINE, **layout, **engine)
+    sent: list[bool] = []  # per step that projects rows to logits: did token ids come back?
+    real_send = executor.send
+    monkeypatch.setattr(executor, "send", lambda conn, obj: (
+        obj is not None and obj.logits_rows.numel() and sent.append(obj.sample_argmax),
+        real_send(conn, obj))[1])
     try:
         got = tokens(llm, prompts() + [prompts()[0]], greedy())
         if engine.get("num_kv_blocks", 256) < 64:
             assert llm.engine.scheduler.num_preemptions > 0
         assert got == expected
+        # NOTE: plain greedy steps bring back token ids, not logits.
+        assert sent and all(sent)
         llm.engine.check_integrity()
         assert llm.engine.block_manager.prefix_cache_hits > 0
     finally:
         llm.engine.shutdown()
+
+
+def test_tensor_parallel_sampling_equals_one_process(tiny_llama: Path):
+    """Seeded sampling with logprobs: the logits come back and are sampled in the engine."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True, logprobs=2)
+    one = LLM(str(tiny_llama), num_kv_blocks=64, **ENGINE).generate(prompts(3), params, use_tqdm=False)
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, tensor_parallel_size=2, **ENGINE)
+    try:
+        two = llm.generate(prompts(3), params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    assert ([o.outputs[0].cumulative_logprob for o in two]
+            == pytest.approx([o.outputs[0].cumulative_logprob for o in one], abs=1e-4))
 
 
 # NOTE: slow: 59 s on a 2-vCPU Zen 3 (three workers each load the real GGUF), which took the

@@ -19,7 +19,10 @@ import torch
 
 from pagoda import LLM, SamplingParams
 from pagoda.async_engine import AsyncLLM
+from pagoda.config import LimitsConfig
+from pagoda.input_processor import InputProcessor
 from pagoda.outputs import PromptLogprobs
+from pagoda.sampling_params import SamplingParamError
 
 NUM_TOP = 3
 
@@ -140,11 +143,25 @@ def test_tensor_parallel_workers_score_the_prompt(tiny_llama: Path, hf_logprobs)
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("value", [-1, 21, -2])
-def test_bad_values_are_refused(value: int):
-    with pytest.raises(ValueError, match=r"prompt_logprobs must be in \[0, 20\]") as e:
-        SamplingParams(prompt_logprobs=value)
-    assert ("whole vocabulary" in str(e.value)) == (value == -1)
+@pytest.mark.parametrize("value", [-1, 21])
+def test_values_over_max_logprobs_are_refused(value: int):
+    processor = InputProcessor(None, 100, 64, LimitsConfig())
+    for name in ("prompt_logprobs", "logprobs"):
+        with pytest.raises(SamplingParamError, match=rf"{name} must be in \[0, 20\] \(--max-logprobs 20\)") as e:
+            processor.check_params(SamplingParams(**{name: value}))
+        assert e.value.param == name and ("whole vocabulary" in str(e.value)) == (value == -1)
+    with pytest.raises(SamplingParamError, match="at least 0"):
+        SamplingParams(prompt_logprobs=-2)
+
+
+def test_max_logprobs_raises_the_limit_and_minus_one_asks_for_the_whole_vocabulary():
+    processor = InputProcessor(None, 100, 64, LimitsConfig(max_logprobs=30))
+    assert processor.check_params(SamplingParams(logprobs=30)).logprobs == 30
+    with pytest.raises(SamplingParamError, match=r"\[0, 30\]"):
+        processor.check_params(SamplingParams(logprobs=-1))
+    whole = InputProcessor(None, 100, 64, LimitsConfig(max_logprobs=-1))
+    params = whole.check_params(SamplingParams(logprobs=-1, prompt_logprobs=-1))
+    assert (params.logprobs, params.prompt_logprobs) == (100, 100)
 
 
 # ---- the HTTP API ---------------------------------------------------------------------------
@@ -252,7 +269,7 @@ def test_prompt_logprobs_field_on_completions_and_chat(engine: AsyncLLM):
     ("/v1/completions", {"prompt": "a", "prompt_logprobs": 1, "stream": True},
      "not available when `stream=True`"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "prompt_logprobs": -3}, "[0, 20]"),
+                              "prompt_logprobs": -3}, "-1 (the whole vocabulary) or at least 0"),
     ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens must be at least 1"),
 ])
 def test_bad_requests(engine: AsyncLLM, path: str, body: dict, words: str):

@@ -112,7 +112,7 @@ def test_gguf_blocks_unpack_to_what_gguf_dequantizes(kind: str) -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
-    from pagoda.models.gguf import unpack_blocks
+    from pagoda.models.gguf import dequantize_blocks, unpack_blocks
 
     kind_type = GGMLQuantizationType[kind]
     w = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
@@ -120,7 +120,10 @@ def test_gguf_blocks_unpack_to_what_gguf_dequantizes(kind: str) -> None:
     codes, d, m = unpack_blocks(raw, kind, 6)
     expand = lambda a: np.repeat(a, 32, axis=1)  # noqa: E731
     ours = codes * expand(d) + (expand(m) if m is not None else 0)
-    assert np.array_equal(ours.astype(np.float32), dequantize(raw, kind_type).reshape(6, 128))
+    theirs = dequantize(raw, kind_type).reshape(6, 128)
+    assert np.array_equal(ours.astype(np.float32), theirs)
+    # NOTE: the loader's own dequantization (the file's unpacked tensors): the same bits.
+    assert np.array_equal(dequantize_blocks(raw, kind, 6).view(np.uint32), theirs.view(np.uint32))
 
 
 # ---------------------------------------------------------------- GGUF-packed loading

@@ -23,7 +23,8 @@ from pagoda.sampling_params import SamplingParamError, SamplingParams
     (dict(stop=[""]), "stop"),
     (dict(n=0), "n"),
     (dict(n=2, temperature=0.0), "n"),
-    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-2), "logprobs"),
+    (dict(prompt_logprobs=-3), "prompt_logprobs"),
 ])
 def test_invalid_values_name_the_parameter(kwargs, param):
     with pytest.raises(SamplingParamError) as err:

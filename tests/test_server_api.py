@@ -19,13 +19,19 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from pagoda.config import LimitsConfig
+from pagoda.config import EngineConfig, LimitsConfig
 from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.server.api import build_app
 from pagoda.server.errors import context_length_error
 from pagoda.server.middleware import key_matches
-from pagoda.server.serve import add_serve_parser, engine_kwargs, no_effect_lines, run_serve
+from pagoda.server.serve import (
+    add_serve_parser,
+    engine_kwargs,
+    no_effect_lines,
+    run_serve,
+    unsupported_flag_error,
+)
 from pagoda.server.serving import ServerContext
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,6 +203,36 @@ def test_vllm_flags_with_no_effect_are_accepted_and_each_named_once():
     assert any(line.startswith("--enforce-eager: ") for line in lines)
     assert engine_kwargs(args) == {}  # none of them reaches the engine
     assert no_effect_lines(serve_parser().parse_args(["serve", "m"])) == []
+
+
+def test_vllm_flags_pagoda_implements_under_vllms_names():
+    args = serve_parser().parse_args([
+        "serve", "m", "--kv-cache-memory-bytes", "1GiB", "--num-gpu-blocks-override", "64",
+        "--max-logprobs", "-1", "--tokenizer", "smollm2", "--core-process", "--root-path", "/llm",
+        "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"])
+    assert engine_kwargs(args) == {"kv_cache_memory": "1GiB", "num_kv_blocks": 64, "max_logprobs": -1,
+                                   "tokenizer": "smollm2", "core_process": True}
+    assert (args.root_path, args.ssl_keyfile, args.ssl_certfile) == ("/llm", "k.pem", "c.pem")
+    config = EngineConfig.from_kwargs("m", **engine_kwargs(args))
+    assert config.limits.max_logprobs == -1 and config.model.tokenizer == "smollm2"
+    assert config.parallel.core_process
+
+
+@pytest.mark.parametrize("argv, refused", [
+    (["--enable-lora", "--lora-modules", "a=/x"], "--enable-lora: LoRA adapters are not supported yet"),
+    (["--data-parallel-size", "2"], "--data-parallel-size: one server is one engine"),
+    (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser: reasoning parsers are not supported"),
+    (["--cpu-offload-gb", "4"], "--cpu-offload-gb: weights are not offloaded"),
+])
+def test_vllm_features_pagoda_lacks_are_refused_at_start(argv: list[str], refused: str,
+                                                         capsys: pytest.CaptureFixture[str]):
+    args = serve_parser().parse_args(["serve", "m", *argv])
+    assert run_serve(args) == 2
+    assert refused in capsys.readouterr().err
+    # NOTE: the values that ask for nothing start as usual (here: up to loading the model).
+    harmless = serve_parser().parse_args(["serve", "m", "--data-parallel-size", "1", "--cpu-offload-gb", "0.0",
+                                          "--api-server-count", "1"])
+    assert unsupported_flag_error(harmless) is None
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -74,6 +74,8 @@ def add_offline_args(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("-q", "--quantization", choices=QUANTIZATIONS, default=None)
     engine.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=None)
     engine.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
+    engine.add_argument("--core-process", action="store_true", default=None,
+                        help="the engine core in a process of its own (what it costs)")
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
@@ -93,7 +95,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as LLM(...) keyword arguments."""
     names = ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
              "kv_cache_memory", "enable_prefix_caching", "tensor_parallel_size",
-             "pipeline_parallel_size", "quantization", "quantization_group_size", "kv_cache_dtype"]
+             "pipeline_parallel_size", "quantization", "quantization_group_size", "kv_cache_dtype",
+             "core_process"]
     return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
 
 

@@ -104,10 +104,16 @@ def load_hf_config(path: str) -> object:
     return AutoConfig.from_pretrained(gguf_metadata_dir(path) if is_gguf(path) else path)
 
 
-def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
-    """Loads the tokenizer (and chat template) of a directory or GGUF file."""
+def load_tokenizer(path: str, chat_template: str | None = None, tokenizer: str | None = None) -> Any:
+    """Loads the tokenizer (and chat template) of a directory or GGUF file.
+
+    Args:
+        tokenizer: another model's (a directory, .gguf file or alias) to load instead.
+    """
     from transformers import AutoTokenizer
 
+    if tokenizer is not None:
+        path = resolve_model_path(tokenizer)
     tok = AutoTokenizer.from_pretrained(gguf_metadata_dir(path) if is_gguf(path) else path)
     if chat_template:
         tok.chat_template = Path(chat_template).read_text() if os.path.isfile(chat_template) else chat_template

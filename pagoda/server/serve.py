@@ -58,7 +58,7 @@ ENGINE_FLAGS = {
     "scheduling_policy": "scheduling_policy",
     "tensor_parallel_size": "tensor_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size", "nnodes": "nnodes",
-    "node_rank": "node_rank", "dist_init_addr": "dist_init_addr",
+    "node_rank": "node_rank", "dist_init_addr": "dist_init_addr", "core_process": "core_process",
     "max_n": "max_n", "max_prompt_chars": "max_prompt_chars",
     "max_stop_sequences": "max_stop_sequences", "max_stop_str_chars": "max_stop_str_chars",
     "max_logit_bias": "max_logit_bias", "max_queued_requests": "max_queued_requests",
@@ -69,6 +69,7 @@ ENGINE_FLAGS = {
     "grammar_compile_memory": "grammar_compile_memory",
     "speculative_config": "speculative_config", "quantization": "quantization",
     "quantization_group_size": "quantization_group_size", "kv_cache_dtype": "kv_cache_dtype",
+    "max_logprobs": "max_logprobs", "tokenizer": "tokenizer",
 }
 
 
@@ -134,6 +135,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_limit_arguments(parser)
     add_tool_arguments(parser)
     add_no_effect_arguments(parser)
+    add_unsupported_arguments(parser)
 
 
 def add_network_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,6 +154,10 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help="turn off the periodic engine stats log")
     net.add_argument("--disable-web-ui", action="store_true",
                      help="do not serve the web page (chat and live stats) at /")
+    net.add_argument("--root-path", default=None,
+                     help="the path prefix a proxy serves this server under (FastAPI's root_path)")
+    net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
+    net.add_argument("--ssl-certfile", default=None, help="... and this certificate chain")
     net.add_argument("--engine-stall-timeout", type=positive_seconds, default=60.0,
                      metavar="SECONDS",
                      help="/health answers 503 when the engine has pending requests but has "
@@ -164,6 +170,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-model-len", type=human_int, default=None)
     model.add_argument("--seed", type=int, default=None)
     model.add_argument("--chat-template", default=None, help="a Jinja template or a file path")
+    model.add_argument("--tokenizer", default=None,
+                       help="load the tokenizer from this directory, .gguf file or alias "
+                            "(default: the model's own)")
     model.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
     model.add_argument("-q", "--quantization", choices=QUANTIZATIONS, default=None,
                        help="weight quantization: int8 (per channel), int4 (group-wise), gguf "
@@ -176,10 +185,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache = parser.add_argument_group("memory and scheduling")
     cache.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None)
-    cache.add_argument("--kv-cache-memory", type=byte_size, default=None,
+    cache.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=byte_size, default=None,
                        help="KV pool size, e.g. 4GiB")
     cache.add_argument("--gpu-memory-utilization", type=float, default=None)
-    cache.add_argument("--num-kv-blocks", type=int, default=None)
+    cache.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                       help="KV blocks in the pool, overriding the memory-based size")
     cache.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
                        help="K/V storage: auto (the model's dtype) or fp8 (= fp8_e4m3), "
                             "fp8_e5m2: one byte a value with a per-tensor scale, twice the tokens")
@@ -212,6 +222,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                           help="node 0's rendezvous address (needed with --nnodes > 1)")
     parallel.add_argument("--headless", action="store_true",
                           help="a node other than 0: run its ranks only, no server")
+    parallel.add_argument("--core-process", action="store_true", default=None,
+                          help="run the engine core (scheduler, KV pool, model) in a process of "
+                               "its own, apart from the HTTP server (docs/architecture.md)")
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -248,6 +261,9 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--grammar-compile-memory", type=non_negative_int, default=None,
                         help="address-space limit of each grammar-compiling process, in MiB "
                              "(default 2048; 0: none)")
+    limits.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                        help="most logprobs / prompt_logprobs per request (default 20, as vLLM; "
+                             "-1: the whole vocabulary, which a request asks for with -1)")
     limits.add_argument("--max-request-body-bytes", type=byte_size,
                         default=str(DEFAULT_MAX_REQUEST_BODY_BYTES),
                         help="larger bodies get 413 (default 16MiB)")
@@ -274,7 +290,8 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
                                     "checkpoint's Python code is never executed"),
     ("--disable-log-requests", "flag", "pagoda does not log request contents"),
     ("--enable-log-requests", "flag", "pagoda does not log request contents (the access log names each call)"),
-    ("--disable-frontend-multiprocessing", "flag", "the API server and the engine share one process"),
+    ("--disable-frontend-multiprocessing", "flag", "the API server and the engine core share one "
+                                                   "process already, unless --core-process"),
     ("--disable-custom-all-reduce", "flag", "tensor parallelism reduces with torch.distributed"),
     ("--disable-async-output-proc", "flag", "outputs are processed once per step in the engine loop"),
     ("--enable-chunked-prefill", "bool", "prefills are always chunked under --max-num-batched-tokens"),
@@ -287,6 +304,26 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--load-format", "value", "the format follows the model path (an HF directory or a .gguf file)"),
     ("--download-dir", "value", "pagoda loads local models and aliases, never downloads"),
     ("--revision", "value", "pagoda loads local models and aliases, never downloads"),
+    ("--tokenizer-revision", "value", "pagoda loads local models and aliases, never downloads"),
+    ("--preemption-mode", "value", "a preempted request is always recomputed, never swapped"),
+    ("--prefix-caching-hash-algo", "value", "prefix-cache blocks are keyed by pagoda's own chained "
+                                            "hashes of their token ids"),
+    ("--disable-fastapi-docs", "flag", "pagoda serves no OpenAPI docs pages"),
+)
+
+# vLLM flags for features pagoda does not have: given with a value that asks for the feature,
+# the server refuses to start and says so (rather than "unrecognized arguments", or silently
+# serving without it). (flag, how it parses, the value that asks for nothing, why)
+UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
+    ("--enable-lora", "flag", None, "LoRA adapters are not supported yet"),
+    ("--lora-modules", "list", None, "LoRA adapters are not supported yet"),
+    ("--max-loras", "value", None, "LoRA adapters are not supported yet"),
+    ("--max-lora-rank", "value", None, "LoRA adapters are not supported yet"),
+    ("--reasoning-parser", "value", None, "reasoning parsers are not supported yet"),
+    ("--data-parallel-size", "value", "1", "one server is one engine; for data parallelism run "
+                                           "replicas behind a load balancer (docs/scaling.md)"),
+    ("--api-server-count", "value", "1", "one API server process serves each engine"),
+    ("--cpu-offload-gb", "value", "0", "weights are not offloaded"),
 )
 
 
@@ -299,6 +336,34 @@ def add_no_effect_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=why)
         else:
             group.add_argument(flag, default=None, metavar="VALUE", help=why)
+
+
+def add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("vLLM features pagoda lacks (refused at start when asked for)")
+    for flag, kind, harmless, why in UNSUPPORTED_FLAGS:
+        text = why + (f" (only {harmless} is accepted)" if harmless is not None else "")
+        if kind == "flag":
+            group.add_argument(flag, action="store_true", help=text)
+        else:
+            group.add_argument(flag, default=None, metavar="VALUE", nargs="+" if kind == "list" else None,
+                               help=text)
+
+
+def unsupported_flag_error(args: argparse.Namespace) -> str | None:
+    """Why the server cannot start as asked, for the first unsupported feature asked for."""
+    for flag, _, harmless, why in UNSUPPORTED_FLAGS:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        if value in (None, False) or (harmless is not None and _same_number(value, harmless)):
+            continue
+        return f"{flag}: {why}"
+    return None
+
+
+def _same_number(value: str, expected: str) -> bool:
+    try:
+        return float(value) == float(expected)
+    except ValueError:
+        return False
 
 
 def no_effect_lines(args: argparse.Namespace) -> list[str]:
@@ -365,6 +430,8 @@ def run_serve(args: argparse.Namespace) -> int:
         model = resolve_model(args)
         config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
         auto_tool_parser(args)
+        if (refused := unsupported_flag_error(args)) is not None:
+            raise ValueError(refused)
     except ValueError as e:
         print(f"pagoda serve: error: {e}", file=sys.stderr)
         return 2
@@ -410,7 +477,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
         app = build_app(ctx, live, web_ui=not args.disable_web_ui)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
-                                   timeout_graceful_shutdown=2)
+                                   timeout_graceful_shutdown=2, root_path=args.root_path or "",
+                                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
         server = DrainingServer(uv_config, ctx, args.drain_timeout)
         await server.serve()
     finally:

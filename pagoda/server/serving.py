@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from pagoda.async_engine import EngineDeadError, QueueFullError, StreamCutError
 from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from pagoda.sampling_params import SamplingParams
+from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParams
 from pagoda.server.constraints import check_supported, logit_bias, structured_constraint
 from pagoda.server.errors import APIError, bad_request, context_length_error
 from pagoda.server.protocol import (
@@ -340,6 +340,7 @@ def prompt_logprobs_field(lps: PromptLogprobs | None) -> list[dict[int, PromptLo
 
 
 def top_entries(entry: dict[int, Logprob], num: int) -> list[Logprob]:
-    """The top-`num` candidates of one position, best first."""
+    """The top-`num` candidates of one position, best first (all of them for -1)."""
+    num = len(entry) if num == WHOLE_VOCABULARY else num
     return sorted((lp for lp in entry.values() if lp.rank <= num), key=lambda lp: lp.rank)[:num]
 
