@@ -84,6 +84,10 @@ class AsyncLLM:
     def config(self):  # noqa: ANN201
         return self.engine.config
 
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.engine.eos_token_ids
+
     # ---- the API side --------------------------------------------------------------------
     @property
     def processor(self) -> InputProcessor:

@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +33,7 @@ import time
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, LimitsConfig
 from pagoda.engine_core import CoreStep, EngineCore, EngineCoreOutput
 from pagoda.engine_setup import EngineParts
 from pagoda.executor import START_TIMEOUT_S, WorkerProcess, accept_from, build_engine_parts
@@ -68,7 +69,7 @@ class CoreProcessClient:
         try:
             kind, value = self._receive(time.monotonic() + START_TIMEOUT_S)
             if kind != "ready":
-                raise RuntimeError(f"the engine core failed to start: {value}")
+                raise value  # NOTE: the core's own error (e.g. a ValueError naming a bad model)
         except BaseException:
             self.process.stop()
             raise
@@ -206,7 +207,9 @@ class _CoreServer:
         start = time.perf_counter()
         parts = build_engine_parts(config)
         self.core = EngineCore(parts, parts.eos_token_ids)
-        self.grammars = GrammarCompiler(parts.tokenizer, parts.vocab_size)
+        # NOTE: no sandbox: this compiler only rebuilds grammars the frontend's compiled already.
+        self.grammars = GrammarCompiler(parts.tokenizer, parts.vocab_size,
+                                        limits=LimitsConfig(grammar_compile_workers=0))
         logger.info("Engine core process %d ready in %.1f s", os.getpid(), time.perf_counter() - start)
         send(conn, ("ready", dataclasses.replace(parts, runner=None)))
 
@@ -257,6 +260,9 @@ class _CoreServer:
 def main() -> None:
     """`python -m pagoda.core_client`: fetch the config from the frontend, build, serve."""
     die_with_parent()
+    # NOTE: Ctrl-C in a terminal reaches the whole process group: the frontend drains and then
+    # stops the core itself; a core that died first would cut every stream.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     level = int(os.environ.get("PAGODA_CORE_LOG_LEVEL", logging.INFO))
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s core: %(message)s")
     logger.setLevel(level)
@@ -266,7 +272,7 @@ def main() -> None:
     try:
         server = _CoreServer(conn, config)
     except Exception as exc:  # noqa: BLE001 - the frontend raises it, naming the cause
-        send(conn, ("error", f"{type(exc).__name__}: {exc}"))
+        send(conn, ("error", _portable(exc)))
         sys.exit(1)
     try:
         server.serve()

@@ -47,6 +47,7 @@ class LLMEngine:
             self.core = EngineCore(parts, parts.eos_token_ids)
         self.config = parts.config
         self.tokenizer = parts.tokenizer
+        self.eos_token_ids = parts.eos_token_ids
         self.max_model_len = parts.config.scheduler.max_model_len
         self.block_bytes = parts.block_bytes
         self.processor = InputProcessor(parts.tokenizer, parts.vocab_size, self.max_model_len,

@@ -31,7 +31,7 @@ from pagoda.outputs import RequestMetrics
 from pagoda.request import Request, RequestStatus
 from pagoda.sampler import TokenLogprobs
 from pagoda.scheduler import Scheduler, SchedulerOutput
-from pagoda.spec_decode import build_proposer
+from pagoda.spec_decode import Drafts, build_proposer
 from pagoda.spec_decode.eligibility import trim_to_grammar
 from pagoda.stats import IterationStats, SchedulerStats, SpecDecodingStats
 from pagoda.structured_output import GrammarError
@@ -178,8 +178,7 @@ class EngineCore:
     def step(self) -> CoreStep:
         start = time.time()
         stats = self.take_pending_stats()
-        self._propose()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._propose())
         stats.num_preemptions = len(sched.preempted)
         stats.num_scheduled_tokens = sched.total_num_scheduled_tokens
         if sched.requests:
@@ -191,21 +190,21 @@ class EngineCore:
         stats.step_duration = time.time() - start
         return CoreStep(outputs, stats)
 
-    def _propose(self) -> None:
+    def _propose(self) -> Drafts:
         """Drafts tokens for the running requests, unless the batch is too large to gain."""
         spec = self.config.speculative
         running = self.scheduler.running
         if self.proposer is None or not running or spec is None:
-            return
+            return {}
         if spec.disable_by_batch_size is not None and len(running) >= spec.disable_by_batch_size:
-            return
+            return {}
         try:
-            self.proposer.propose(running)
-            trim_to_grammar(running)
+            drafts = self.proposer.propose(running)
+            trim_to_grammar(drafts)
         except Exception:  # noqa: BLE001 - without drafts every request still decodes
             logger.exception("Drafting failed; this step runs without speculation")
-            for request in running:
-                request.spec_token_ids = []
+            return {}
+        return drafts
 
     def _run(self, sched: SchedulerOutput, stats: IterationStats) -> None:
         result = execute_isolating(self.runner, sched)
@@ -221,7 +220,8 @@ class EngineCore:
                 result.samples.pop(request, None)
                 result.prompt_logprobs.pop(request, None)
             else:
-                ran.add(request, num_tokens - self._rejected_drafts(request, result, stats))
+                ran.add(request, num_tokens - self._rejected_drafts(sched.drafts(request), request,
+                                                                    result, stats))
         self.scheduler.update_from_output(ran)
         for request, entries in result.prompt_logprobs.items():
             self._report_prompt_logprobs(request, entries)
@@ -234,8 +234,6 @@ class EngineCore:
                         break
             except Exception as exc:  # noqa: BLE001 - e.g. a rejected grammar token: fail only it
                 self._fail(request, exc, stats)
-        for request, _ in result.executed:
-            request.spec_token_ids = []
 
     def _check_stuck(self, sched: SchedulerOutput, result: StepResult) -> None:
         """Raises `EngineStuckError` after `MAX_STUCK_STEPS` steps in a row in which every one
@@ -248,14 +246,14 @@ class EngineCore:
             raise EngineStuckError(f"{MAX_STUCK_STEPS} steps in a row failed for every request, each "
                                    f"alone too ({type(exc).__name__}: {exc})") from exc
 
-    def _rejected_drafts(self, request: Request, result: StepResult,
+    def _rejected_drafts(self, draft: list[int], request: Request, result: StepResult,
                          stats: IterationStats) -> int:
-        """How many of the request's scheduled drafts its verification rejected.
+        """How many of the request's scheduled drafts (`draft`) its verification rejected.
 
         NOTE: their KV slots hold rejected tokens; not counting them as computed rolls them
         back (the next steps overwrite them), and blocks are named only from real tokens.
         """
-        drafts = len(request.spec_token_ids)
+        drafts = len(draft)
         if not drafts or request not in result.samples:
             return 0
         accepted = len(result.samples[request][0]) - 1

@@ -149,14 +149,16 @@ class MultiprocExecutor:
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         sampling, inputs = self.preparer.prepare(out)
-        inputs.sample_argmax = bool(sampling) and not inputs.prompt_rows and argmax_suffices(sampling)
+        inputs.sample_argmax = (bool(sampling) and not inputs.prompt_rows and not out.spec_token_ids
+                                and argmax_suffices(sampling))
         send(self.conn, inputs)
         logits = self._wait()
         if inputs.sample_argmax:
             # NOTE: the last stage took the argmax: token ids came back, not the logits.
             return sampling, SamplerOutput(logits.tolist(), [None] * len(sampling))
         num = inputs.num_sample_rows
-        result = sample_with_drafts(self.sampler, logits[:num].float(), sampling) if sampling else None
+        result = (sample_with_drafts(self.sampler, logits[:num].float(), sampling,
+                                     [out.drafts(r) for r in sampling]) if sampling else None)
         return sampling, with_prompt_logprobs(result, logits[num:], out.requests, inputs.prompt_rows)
 
     def _wait(self) -> torch.Tensor:

@@ -64,7 +64,7 @@ def execute_isolating(runner: StepRunner, out: SchedulerOutput) -> StepResult:
     for request, num_tokens in zip(out.requests, out.num_scheduled_tokens, strict=True):
         if request in saved:
             request.generator.set_state(saved[request])  # type: ignore[union-attr]
-        alone = SchedulerOutput([request], [num_tokens])
+        alone = out.alone(request, num_tokens)
         try:
             result.add_run(alone, *runner.execute(alone))
         except Exception as exc:  # noqa: BLE001

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
+from pagoda.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagoda.engine import LLMEngine
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -65,6 +66,26 @@ class LLM:
         ids = [self.engine.add_request(None, p, sp, priority=pr)
                for p, sp, pr in zip(prompt_list, params, priorities, strict=True)]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+                    ) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search` (pagoda/beam_search.py): per prompt, the best
+        `params.beam_width` sequences, best first."""
+        searches = [BeamSearch(self._token_ids(p), params, self.engine.eos_token_ids)
+                    for p in _as_prompt_list(prompts)]
+        step = params.step_params()
+        for _ in range(params.max_tokens):
+            live = [(search, beam) for search in searches for beam in search.beams]
+            if not live:
+                break
+            outputs = self.generate([beam.tokens for _, beam in live], step, use_tqdm=False)
+            for search in searches:
+                mine = [out for (owner, _), out in zip(live, outputs, strict=True) if owner is search]
+                search.advance([(out.outputs[0].logprobs or [{}])[0] for out in mine])
+        return [search.result(self.tokenizer) for search in searches]
+
+    def _token_ids(self, prompt: Prompt) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.engine.processor.tokenize(prompt)
 
     def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool | None = None,

@@ -65,7 +65,7 @@ class InputPreparer:
                                                                out.num_scheduled_tokens[i]))
         reqs = [out.requests[i] for i in order]
         counts = [out.num_scheduled_tokens[i] for i in order]
-        input_ids, positions, meta, sample_rows = self._prepare(reqs, counts)
+        input_ids, positions, meta, sample_rows = self._prepare(reqs, counts, [out.drafts(r) for r in reqs])
         rows = [r for _, first, last in sample_rows for r in range(first, last + 1)]
         prompt_rows, scored_rows = self._prompt_rows(out, order)
         inputs = ModelInputs(input_ids, positions, meta,
@@ -98,22 +98,22 @@ class InputPreparer:
     def _slot(self, request: Request, pos: int) -> int:
         return request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _prepare(self, reqs: list[Request], counts: list[int]):
+    def _prepare(self, reqs: list[Request], counts: list[int], drafts: list[list[int]]):
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[tuple[int, int, int]] = []  # (request, first row, last row)
-        for i, (r, n) in enumerate(zip(reqs, counts, strict=True)):
+        for i, (r, n, draft) in enumerate(zip(reqs, counts, drafts, strict=True)):
             c = r.num_computed_tokens
             tokens = r.all_token_ids[c:c + n]
             if len(tokens) < n:  # NOTE: the drafts follow the real tokens
-                tokens = tokens + r.spec_token_ids[:n - len(tokens)]
+                tokens = tokens + draft[:n - len(tokens)]
             input_ids.extend(tokens)
             positions.extend(range(c, c + n))
             slots.extend(self._slot(r, p) for p in range(c, c + n))
             if c + n >= r.num_tokens:
                 last = len(input_ids) - 1
-                sample_rows.append((i, last - len(r.spec_token_ids), last))
+                sample_rows.append((i, last - len(draft), last))
         num_decode_reqs = sum(1 for r, n in zip(reqs, counts, strict=True)
                               if self._in_decode_group(r, n))
         num_decodes = sum(counts[:num_decode_reqs])

@@ -63,7 +63,8 @@ class ModelRunner:
             return [], None
         logits = logits.cpu() if self.device.type != "cpu" else logits
         num = inputs.num_sample_rows
-        result = self.sample(logits[:num], sampling) if sampling else None
+        result = (sample_with_drafts(self.sampler, logits[:num], sampling, [out.drafts(r) for r in sampling])
+                  if sampling else None)
         return sampling, with_prompt_logprobs(result, logits[num:], out.requests, inputs.prompt_rows)
 
     @torch.inference_mode()
@@ -74,9 +75,6 @@ class ModelRunner:
         if not inputs.logits_rows.numel():
             return hidden.new_empty(0, self.model.dims.vocab_size)
         return self.model.compute_logits(hidden[inputs.logits_rows])
-
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        return sample_with_drafts(self.sampler, logits, requests)
 
     def _set_threads(self, num_tokens: int) -> None:
         if self.device.type != "cpu":

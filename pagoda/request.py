@@ -66,8 +66,6 @@ class Request:
         self.max_tokens = self._max_tokens(max_model_len)
         self.generator = self._make_generator()
         self.grammar = grammar
-        # NOTE: tokens drafted for this step (speculative decoding); verified, then cleared.
-        self.spec_token_ids: list[int] = []
         # NOTE: prompt positions whose logprobs were reported (prompt_logprobs.py); a recompute
         # after preemption does not report them again.
         self.num_prompt_logprobs = 0

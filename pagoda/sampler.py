@@ -91,9 +91,10 @@ def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> No
 
 def argmax_suffices(requests: list[Request]) -> bool:
     """Whether these rows' tokens are the plain argmax of their logits (greedy, nothing that
-    changes the logits first, no logprobs, no drafts): what a parallel worker may sample."""
+    changes the logits first, no logprobs; the caller rules out drafts): what a parallel
+    worker may sample."""
     return (not any(r.sampling_params.constrains_tokens or r.sampling_params.logprobs is not None
-                    or r.spec_token_ids for r in requests)
+                    for r in requests)
             and not _needs_full_path(requests))
 
 

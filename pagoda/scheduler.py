@@ -9,8 +9,9 @@ the worst, then newest) is preempted (its blocks freed, to be recomputed). When 
 waiting request's group holds no seat while another holds several, it gets a seat (taken
 back from the group holding the most if all `max_num_seqs` are taken) and a share of the
 step's tokens, so one client's 1,000 prompts cannot hold every seat nor every prefill.
-A running request's drafted tokens (`spec_token_ids`) are scheduled with it as extra tokens
-when the budget has room; drafts that do not fit are dropped, never the real tokens.
+A running request's drafted tokens (the proposer's, given to `schedule`) are scheduled with
+it as extra tokens when the budget has room, and recorded in the output
+(`SchedulerOutput.spec_token_ids`); drafts that do not fit are dropped, never the real tokens.
 """
 
 from __future__ import annotations
@@ -33,20 +34,35 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     seat_preemptions: int = 0  # of `preempted`, those that gave a seat to another group
+    # NOTE: the drafted tokens scheduled with a request (counted in its scheduled tokens).
+    spec_token_ids: dict[Request, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
 
-    def add(self, request: Request, num_tokens: int) -> None:
+    def add(self, request: Request, num_tokens: int, spec_token_ids: list[int] | None = None) -> None:
         self.requests.append(request)
         self.num_scheduled_tokens.append(num_tokens)
+        if spec_token_ids:
+            self.spec_token_ids[request] = spec_token_ids
+
+    def drafts(self, request: Request) -> list[int]:
+        """The drafted tokens scheduled with `request` (none: [])."""
+        return self.spec_token_ids.get(request, [])
+
+    def alone(self, request: Request, num_tokens: int) -> SchedulerOutput:
+        """A step of `request` alone, as scheduled here (with its drafts)."""
+        out = SchedulerOutput()
+        out.add(request, num_tokens, self.spec_token_ids.get(request))
+        return out
 
     def unschedule(self, request: Request) -> int:
         """Takes `request` out of this step; returns the tokens it had (0 if not in it)."""
         for i, scheduled in enumerate(self.requests):
             if scheduled is request:
                 del self.requests[i]
+                self.spec_token_ids.pop(request, None)
                 return self.num_scheduled_tokens.pop(i)
         return 0
 
@@ -65,11 +81,13 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[Request, list[int]] | None = None) -> SchedulerOutput:
+        """This step's requests; `drafts` are the proposer's tokens for running requests,
+        scheduled with them as far as the budget has room."""
         out = SchedulerOutput()
         total = self.config.max_num_batched_tokens
         reserve = self._make_room(out, total)
-        budget = self._schedule_running(out, total - reserve)
+        budget = self._schedule_running(out, total - reserve, drafts or {})
         if len(out.preempted) == out.seat_preemptions:  # NOTE: no room was short
             self._schedule_waiting(out, budget + reserve)
         return out
@@ -98,31 +116,25 @@ class Scheduler:
         num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
         return max(0, min(head.num_tokens, total // 2, total - num_decodes))
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int,
+                          drafts: dict[Request, list[int]]) -> int:
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_tokens = min(self._num_new_tokens(request, budget), budget)
+            num_new = request.num_tokens - request.num_computed_tokens
+            # NOTE: the drafts that fit the budget go with it; the rest are dropped.
+            spec = drafts.get(request, [])[:max(budget - num_new, 0)]
+            num_tokens = min(num_new + len(spec), budget)
             if num_tokens <= 0:
                 continue
             refund = self._allocate_or_preempt(request, num_tokens, out)
             if refund is None:
                 break
-            out.add(request, num_tokens)
+            out.add(request, num_tokens, spec)
             budget += refund - num_tokens
         return budget
-
-    @staticmethod
-    def _num_new_tokens(request: Request, budget: int) -> int:
-        """Uncomputed tokens plus the drafts that fit the budget (the rest are dropped)."""
-        num_new = request.num_tokens - request.num_computed_tokens
-        if request.spec_token_ids:
-            room = max(budget - num_new, 0)
-            del request.spec_token_ids[room:]
-            num_new += len(request.spec_token_ids)
-        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> int | None:
         """Allocates `request`'s slots, preempting until they fit; returns the tokens freed by
@@ -160,7 +172,6 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.spec_token_ids.clear()
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
 

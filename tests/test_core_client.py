@@ -95,3 +95,8 @@ def test_a_dead_core_ends_open_streams_and_the_health_check(tiny_llama):
         assert not healthy and "EngineCoreDiedError" in why and "engine core" in why
     finally:
         llm.shutdown()
+
+
+def test_a_core_that_cannot_start_raises_its_own_error(tmp_path):
+    with pytest.raises(ValueError, match="nowhere"):
+        LLM(str(tmp_path / "nowhere"), core_process=True, **ENGINE)

@@ -42,10 +42,28 @@ def tokens(llm: LLM, ps: list[list[int]], params: SamplingParams) -> list[list[i
     return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
 
 
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True, logprobs=2)
+
+
+def tokens_and_logprobs(llm: LLM, params: SamplingParams) -> list[tuple[list[int], float]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)  # type: ignore[misc]
+            for o in llm.generate(prompts(3), params, use_tqdm=False)]
+
+
 @pytest.fixture(scope="module")
-def expected(tiny_llama: Path) -> list[list[int]]:
+def one_process(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), num_kv_blocks=256, **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def expected(one_process: LLM) -> list[list[int]]:
     ps = prompts() + [prompts()[0]]  # a repeated prompt hits the prefix cache
-    return tokens(LLM(str(tiny_llama), num_kv_blocks=256, **ENGINE), ps, greedy())
+    return tokens(one_process, ps, greedy())
+
+
+@pytest.fixture(scope="module")
+def one_process_sampled(one_process: LLM) -> list[tuple[list[int], float]]:
+    return tokens_and_logprobs(one_process, SAMPLED)
 
 
 @pytest.mark.parametrize("layout, engine", [
@@ -55,7 +73,8 @@ def expected(tiny_llama: Path) -> list[list[int]]:
      {"num_kv_blocks": 20, "block_size": 16}),  # preemption
 ])
 def test_parallel_greedy_equals_one_process(tiny_llama: Path, expected: list[list[int]],
-                                            layout: dict, engine: dict, monkeypatch):
+                                            one_process_sampled: list, layout: dict, engine: dict,
+                                            monkeypatch):
     llm = LLM(str(tiny_llama), **ENGINE, **layout, **engine)
     sent: list[bool] = []  # per step that projects rows to logits: did token ids come back?
     real_send = executor.send
@@ -71,22 +90,15 @@ def test_parallel_greedy_equals_one_process(tiny_llama: Path, expected: list[lis
         assert sent and all(sent)
         llm.engine.check_integrity()
         assert llm.engine.block_manager.prefix_cache_hits > 0
+        if layout == {"tensor_parallel_size": 2}:
+            # NOTE: seeded sampling with logprobs: the logits come back, sampled in the engine.
+            sent.clear()
+            sampled = tokens_and_logprobs(llm, SAMPLED)
+            assert sent and not any(sent)
+            assert [t for t, _ in sampled] == [t for t, _ in one_process_sampled]
+            assert [lp for _, lp in sampled] == pytest.approx([lp for _, lp in one_process_sampled], abs=1e-4)
     finally:
         llm.engine.shutdown()
-
-
-def test_tensor_parallel_sampling_equals_one_process(tiny_llama: Path):
-    """Seeded sampling with logprobs: the logits come back and are sampled in the engine."""
-    params = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True, logprobs=2)
-    one = LLM(str(tiny_llama), num_kv_blocks=64, **ENGINE).generate(prompts(3), params, use_tqdm=False)
-    llm = LLM(str(tiny_llama), num_kv_blocks=64, tensor_parallel_size=2, **ENGINE)
-    try:
-        two = llm.generate(prompts(3), params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
-    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
-    assert ([o.outputs[0].cumulative_logprob for o in two]
-            == pytest.approx([o.outputs[0].cumulative_logprob for o in one], abs=1e-4))
 
 
 # NOTE: slow: 59 s on a 2-vCPU Zen 3 (three workers each load the real GGUF), which took the

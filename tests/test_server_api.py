@@ -88,12 +88,13 @@ def engine(smollm2_tokenizer_dir: Path) -> FakeEngine:
     return FakeEngine(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir))
 
 
-def call(engine: FakeEngine, method: str, path: str, **kwargs: object) -> httpx.Response:
+def call(engine: FakeEngine, method: str, path: str, request_id_headers: bool = False,
+         **kwargs: object) -> httpx.Response:
     ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake",
                         max_model_len=64)
 
     async def go() -> httpx.Response:
-        transport = httpx.ASGITransport(app=build_app(ctx))
+        transport = httpx.ASGITransport(app=build_app(ctx, request_id_headers=request_id_headers))
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             return await client.request(method, path, **kwargs)  # type: ignore[arg-type]
 
@@ -205,14 +206,25 @@ def test_vllm_flags_with_no_effect_are_accepted_and_each_named_once():
     assert no_effect_lines(serve_parser().parse_args(["serve", "m"])) == []
 
 
+def test_request_id_headers_echo_the_clients_id_or_make_one(engine: FakeEngine):
+    given = call(engine, "GET", "/v1/models", request_id_headers=True, headers={"X-Request-Id": "abc-1"})
+    assert given.status_code == 200 and given.headers["x-request-id"] == "abc-1"
+    made = call(engine, "GET", "/v1/models", request_id_headers=True)
+    refused = call(engine, "POST", "/v1/completions", request_id_headers=True, content=b"{")
+    assert len(made.headers["x-request-id"]) == 32 and refused.status_code == 400
+    assert refused.headers["x-request-id"] not in (made.headers["x-request-id"], "abc-1")
+    assert "x-request-id" not in call(engine, "GET", "/v1/models").headers  # off by default
+
+
 def test_vllm_flags_pagoda_implements_under_vllms_names():
     args = serve_parser().parse_args([
         "serve", "m", "--kv-cache-memory-bytes", "1GiB", "--num-gpu-blocks-override", "64",
         "--max-logprobs", "-1", "--tokenizer", "smollm2", "--core-process", "--root-path", "/llm",
-        "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"])
+        "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--enable-request-id-headers"])
     assert engine_kwargs(args) == {"kv_cache_memory": "1GiB", "num_kv_blocks": 64, "max_logprobs": -1,
                                    "tokenizer": "smollm2", "core_process": True}
     assert (args.root_path, args.ssl_keyfile, args.ssl_certfile) == ("/llm", "k.pem", "c.pem")
+    assert args.enable_request_id_headers
     config = EngineConfig.from_kwargs("m", **engine_kwargs(args))
     assert config.limits.max_logprobs == -1 and config.model.tokenizer == "smollm2"
     assert config.parallel.core_process

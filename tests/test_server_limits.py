@@ -146,18 +146,23 @@ def test_the_requests_of_one_user_share_a_scheduling_group(engine: AsyncLLM,
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(engine: AsyncLLM):
-    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the context length)."""
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens (-1: the context length),
+    or with `truncation_side` "right" its first k."""
     ids = list(range(100, 140))
 
     async def main() -> list[httpx.Response]:
         async with app_client(engine) as client:
             bodies = [{"prompt": ids, "max_tokens": 2, "temperature": 0, "truncate_prompt_tokens": k}
                       for k in (5, -1, None)] + [{"prompt": ids[-5:], "max_tokens": 2, "temperature": 0}]
+            bodies += [{"prompt": ids, "max_tokens": 2, "temperature": 0, "truncate_prompt_tokens": 5,
+                        "truncation_side": "right"}, {"prompt": ids[:5], "max_tokens": 2, "temperature": 0},
+                       {"prompt": ids, "truncation_side": "middle"}]
             return [await client.post("/v1/completions", json=body) for body in bodies]
 
-    five, whole, plain, last_five = asyncio.run(main())
+    five, whole, plain, last_five, right, first_five, bad = asyncio.run(main())
     assert [r.json()["usage"]["prompt_tokens"] for r in (five, whole, plain)] == [5, 40, 40]
-    assert texts([five]) == texts([last_five])
+    assert texts([five]) == texts([last_five]) and texts([right]) == texts([first_five])
+    assert bad.status_code == 400
 
 
 def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_server_lives(tiny_llama: Path):

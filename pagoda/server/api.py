@@ -25,7 +25,7 @@ from pagoda.metrics import LiveStatLogger, format_kv_memory_report, render_metri
 from pagoda.server.chat import create_chat_completion, render_chat
 from pagoda.server.completions import create_completion
 from pagoda.server.errors import APIError, bad_request, error_response, install_error_handlers
-from pagoda.server.middleware import GateMiddleware
+from pagoda.server.middleware import GateMiddleware, RequestIdHeaders
 from pagoda.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -166,12 +166,14 @@ async def kv_cache(ctx: Ctx) -> dict[str, Any]:
 
 
 def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
-              web_ui: bool = True) -> FastAPI:
+              web_ui: bool = True, request_id_headers: bool = False) -> FastAPI:
     """The app serving `ctx.engine`; `ctx` is shared with the launcher (draining, counts).
 
     Args:
         live_stats: the engine's live stat logger, read by `GET /stats` (404 without one).
         web_ui: serve the web page at `/` (`--disable-web-ui` turns it off).
+        request_id_headers: every response carries `X-Request-Id` (vLLM's
+            `--enable-request-id-headers`).
     """
     app = FastAPI(title="pagoda", version=pagoda_version(),
                   description="OpenAI-compatible LLM server (vLLM-style).")
@@ -183,6 +185,8 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
     if web_ui:
         # NOTE: added last, so outermost: the page's static files are answered before the gate.
         app.add_middleware(WebUIAssets)
+    if request_id_headers:
+        app.add_middleware(RequestIdHeaders)
     app.include_router(router)
     app.include_router(webui_router)
     return app

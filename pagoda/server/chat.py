@@ -145,7 +145,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     text = await render_chat(ctx, req.messages, req.add_generation_prompt,
                              req.chat_template_kwargs, plan)
     prompt = truncate_prompt(Prompt(await tokenize_text(ctx, text, False, "messages"), text),
-                             req.truncate_prompt_tokens, ctx.max_model_len)
+                             req.truncate_prompt_tokens, ctx.max_model_len,
+                             req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     num_logprobs = _num_logprobs(req)

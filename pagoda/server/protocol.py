@@ -161,6 +161,7 @@ class SamplingFields(RequestModel):
     guided_decoding_backend: str | None = None
     priority: int = 0
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
 
@@ -194,6 +195,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    # NOTE: vLLM's beam search: `n` beams, best first (pagoda/beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class CompletionLogProbs(OpenAIBaseModel):

@@ -154,6 +154,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help="turn off the periodic engine stats log")
     net.add_argument("--disable-web-ui", action="store_true",
                      help="do not serve the web page (chat and live stats) at /")
+    net.add_argument("--enable-request-id-headers", action="store_true",
+                     help="every response carries X-Request-Id (the request's own, or a new one)")
     net.add_argument("--root-path", default=None,
                      help="the path prefix a proxy serves this server under (FastAPI's root_path)")
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
@@ -474,7 +476,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
         logger.info("engine ready in %.1f s (max_model_len %d)", time.perf_counter() - started,
                     ctx.max_model_len)
         logger.info("%s", format_kv_memory_report(engine.kv_report()))
-        app = build_app(ctx, live, web_ui=not args.disable_web_ui)
+        app = build_app(ctx, live, web_ui=not args.disable_web_ui,
+                        request_id_headers=args.enable_request_id_headers)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
                                    timeout_graceful_shutdown=2, root_path=args.root_path or "",

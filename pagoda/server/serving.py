@@ -44,6 +44,7 @@ class EngineClient(Protocol):
     config: Any
     processor: InputProcessor
     dead_reason: str | None
+    eos_token_ids: set[int]
 
     def generate_request(self, req: EngineRequest) -> AsyncIterator[RequestOutput]: ...
 
@@ -142,8 +143,10 @@ def request_fields(req: SamplingFields) -> tuple[dict[str, Any], str]:
     return fields, param
 
 
-def truncate_prompt(prompt: Prompt, keep: int | None, max_model_len: int) -> Prompt:
-    """vLLM's `truncate_prompt_tokens`: only the last `keep` tokens (-1: the context length)."""
+def truncate_prompt(prompt: Prompt, keep: int | None, max_model_len: int,
+                    side: str | None = None) -> Prompt:
+    """vLLM's `truncate_prompt_tokens`: only `keep` tokens (-1: the context length), the last
+    ones (`truncation_side` "left", the default) or the first ("right")."""
     if keep is None:
         return prompt
     keep = max_model_len if keep == -1 else keep
@@ -151,7 +154,7 @@ def truncate_prompt(prompt: Prompt, keep: int | None, max_model_len: int) -> Pro
         raise bad_request("truncate_prompt_tokens must be -1 or positive.", "truncate_prompt_tokens")
     if len(prompt.token_ids) <= keep:
         return prompt
-    return Prompt(prompt.token_ids[-keep:])
+    return Prompt(prompt.token_ids[:keep] if side == "right" else prompt.token_ids[-keep:])
 
 
 def build_sampling_params(ctx: ServerContext, fields: dict[str, Any], num_prompt_tokens: int,

@@ -12,10 +12,13 @@ from typing import Protocol
 from pagoda.config import EngineConfig, SpeculativeConfig
 from pagoda.request import Request
 
+# NOTE: a step's drafted tokens, by request (those without a draft are absent).
+Drafts = dict[Request, list[int]]
+
 
 class Proposer(Protocol):
-    def propose(self, requests: list[Request]) -> None:
-        """Sets each request's `spec_token_ids` for this step."""
+    def propose(self, requests: list[Request]) -> Drafts:
+        """This step's drafts for the running `requests`."""
 
 
 def build_proposer(spec: SpeculativeConfig | None, config: EngineConfig,

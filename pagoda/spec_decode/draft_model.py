@@ -63,15 +63,16 @@ class DraftModelProposer:
         logger.info("Draft model %s (%s): %d speculative tokens, %d KV blocks", spec.model,
                     quantization or config.model.dtype, self.num_tokens, parts.num_blocks)
 
-    def propose(self, requests: list[Request]) -> None:
+    def propose(self, requests: list[Request]) -> dict[Request, list[int]]:
         self._free_stale()
         limits = {r: draft_limit(r, self.num_tokens) for r in requests}
         active = [r for r in requests if limits[r] > 0]
+        drafts: dict[Request, list[int]] = {r: [] for r in active}
         for request in active:
             self._sync(request)
         steps = max((limits[r] for r in active), default=0)
         for step in range(steps):
-            batch = [r for r in active if len(r.spec_token_ids) < limits[r]]
+            batch = [r for r in active if len(drafts[r]) < limits[r]]
             if not batch:
                 break
             drafted = self._step([self.shadows[r] for r in batch], first=step == 0)
@@ -79,7 +80,8 @@ class DraftModelProposer:
                 if token is None:
                     active.remove(request)
                 else:
-                    request.spec_token_ids.append(token)
+                    drafts[request].append(token)
+        return {r: tokens for r, tokens in drafts.items() if tokens}
 
     def _sync(self, target: Request) -> None:
         """Points the shadow at the target's tokens, keeping only the KV they share."""
@@ -93,7 +95,6 @@ class DraftModelProposer:
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, shared,
                                          target.num_tokens - 1)
         shadow.all_token_ids = list(target.all_token_ids)
-        target.spec_token_ids = []
 
     def _step(self, shadows: list[Request], first: bool) -> list[int | None]:
         """One draft forward for `shadows`; each gets one token (None: no room in the pool)."""

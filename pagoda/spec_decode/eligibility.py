@@ -27,8 +27,8 @@ def draft_limit(request: Request, num_tokens: int) -> int:
     return max(0, min(num_tokens, room))
 
 
-def trim_to_grammar(requests: list[Request]) -> None:
+def trim_to_grammar(drafts: dict[Request, list[int]]) -> None:
     """Cuts each constrained request's drafts to the prefix its grammar accepts."""
-    for request in requests:
-        if request.spec_token_ids and request.grammar is not None:
-            del request.spec_token_ids[request.grammar.valid_prefix(request.spec_token_ids):]
+    for request, tokens in drafts.items():
+        if tokens and request.grammar is not None:
+            del tokens[request.grammar.valid_prefix(tokens):]

@@ -41,10 +41,11 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, requests: list[Request]) -> None:
-        """Sets `spec_token_ids` of each request (left empty where nothing matches)."""
+    def propose(self, requests: list[Request]) -> dict[Request, list[int]]:
+        """Each eligible request's drafts (none where nothing matches)."""
+        drafts = {}
         for request in requests:
             limit = draft_limit(request, self.num_tokens)
-            if limit:
-                request.spec_token_ids = propose_ngram(request.all_token_ids, limit,
-                                                       self.min_n, self.max_n)
+            if limit and (tokens := propose_ngram(request.all_token_ids, limit, self.min_n, self.max_n)):
+                drafts[request] = tokens
+        return drafts

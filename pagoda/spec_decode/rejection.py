@@ -57,32 +57,32 @@ def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
     return int((probs / q).argmax())
 
 
-def sample_with_drafts(sampler: Sampler, logits: torch.Tensor,
-                       requests: list[Request]) -> SamplerOutput:
+def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[Request],
+                       drafts: list[list[int]]) -> SamplerOutput:
     """A step's tokens: plain rows through the sampler, drafting requests verify their rows.
 
-    `logits` holds one row per plain request and 1 + len(drafts) per drafting one, in order.
+    `logits` holds one row per plain request and 1 + len(drafts[i]) per drafting one, in order.
     """
-    if not any(r.spec_token_ids for r in requests):
+    if not any(drafts):
         return sampler(logits, requests)
-    plain = [i for i, r in enumerate(requests) if not r.spec_token_ids]
+    plain = [i for i, d in enumerate(drafts) if not d]
     starts, row = [], 0
-    for r in requests:
+    for d in drafts:
         starts.append(row)
-        row += 1 + len(r.spec_token_ids)
+        row += 1 + len(d)
     result = sampler(logits[[starts[i] for i in plain]], [requests[i] for i in plain])
     tokens: list[list[int]] = [[] for _ in requests]
     for i, token in zip(plain, result.token_ids, strict=True):
         tokens[i] = [token]
-    for i, r in enumerate(requests):
-        if r.spec_token_ids:
-            rows = logits[starts[i]:starts[i] + 1 + len(r.spec_token_ids)].float()
+    for i, (r, d) in enumerate(zip(requests, drafts, strict=True)):
+        if d:
+            rows = logits[starts[i]:starts[i] + 1 + len(d)].float()
             if r.grammar is not None:
                 bitmask = torch.full((rows.shape[0], -(-rows.shape[1] // 32)), -1,
                                      dtype=torch.int32)
-                r.grammar.fill_bitmasks_along(r.spec_token_ids, bitmask)
+                r.grammar.fill_bitmasks_along(d, bitmask)
                 apply_bitmask(rows, bitmask)
-            tokens[i] = verify(rows, r.spec_token_ids, r, sampler)
+            tokens[i] = verify(rows, d, r, sampler)
     logprobs: list = [None] * len(requests)
     for i, entry in zip(plain, result.logprobs, strict=True):
         logprobs[i] = entry
