@@ -110,5 +110,19 @@ def test_the_server_answers_what_llm_beam_search_finds(llm, tiny_llama):
         assert body["usage"]["completion_tokens"] == 8
         refused = asyncio.run(post({"use_beam_search": True, "stream": True}))
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "stream"
+
+        async def chat() -> httpx.Response:
+            async with health.app_client(engine) as client:
+                return await client.post("/v1/chat/completions", json={
+                    "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                    "use_beam_search": True, "n": 2, "ignore_eos": True, "return_token_ids": True})
+
+        r = asyncio.run(chat())
+        assert r.status_code == 200, r.text
+        body = r.json()
+        (want,) = llm.beam_search([body["prompt_token_ids"]],
+                                  BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+        assert [c["message"]["content"] for c in body["choices"]] == [b.text for b in want.sequences]
+        assert [c["token_ids"] for c in body["choices"]] == [b.tokens[-3:] for b in want.sequences]
     finally:
         engine.shutdown()

@@ -230,6 +230,10 @@ def query_value(base_url: str, promql: str) -> str | None:
     return answer["data"]["result"][0]["value"][1]
 
 
+# NOTE: slow (12-14 s on a 2-vCPU Zen 3: a server, then Prometheus scraping it); the metric
+# names, the rules and the dashboard's queries are checked against the exporter above in every
+# `make test`. Run it with `pytest -m slow`.
+@pytest.mark.slow
 def test_real_prometheus_scrapes_a_running_pagoda(tiny_llama: Path, tmp_path: Path) -> None:
     require("prometheus")
     server = start_server(tiny_llama, "--dtype", "float32", "--num-kv-blocks", "64",

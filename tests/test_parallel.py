@@ -69,8 +69,11 @@ def one_process_sampled(one_process: LLM) -> list[tuple[list[int], float]]:
 @pytest.mark.parametrize("layout, engine", [
     ({"tensor_parallel_size": 2}, {"num_kv_blocks": 256}),
     ({"pipeline_parallel_size": 2}, {"num_kv_blocks": 256, "max_num_batched_tokens": 32}),
-    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
-     {"num_kv_blocks": 20, "block_size": 16}),  # preemption
+    # NOTE: slow (17 s on a 2-vCPU Zen 3: four ranks on two cores); T=2 and P=2 alone, with
+    # chunked prefill and prefix-cache hits, stay in every `make test`, and preemption is the
+    # scheduler's, the same whatever runs the step. Run it with `pytest -m slow`.
+    pytest.param({"tensor_parallel_size": 2, "pipeline_parallel_size": 2},
+                 {"num_kv_blocks": 20, "block_size": 16}, marks=pytest.mark.slow),  # preemption
 ])
 def test_parallel_greedy_equals_one_process(tiny_llama: Path, expected: list[list[int]],
                                             one_process_sampled: list, layout: dict, engine: dict,

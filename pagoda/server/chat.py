@@ -35,10 +35,13 @@ from pagoda.server.serving import (
     Generation,
     Prompt,
     ServerContext,
+    beam_search_params,
+    beam_usage,
     build_sampling_params,
     invalid_input,
     prompt_logprobs_field,
     request_fields,
+    run_beam_search,
     token_str,
     tokenize_text,
     top_entries,
@@ -149,6 +152,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                              req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
+    if req.use_beam_search:
+        return await _beam_search_chat(ctx, req, raw, prompt, max_tokens, plan, fields)
     num_logprobs = _num_logprobs(req)
     params = build_sampling_params(ctx, fields, len(prompt.token_ids), max_tokens, num_logprobs)
     gen = await Generation.create(ctx, random_id("chatcmpl"), [prompt], [params],
@@ -161,6 +166,26 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         return Response(status_code=499)
     return JSONResponse(full_chat(gen, model, num_logprobs, plan,
                                   bool(req.return_token_ids)).model_dump())
+
+
+async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request, prompt: Prompt,
+                            max_tokens: int | None, plan: ToolPlan, fields: dict[str, Any]) -> Response:
+    """vLLM's `use_beam_search` on chat: `n` beams, best first, as `n` choices."""
+    if req.logprobs or plan.mode != "none" or fields.get("structured_outputs") is not None:
+        raise bad_request("use_beam_search returns no logprobs, and takes no tools or output constraint.",
+                          "use_beam_search")
+    params = beam_search_params(ctx, req, [prompt], max_tokens, req.length_penalty)
+    request_id = random_id("chatcmpl")
+    results = await run_beam_search(ctx, raw, request_id, [prompt], params, req)
+    if results is None:
+        return Response(status_code=499)
+    choices = [ChatCompletionResponseChoice(
+        index=j, message=AssistantMessage(content=beam.text or ""), finish_reason=beam.finish_reason,
+        token_ids=beam.tokens[len(prompt.token_ids):] if req.return_token_ids else None)
+        for j, beam in enumerate(results[0].sequences)]
+    return JSONResponse(ChatCompletionResponse(
+        id=request_id, model=req.model or ctx.model_name, choices=choices, usage=beam_usage([prompt], results),
+        prompt_token_ids=list(prompt.token_ids) if req.return_token_ids else None).model_dump())
 
 
 def _finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | None:

@@ -13,26 +13,26 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagoda.beam_search import BeamSearch, BeamSearchParams
 from pagoda.outputs import Logprob
 from pagoda.server.chunks import NULL, ChunkEncoder, completion_choice, ids_members, part_json
-from pagoda.server.errors import bad_request, context_length_error
+from pagoda.server.errors import bad_request
 from pagoda.server.protocol import (
     CompletionLogProbs,
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
-    UsageInfo,
     random_id,
 )
 from pagoda.server.serving import (
     Generation,
     Prompt,
     ServerContext,
+    beam_search_params,
+    beam_usage,
     build_sampling_params,
-    invalid_input,
     prompt_logprobs_field,
     request_fields,
+    run_beam_search,
     token_str,
     tokenize_text,
     top_entries,
@@ -193,48 +193,21 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
 
 async def beam_search_completion(ctx: ServerContext, req: CompletionRequest, raw: Request,
                                  prompts: list[Prompt]) -> Response:
-    """vLLM's `use_beam_search`: `n` beams per prompt, best first, in one response. Each step
-    runs every live beam's next token as one request (`Generation`), so limits, fairness and
-    disconnects apply as to any request."""
-    if req.stream:
-        raise bad_request("use_beam_search does not stream: send stream=false.", "stream")
-    if req.echo or req.logprobs is not None or req.prompt_logprobs is not None:
+    """vLLM's `use_beam_search`: `n` beams per prompt, best first, in one response."""
+    if req.echo or req.logprobs is not None:
         raise bad_request("use_beam_search returns no logprobs and echoes no prompt.", "use_beam_search")
-    longest = max(len(p.token_ids) for p in prompts)
-    error = context_length_error(ctx.max_model_len, longest, req.max_tokens)
-    if error is not None:
-        raise error
-    try:
-        params = BeamSearchParams(beam_width=req.n or 1,
-                                  max_tokens=req.max_tokens or ctx.max_model_len - longest,
-                                  ignore_eos=bool(req.ignore_eos), temperature=req.temperature or 0.0,
-                                  length_penalty=req.length_penalty)
-    except ValueError as e:
-        raise invalid_input(e) from e
-    searches = [BeamSearch(p.token_ids, params, ctx.engine.eos_token_ids) for p in prompts]
+    params = beam_search_params(ctx, req, prompts, req.max_tokens, req.length_penalty)
     request_id = random_id("cmpl")
-    for step in range(params.max_tokens):
-        live = [(search, beam) for search in searches for beam in search.beams]
-        if not live:
-            break
-        gen = await Generation.create(ctx, f"{request_id}-step{step}", [Prompt(b.tokens) for _, b in live],
-                                      [params.step_params()] * len(live), priority=req.priority, user=req.user)
-        if await until_disconnect(raw, gen.run()) is None:
-            return Response(status_code=499)
-        for search in searches:
-            search.advance([(gen.choices[i].logprobs or [{}])[0]
-                            for i, (owner, _) in enumerate(live) if owner is search])
-    choices, num_completion = [], 0
-    for i, (prompt, search) in enumerate(zip(prompts, searches, strict=True)):
-        for j, beam in enumerate(search.result(ctx.tokenizer).sequences):
+    results = await run_beam_search(ctx, raw, request_id, prompts, params, req)
+    if results is None:
+        return Response(status_code=499)
+    choices = []
+    for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
+        for j, beam in enumerate(result.sequences):
             generated = beam.tokens[len(prompt.token_ids):]
-            num_completion += len(generated)
             choices.append(CompletionResponseChoice(
                 index=i * params.beam_width + j, text=beam.text or "", finish_reason=beam.finish_reason,
                 token_ids=generated if req.return_token_ids else None,
                 prompt_token_ids=list(prompt.token_ids) if req.return_token_ids else None))
-    num_prompt = sum(len(p.token_ids) for p in prompts)
-    usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                      total_tokens=num_prompt + num_completion)
-    return JSONResponse(CompletionResponse(id=request_id, model=req.model or ctx.model_name,
-                                           choices=choices, usage=usage).model_dump())
+    return JSONResponse(CompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices,
+                                           usage=beam_usage(prompts, results)).model_dump())

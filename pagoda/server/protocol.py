@@ -162,6 +162,9 @@ class SamplingFields(RequestModel):
     priority: int = 0
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
+    # NOTE: vLLM's beam search: `n` beams, best first (pagoda/beam_search.py).
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
 
@@ -195,9 +198,6 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
-    # NOTE: vLLM's beam search: `n` beams, best first (pagoda/beam_search.py).
-    use_beam_search: bool = False
-    length_penalty: float = 1.0
 
 
 class CompletionLogProbs(OpenAIBaseModel):

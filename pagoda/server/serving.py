@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagoda.async_engine import EngineDeadError, QueueFullError, StreamCutError
+from pagoda.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParams
@@ -29,7 +30,7 @@ from pagoda.server.protocol import (
     UsageInfo,
     now,
 )
-from pagoda.server.streaming import merge
+from pagoda.server.streaming import merge, until_disconnect
 from pagoda.server.tool_parsers import ToolParser
 
 logger = logging.getLogger(__name__)
@@ -347,3 +348,50 @@ def top_entries(entry: dict[int, Logprob], num: int) -> list[Logprob]:
     num = len(entry) if num == WHOLE_VOCABULARY else num
     return sorted((lp for lp in entry.values() if lp.rank <= num), key=lambda lp: lp.rank)[:num]
 
+
+# ---- beam search (vLLM's `use_beam_search`, pagoda/beam_search.py) ---------------------------
+
+def beam_search_params(ctx: ServerContext, req: SamplingFields, prompts: list[Prompt],
+                       max_tokens: int | None, length_penalty: float) -> BeamSearchParams:
+    """The search a request asks for (`n` beams); 400s for what it cannot do."""
+    if req.stream:
+        raise bad_request("use_beam_search does not stream: send stream=false.", "stream")
+    if req.prompt_logprobs is not None:
+        raise bad_request("use_beam_search returns no prompt logprobs.", "prompt_logprobs")
+    longest = max(len(p.token_ids) for p in prompts)
+    error = context_length_error(ctx.max_model_len, longest, max_tokens)
+    if error is not None:
+        raise error
+    try:
+        return BeamSearchParams(beam_width=req.n or 1, max_tokens=max_tokens or ctx.max_model_len - longest,
+                                ignore_eos=bool(req.ignore_eos), temperature=req.temperature or 0.0,
+                                length_penalty=length_penalty)
+    except ValueError as e:
+        raise invalid_input(e) from e
+
+
+async def run_beam_search(ctx: ServerContext, raw: Any, request_id: str, prompts: list[Prompt],
+                          params: BeamSearchParams, req: SamplingFields) -> list[BeamSearchOutput] | None:
+    """Each step runs every live beam's next token as one request (`Generation`), so limits,
+    fairness and disconnects apply as to any request; None if the client went away."""
+    searches = [BeamSearch(p.token_ids, params, ctx.engine.eos_token_ids) for p in prompts]
+    for step in range(params.max_tokens):
+        live = [(search, beam) for search in searches for beam in search.beams]
+        if not live:
+            break
+        gen = await Generation.create(ctx, f"{request_id}-step{step}", [Prompt(b.tokens) for _, b in live],
+                                      [params.step_params()] * len(live), priority=req.priority, user=req.user)
+        if await until_disconnect(raw, gen.run()) is None:
+            return None
+        for search in searches:
+            search.advance([(gen.choices[i].logprobs or [{}])[0]
+                            for i, (owner, _) in enumerate(live) if owner is search])
+    return [search.result(ctx.tokenizer) for search in searches]
+
+
+def beam_usage(prompts: list[Prompt], results: list[BeamSearchOutput]) -> UsageInfo:
+    num_prompt = sum(len(p.token_ids) for p in prompts)
+    num_completion = sum(len(beam.tokens) - len(prompt.token_ids)
+                         for prompt, result in zip(prompts, results, strict=True) for beam in result.sequences)
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                     total_tokens=num_prompt + num_completion)
