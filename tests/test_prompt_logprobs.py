@@ -278,3 +278,22 @@ def test_bad_requests(engine: AsyncLLM, path: str, body: dict, words: str):
     error = r.json()["error"]
     assert words in error["message"]
     assert error["param"] in ("prompt_logprobs", "logprobs", "max_tokens")
+
+
+def test_tokens_as_token_ids(engine: AsyncLLM):
+    """vLLM's --return-tokens-as-token-ids: every token a logprobs object names is "token_id:N"."""
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with health.app_client(engine, return_tokens_as_token_ids=True) as client:
+            completion = await client.post("/v1/completions", json={
+                "prompt": [1, 504, 3575], "max_tokens": 3, "logprobs": 2, "echo": True, "return_token_ids": True})
+            chat = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True,
+                "top_logprobs": 1, "return_token_ids": True})
+            return completion, chat
+
+    completion, chat = asyncio.run(main())
+    choice = completion.json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in [1, 504, 3575, *choice["token_ids"]]]
+    assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"][1:] for k in top)
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat.json()["choices"][0]["token_ids"]]

@@ -220,11 +220,12 @@ def test_vllm_flags_pagoda_implements_under_vllms_names():
     args = serve_parser().parse_args([
         "serve", "m", "--kv-cache-memory-bytes", "1GiB", "--num-gpu-blocks-override", "64",
         "--max-logprobs", "-1", "--tokenizer", "smollm2", "--core-process", "--root-path", "/llm",
-        "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--enable-request-id-headers"])
+        "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--enable-request-id-headers",
+        "--return-tokens-as-token-ids"])
     assert engine_kwargs(args) == {"kv_cache_memory": "1GiB", "num_kv_blocks": 64, "max_logprobs": -1,
                                    "tokenizer": "smollm2", "core_process": True}
     assert (args.root_path, args.ssl_keyfile, args.ssl_certfile) == ("/llm", "k.pem", "c.pem")
-    assert args.enable_request_id_headers
+    assert args.enable_request_id_headers and args.return_tokens_as_token_ids
     config = EngineConfig.from_kwargs("m", **engine_kwargs(args))
     assert config.limits.max_logprobs == -1 and config.model.tokenizer == "smollm2"
     assert config.parallel.core_process

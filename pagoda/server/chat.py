@@ -38,6 +38,7 @@ from pagoda.server.serving import (
     beam_search_params,
     beam_usage,
     build_sampling_params,
+    id_str,
     invalid_input,
     prompt_logprobs_field,
     request_fields,
@@ -116,7 +117,7 @@ def chat_logprobs(ctx: ServerContext, token_ids: list[int], entries: list[dict[i
     content = []
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(token_id)
-        token = token_str(ctx, sampled) if sampled else str(ctx.tokenizer.decode([token_id]))
+        token = token_str(ctx, sampled) if sampled else id_str(ctx, token_id)
         tops = [ChatLogProb(token=(t := token_str(ctx, lp)), logprob=lp.logprob,
                             bytes=list(t.encode()))
                 for lp in top_entries(entry, num)]

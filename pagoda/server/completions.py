@@ -30,6 +30,7 @@ from pagoda.server.serving import (
     beam_search_params,
     beam_usage,
     build_sampling_params,
+    id_str,
     prompt_logprobs_field,
     request_fields,
     run_beam_search,
@@ -72,7 +73,7 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int],
     out = CompletionLogProbs()
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(token_id) if entry is not None else None
-        token = token_str(ctx, sampled) if sampled else str(ctx.tokenizer.decode([token_id]))
+        token = token_str(ctx, sampled) if sampled else id_str(ctx, token_id)
         out.text_offset.append(offset)
         offset += len(token)
         out.tokens.append(token)

@@ -154,6 +154,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help="turn off the periodic engine stats log")
     net.add_argument("--disable-web-ui", action="store_true",
                      help="do not serve the web page (chat and live stats) at /")
+    net.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help='logprobs name each token "token_id:N", not by its text')
     net.add_argument("--enable-request-id-headers", action="store_true",
                      help="every response carries X-Request-Id (the request's own, or a new one)")
     net.add_argument("--root-path", default=None,
@@ -472,7 +474,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                             chat_template=load_chat_template(config.model.chat_template),
                             tool_parser=auto_tool_parser(args),
                             api_keys=api_keys(args),
-                            max_request_body_bytes=parse_bytes(args.max_request_body_bytes))
+                            max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
+                            return_tokens_as_token_ids=args.return_tokens_as_token_ids)
         logger.info("engine ready in %.1f s (max_model_len %d)", time.perf_counter() - started,
                     ctx.max_model_len)
         logger.info("%s", format_kv_memory_report(engine.kv_report()))

@@ -67,7 +67,8 @@ class EngineClient(Protocol):
 @dataclass
 class ServerContext:
     """Everything a route needs: the engine, the names it answers to, the limits, the
-    tool-call parser of "auto" (`--enable-auto-tool-choice --tool-call-parser`)."""
+    tool-call parser of "auto" (`--enable-auto-tool-choice --tool-call-parser`), and whether
+    logprobs name their tokens as "token_id:N" (`--return-tokens-as-token-ids`)."""
 
     engine: EngineClient
     served_model_names: list[str]
@@ -79,6 +80,7 @@ class ServerContext:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     draining: bool = False
     num_active_requests: int = 0
+    return_tokens_as_token_ids: bool = False
 
     @property
     def model_name(self) -> str:
@@ -328,9 +330,15 @@ class Generation:
 
 
 def token_str(ctx: ServerContext, logprob: Logprob) -> str:
-    if logprob.decoded_token is not None:
-        return logprob.decoded_token
-    return str(ctx.tokenizer.decode([logprob.token_id]))
+    return id_str(ctx, logprob.token_id, logprob.decoded_token)
+
+
+def id_str(ctx: ServerContext, token_id: int, decoded: str | None = None) -> str:
+    """A token as logprobs name it: its text, or "token_id:N" (vLLM's
+    `--return-tokens-as-token-ids`, for tokens whose text alone is ambiguous)."""
+    if ctx.return_tokens_as_token_ids:
+        return f"token_id:{token_id}"
+    return decoded if decoded is not None else str(ctx.tokenizer.decode([token_id]))
 
 
 def prompt_logprobs_field(lps: PromptLogprobs | None) -> list[dict[int, PromptLogprob] | None] | None:
