@@ -73,7 +73,8 @@ class CoreProcessClient:
         except BaseException:
             self.process.stop()
             raise
-        self.parts: EngineParts = value
+        self.parts: EngineParts = value[0]
+        self._stats = value[1]  # NOTE: the pool as built, for the start-up report
 
     # ---- the core's methods ----------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> list[RequestMetrics]:
@@ -211,7 +212,7 @@ class _CoreServer:
         self.grammars = GrammarCompiler(parts.tokenizer, parts.vocab_size,
                                         limits=LimitsConfig(grammar_compile_workers=0))
         logger.info("Engine core process %d ready in %.1f s", os.getpid(), time.perf_counter() - start)
-        send(conn, ("ready", dataclasses.replace(parts, runner=None)))
+        send(conn, ("ready", (dataclasses.replace(parts, runner=None), self.core.scheduler_stats())))
 
     def serve(self) -> None:
         while (message := receive(self.conn)) is not None:

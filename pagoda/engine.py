@@ -200,16 +200,16 @@ class LLMEngine:
             snapshot: stats to report from (default: the pool as it is now).
         """
         s = snapshot or self.scheduler_stats()
-        block_bytes = self.block_bytes
+        block_bytes, block_size = self.block_bytes, self.config.cache.block_size
         contiguous_tokens = s.num_running_reqs * self.max_model_len
         return {
             "pool_bytes": s.num_blocks_total * block_bytes, "num_blocks": s.num_blocks_total,
             "num_running_requests": s.num_running_reqs,
-            "block_size": self.block_manager.block_size, "num_blocks_free": s.num_blocks_free,
+            "block_size": block_size, "num_blocks_free": s.num_blocks_free,
             "num_blocks_cached": s.num_blocks_cached, "tokens_held": s.num_tokens_held,
             "slots_reserved": s.num_slots_reserved, "slots_unused": s.num_slots_reserved - s.num_tokens_held,
             "contiguous_reservation_tokens": contiguous_tokens,
-            "contiguous_reservation_bytes": contiguous_tokens * block_bytes // self.block_manager.block_size,
+            "contiguous_reservation_bytes": contiguous_tokens * block_bytes // block_size,
             "pool_bytes_touched": s.num_blocks_touched * block_bytes,
         }
 

@@ -70,6 +70,9 @@ def test_samples_logprobs_stop_strings_and_grammars_cross_the_pipe(in_process, a
     assert not engine.core.has_unfinished_requests()
     engine.check_integrity()
     assert engine.scheduler_stats().num_blocks_free == engine.scheduler_stats().num_blocks_total
+    # NOTE: what the server reads at start and on /kv_cache, with no scheduler at hand.
+    report = engine.kv_report()
+    assert report["block_size"] == 16 and report["num_blocks"] == 64 and report["num_blocks_free"] == 64
     with pytest.raises(ValueError, match="already in use"):
         engine.core.add_request(engine.processor.process("twice", PROMPTS[0], GREEDY))
         engine.core.add_request(engine.processor.process("twice", PROMPTS[0], GREEDY))

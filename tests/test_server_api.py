@@ -27,6 +27,7 @@ from pagoda.server.errors import context_length_error
 from pagoda.server.middleware import key_matches
 from pagoda.server.serve import (
     add_serve_parser,
+    banner,
     engine_kwargs,
     no_effect_lines,
     run_serve,
@@ -204,6 +205,20 @@ def test_vllm_flags_with_no_effect_are_accepted_and_each_named_once():
     assert any(line.startswith("--enforce-eager: ") for line in lines)
     assert engine_kwargs(args) == {}  # none of them reaches the engine
     assert no_effect_lines(serve_parser().parse_args(["serve", "m"])) == []
+
+
+def test_api_docs_can_be_turned_off(engine: FakeEngine):
+    ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake", max_model_len=64)
+
+    async def get(app: object, path: str) -> int:
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return (await client.get(path)).status_code
+
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert asyncio.run(get(build_app(ctx), path)) == 200
+        assert asyncio.run(get(build_app(ctx, api_docs=False), path)) == 404
+    assert "docs:" not in banner("127.0.0.1", 8000, ctx, docs=False) and "docs:" in banner("127.0.0.1", 8000, ctx)
 
 
 def test_request_id_headers_echo_the_clients_id_or_make_one(engine: FakeEngine):

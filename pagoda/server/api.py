@@ -166,7 +166,7 @@ async def kv_cache(ctx: Ctx) -> dict[str, Any]:
 
 
 def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
-              web_ui: bool = True, request_id_headers: bool = False) -> FastAPI:
+              web_ui: bool = True, request_id_headers: bool = False, api_docs: bool = True) -> FastAPI:
     """The app serving `ctx.engine`; `ctx` is shared with the launcher (draining, counts).
 
     Args:
@@ -174,9 +174,12 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
         web_ui: serve the web page at `/` (`--disable-web-ui` turns it off).
         request_id_headers: every response carries `X-Request-Id` (vLLM's
             `--enable-request-id-headers`).
+        api_docs: serve `/docs`, `/redoc` and `/openapi.json` (`--disable-fastapi-docs`: not).
     """
     app = FastAPI(title="pagoda", version=pagoda_version(),
-                  description="OpenAI-compatible LLM server (vLLM-style).")
+                  description="OpenAI-compatible LLM server (vLLM-style).",
+                  docs_url="/docs" if api_docs else None, redoc_url="/redoc" if api_docs else None,
+                  openapi_url="/openapi.json" if api_docs else None)
     app.state.ctx = ctx
     app.state.live_stats = live_stats
     app.state.web_ui = web_ui

@@ -154,6 +154,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help="turn off the periodic engine stats log")
     net.add_argument("--disable-web-ui", action="store_true",
                      help="do not serve the web page (chat and live stats) at /")
+    net.add_argument("--disable-fastapi-docs", action="store_true",
+                     help="serve no /docs, /redoc or /openapi.json")
     net.add_argument("--return-tokens-as-token-ids", action="store_true",
                      help='logprobs name each token "token_id:N", not by its text')
     net.add_argument("--enable-request-id-headers", action="store_true",
@@ -312,7 +314,6 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--preemption-mode", "value", "a preempted request is always recomputed, never swapped"),
     ("--prefix-caching-hash-algo", "value", "prefix-cache blocks are keyed by pagoda's own chained "
                                             "hashes of their token ids"),
-    ("--disable-fastapi-docs", "flag", "pagoda serves no OpenAPI docs pages"),
 )
 
 # vLLM flags for features pagoda does not have: given with a value that asks for the feature,
@@ -480,7 +481,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                     ctx.max_model_len)
         logger.info("%s", format_kv_memory_report(engine.kv_report()))
         app = build_app(ctx, live, web_ui=not args.disable_web_ui,
-                        request_id_headers=args.enable_request_id_headers)
+                        request_id_headers=args.enable_request_id_headers,
+                        api_docs=not args.disable_fastapi_docs)
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
                                    timeout_graceful_shutdown=2, root_path=args.root_path or "",
@@ -548,16 +550,17 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
         if self.started:
             web_ui = bool(getattr(getattr(self.config.app, "state", None), "web_ui", False))
-            print(banner(self.config.host, self.config.port, self.ctx, web_ui), flush=True)
+            docs = getattr(self.config.app, "docs_url", None) is not None
+            print(banner(self.config.host, self.config.port, self.ctx, web_ui, docs), flush=True)
 
 
-def banner(host: str, port: int, ctx: ServerContext, web_ui: bool = False) -> str:
+def banner(host: str, port: int, ctx: ServerContext, web_ui: bool = False, docs: bool = True) -> str:
     shown = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
     url = f"http://{shown}:{port}"
     auth = " -H 'Authorization: Bearer $PAGODA_API_KEY'" if ctx.api_keys else ""
     body = json.dumps({"model": ctx.model_name, "max_tokens": 32,
                        "messages": [{"role": "user", "content": "Hello!"}]})
-    page = f"web page: {url}/, " if web_ui else ""
-    return (f"pagoda is serving {ctx.model_name!r} at {url}/v1 ({page}docs: {url}/docs)\n"
+    links = ", ".join(([f"web page: {url}/"] if web_ui else []) + ([f"docs: {url}/docs"] if docs else []))
+    return (f"pagoda is serving {ctx.model_name!r} at {url}/v1{f' ({links})' if links else ''}\n"
             f"Try:\n  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f"-d '{body}'")
