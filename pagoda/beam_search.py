@@ -8,8 +8,8 @@ After `max_tokens` steps, or when no beam is left, the completed beams and the l
 ranked together and the best `beam_width` returned. A beam's score is vLLM's: its cumulative
 logprob over its length (prompt included, a final EOS not) to the power `length_penalty`.
 
-The search itself (`BeamSearch`) is plain data and arithmetic; `LLM.beam_search` and the
-server's `use_beam_search` run its steps on their engines.
+The search itself (`BeamSearch`, `live_beams`, `advance_all`) is plain data and arithmetic;
+`LLM.beam_search` and the server's `use_beam_search` run its steps on their engines.
 """
 
 from __future__ import annotations
@@ -119,3 +119,15 @@ class BeamSearch:
         # token of the better beam) stays ahead.
         return sorted(beams, key=lambda b: beam_score(b, self.eos_token_ids, self.params.length_penalty),
                       reverse=True)[: self.params.beam_width]
+
+
+def live_beams(searches: list[BeamSearch]) -> list[tuple[BeamSearch, BeamSearchSequence]]:
+    """Every search's live beams, in order: one request each this step."""
+    return [(search, beam) for search in searches for beam in search.beams]
+
+
+def advance_all(searches: list[BeamSearch], live: list[tuple[BeamSearch, BeamSearchSequence]],
+                candidates: list[dict[int, Logprob]]) -> None:
+    """Hands each search the logprobs its live beams (`live`, as run) got."""
+    for search in searches:
+        search.advance([c for (owner, _), c in zip(live, candidates, strict=True) if owner is search])

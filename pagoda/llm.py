@@ -6,7 +6,13 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from pagoda.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pagoda.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    advance_all,
+    live_beams,
+)
 from pagoda.engine import LLMEngine
 from pagoda.outputs import CompletionOutput, RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -75,13 +81,10 @@ class LLM:
                     for p in _as_prompt_list(prompts)]
         step = params.step_params()
         for _ in range(params.max_tokens):
-            live = [(search, beam) for search in searches for beam in search.beams]
-            if not live:
+            if not (live := live_beams(searches)):
                 break
             outputs = self.generate([beam.tokens for _, beam in live], step, use_tqdm=False)
-            for search in searches:
-                mine = [out for (owner, _), out in zip(live, outputs, strict=True) if owner is search]
-                search.advance([(out.outputs[0].logprobs or [{}])[0] for out in mine])
+            advance_all(searches, live, [(out.outputs[0].logprobs or [{}])[0] for out in outputs])
         return [search.result(self.tokenizer) for search in searches]
 
     def _token_ids(self, prompt: Prompt) -> list[int]:

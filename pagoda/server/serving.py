@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pagoda.async_engine import EngineDeadError, QueueFullError, StreamCutError
-from pagoda.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pagoda.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    advance_all,
+    live_beams,
+)
 from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParams
@@ -384,16 +390,13 @@ async def run_beam_search(ctx: ServerContext, raw: Any, request_id: str, prompts
     fairness and disconnects apply as to any request; None if the client went away."""
     searches = [BeamSearch(p.token_ids, params, ctx.engine.eos_token_ids) for p in prompts]
     for step in range(params.max_tokens):
-        live = [(search, beam) for search in searches for beam in search.beams]
-        if not live:
+        if not (live := live_beams(searches)):
             break
         gen = await Generation.create(ctx, f"{request_id}-step{step}", [Prompt(b.tokens) for _, b in live],
                                       [params.step_params()] * len(live), priority=req.priority, user=req.user)
         if await until_disconnect(raw, gen.run()) is None:
             return None
-        for search in searches:
-            search.advance([(gen.choices[i].logprobs or [{}])[0]
-                            for i, (owner, _) in enumerate(live) if owner is search])
+        advance_all(searches, live, [(choice.logprobs or [{}])[0] for choice in gen.choices])
     return [search.result(ctx.tokenizer) for search in searches]
 
 
