@@ -335,29 +335,35 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
 def add_no_effect_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("accepted for vLLM launch scripts, no effect here (logged at start)")
     for flag, kind, why in NO_EFFECT_FLAGS:
-        if kind == "flag":
-            group.add_argument(flag, action="store_true", help=why)
-        elif kind == "bool":
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=why)
-        else:
-            group.add_argument(flag, default=None, metavar="VALUE", help=why)
+        _add_table_flag(group, flag, kind, why)
 
 
 def add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM features pagoda lacks (refused at start when asked for)")
     for flag, kind, harmless, why in UNSUPPORTED_FLAGS:
-        text = why + (f" (only {harmless} is accepted)" if harmless is not None else "")
-        if kind == "flag":
-            group.add_argument(flag, action="store_true", help=text)
-        else:
-            group.add_argument(flag, default=None, metavar="VALUE", nargs="+" if kind == "list" else None,
-                               help=text)
+        _add_table_flag(group, flag, kind, why + (f" (only {harmless} is accepted)" if harmless else ""))
+
+
+def _add_table_flag(group: Any, flag: str, kind: str, text: str) -> None:
+    """One flag of the tables above: "flag" (store_true), "bool" (--x / --no-x), "value" or
+    "list" (one value or several)."""
+    if kind == "flag":
+        group.add_argument(flag, action="store_true", help=text)
+    elif kind == "bool":
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+    else:
+        group.add_argument(flag, default=None, metavar="VALUE", nargs="+" if kind == "list" else None,
+                           help=text)
+
+
+def _flag_value(args: argparse.Namespace, flag: str) -> Any:
+    return getattr(args, flag.lstrip("-").replace("-", "_"), None)
 
 
 def unsupported_flag_error(args: argparse.Namespace) -> str | None:
     """Why the server cannot start as asked, for the first unsupported feature asked for."""
     for flag, _, harmless, why in UNSUPPORTED_FLAGS:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        value = _flag_value(args, flag)
         if value in (None, False) or (harmless is not None and _same_number(value, harmless)):
             continue
         return f"{flag}: {why}"
@@ -375,7 +381,7 @@ def no_effect_lines(args: argparse.Namespace) -> list[str]:
     """One line for each no-effect vLLM flag given, saying why it changes nothing."""
     lines = []
     for flag, kind, why in NO_EFFECT_FLAGS:
-        value = getattr(args, flag.lstrip("-").replace("-", "_"), None)
+        value = _flag_value(args, flag)
         if value is None or (value is False and kind == "flag"):
             continue
         shown = flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
