@@ -136,7 +136,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
         num_blocks = agree(num_blocks)
     check_capacity(num_blocks, config.cache.block_size, max_model_len)
     runner.bind_kv_cache(allocate_kv_cache(spec, num_blocks, config.cache.block_size, device,
-                                           zero=not runner.use_cpu_kernel))
+                                           zero=runner.attention_backend.zeroed_pool))
     log_capacity(spec, num_blocks, config.cache.block_size, max_model_len)
     logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
     return EngineParts(config, tokenizer, runner, num_blocks, spec.block_bytes(config.cache.block_size),

@@ -2,15 +2,17 @@
 
 `start_parallel_engine_parts` starts this node's worker processes (pagoda/worker.py), waits
 until every rank has loaded its shard and agreed on the KV block count, and returns the
-engine's parts with a `MultiprocExecutor` in the runner's seat. Each step the executor
-prepares the model inputs here (the same `InputPreparer` as in-process), sends them to world
-rank 0, waits for the logits of the sampling rows, and samples here: every request's state
-(seeds, penalties, grammars, drafts) stays in the engine. When every sampling row is plain
-greedy (`sampler.argmax_suffices`), the last stage takes the argmax and only the token ids
-come back (8 bytes a row instead of the vocabulary's logits).
+engine's parts with a `MultiprocExecutor` in the runner's seat. Each step the executor sends
+the scheduler's output to world rank 0 (its requests as `WorkerRequest` copies, with grammar
+masks and seeded generators' states computed here: worker_step.py); every worker prepares its
+own inputs and runs the same `ModelRunner` as one process, and the last stage samples: token
+ids come back, never logits. Every request's state stays in the engine.
 
-Failing loudly: a worker that dies, or does not answer within the step timeout, raises
-`WorkerDiedError`, which the engine does not retry (`fatal`); the server then exits 1.
+The same failure rules as one process: a step that fails on the workers while preparing
+inputs or sampling comes back as `WorkerStepFailed`, and the engine reruns it request by
+request (isolation.py), failing only the culprit. Failing loudly: a worker that dies, or does
+not answer within the step timeout, raises `WorkerDiedError`, which the engine does not retry
+(`fatal`); the server then exits 1.
 `shutdown` stops every local worker and leaves no orphan (workers also die with their parent).
 """
 
@@ -27,18 +29,14 @@ import time
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
-import torch
-
 from pagoda.config import EngineConfig
 from pagoda.engine_setup import EngineParts, build_model_parts, eos_token_ids, resolve_max_model_len
-from pagoda.model_inputs import InputPreparer
 from pagoda.models.loader import load_hf_config, load_tokenizer, resolve_model_path
-from pagoda.prompt_logprobs import with_prompt_logprobs
 from pagoda.request import Request
-from pagoda.sampler import Sampler, SamplerOutput, argmax_suffices
+from pagoda.sampler import SamplerOutput
 from pagoda.scheduler import SchedulerOutput
-from pagoda.spec_decode.rejection import sample_with_drafts
 from pagoda.worker import WorkerSpec, receive, send
+from pagoda.worker_step import WorkerOutput, WorkerStepError, for_workers
 
 logger = logging.getLogger("pagoda")
 
@@ -134,41 +132,36 @@ def accept_from(listener: Listener, workers: list[WorkerProcess]) -> Connection:
     return box[0]
 
 
-class MultiprocExecutor:
-    """Runs each step on the parallel workers; samples in the engine."""
+class WorkerStepFailed(RuntimeError):
+    """A step failed on the workers while preparing inputs or sampling (the workers go on):
+    the engine reruns it request by request, as in one process."""
 
-    def __init__(self, config: EngineConfig, workers: list[WorkerProcess],
-                 info: dict[str, Any]) -> None:
+
+class MultiprocExecutor:
+    """Sends each step's scheduler output to the parallel workers; the tokens come back."""
+
+    def __init__(self, workers: list[WorkerProcess], vocab_size: int) -> None:
         self.workers = workers
         conn = workers[0].conn
         assert conn is not None
         self.conn = conn
-        self.sampler = Sampler()
-        self.preparer = InputPreparer(config.cache.block_size, torch.device("cpu"), info["native"])
-        self.use_cpu_kernel = info["native"]
+        self.vocab_size = vocab_size
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
-        sampling, inputs = self.preparer.prepare(out)
-        inputs.sample_argmax = (bool(sampling) and not inputs.prompt_rows and not out.spec_token_ids
-                                and argmax_suffices(sampling))
-        send(self.conn, inputs)
-        logits = self._wait()
-        if inputs.sample_argmax:
-            # NOTE: the last stage took the argmax: token ids came back, not the logits.
-            return sampling, SamplerOutput(logits.tolist(), [None] * len(sampling))
-        num = inputs.num_sample_rows
-        result = (sample_with_drafts(self.sampler, logits[:num].float(), sampling,
-                                     [out.drafts(r) for r in sampling]) if sampling else None)
-        return sampling, with_prompt_logprobs(result, logits[num:], out.requests, inputs.prompt_rows)
+        send(self.conn, for_workers(out, self.vocab_size))
+        reply = self._wait()
+        if isinstance(reply, WorkerStepError):
+            raise WorkerStepFailed(f"{reply.kind}: {reply.message}")
+        return reply.for_engine(out)
 
-    def _wait(self) -> torch.Tensor:
+    def _wait(self) -> WorkerOutput | WorkerStepError:
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while not self.conn.poll(0.2):
             self.check_workers()
             if time.monotonic() > deadline:
                 raise WorkerDiedError(f"the workers did not answer within {STEP_TIMEOUT_S:g} s")
         try:
-            reply: torch.Tensor = receive(self.conn)
+            reply: WorkerOutput | WorkerStepError = receive(self.conn)
         except (EOFError, OSError) as e:
             # NOTE: rank 0 usually falls because another rank did; name every dead one.
             deadline = time.monotonic() + 3
@@ -252,7 +245,7 @@ def start_parallel_engine_parts(config: EngineConfig) -> EngineParts:
     check_parallel_sizes(hf_config, par.tensor_parallel_size, par.pipeline_parallel_size)
     workers = start_workers(config, par.dist_init_addr or free_address())
     info = _await_ready(workers)
-    executor = MultiprocExecutor(config, workers, info)
+    executor = MultiprocExecutor(workers, info["vocab_size"])
     logger.info("Parallel engine: tensor_parallel_size=%d, pipeline_parallel_size=%d, %d node(s); "
                 "%d KV blocks per rank", par.tensor_parallel_size, par.pipeline_parallel_size,
                 par.nnodes, info["num_blocks"])

@@ -1,9 +1,11 @@
 """ModelRunner: a SchedulerOutput in, sampled tokens out.
 
 `InputPreparer` (model_inputs.py) flattens the batch into `ModelInputs`; `forward` runs the
-model and takes logits only at the rows that sample (and the prompt rows of requests asking
-for prompt logprobs, scored by `prompt_logprobs.py`); `sample` calls the sampler (and verifies
-drafts). The parallel executor uses the same three pieces across processes.
+model (one pipeline stage of it, in a parallel worker) and takes logits only at the rows that
+sample (and the prompt rows of requests asking for prompt logprobs, scored by
+`prompt_logprobs.py`); `sample` calls the sampler (and verifies drafts). One process runs
+`execute`; every parallel worker (worker.py) runs the same pieces on its shard, on the
+requests' copies the engine sends (worker_step.py), and its last stage samples.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from __future__ import annotations
 import torch
 
 from pagoda.layers import cpu_kernels
+from pagoda.layers.attention_backend import (
+    AttentionBackend,
+    NativeAttentionBackend,
+    TorchAttentionBackend,
+)
 from pagoda.model_inputs import InputPreparer, ModelInputs
+from pagoda.models.llama import Intermediate
 from pagoda.models.native_decoder import NativeDecoder
 from pagoda.models.registry import CausalLM
 from pagoda.prompt_logprobs import with_prompt_logprobs
@@ -32,6 +40,14 @@ def step_threads(num_tokens: int, max_threads: int) -> int:
     return 1 if num_tokens < SMALL_STEP_TOKENS else max_threads
 
 
+def attention_backend_for(model: CausalLM, block_size: int, device: torch.device,
+                          native: bool) -> AttentionBackend:
+    """The native kernels' backend where they run and take every layer's heads, else torch's."""
+    if native and all(attn.supports_native for attn in model.attention_layers()):
+        return NativeAttentionBackend(block_size)
+    return TorchAttentionBackend(block_size, device)
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, block_size: int, device: torch.device) -> None:
         self.model = model
@@ -41,7 +57,8 @@ class ModelRunner:
         self.native_decoder: NativeDecoder | None = None
         self.sampler = Sampler()
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
-        self.preparer = InputPreparer(block_size, device, self.use_cpu_kernel)
+        self.attention_backend = attention_backend_for(model, block_size, device, self.use_cpu_kernel)
+        self.preparer = InputPreparer(block_size, device, self.attention_backend)
         self.max_threads = torch.get_num_threads()
         cpu_kernels.enable(model, self.use_cpu_kernel)
         if self.use_cpu_kernel:
@@ -59,6 +76,27 @@ class ModelRunner:
         logprobs scored, when some request asked)."""
         sampling, inputs = self.preparer.prepare(out)
         logits = self.forward(inputs)
+        assert isinstance(logits, torch.Tensor)
+        return self.sample(out, sampling, inputs, logits)
+
+    @torch.inference_mode()
+    def forward(self, inputs: ModelInputs,
+                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
+        """The model on one step's inputs: logits at `inputs.logits_rows`; a pipeline stage
+        before the last (given the previous stage's `intermediate` unless it is the first)
+        returns its hidden states and residual instead."""
+        self._set_threads(inputs.num_tokens)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate,
+                            fused=self.native_decoder)
+        if isinstance(hidden, tuple):
+            return hidden
+        if not inputs.logits_rows.numel():
+            return hidden.new_empty(0, self.model.dims.vocab_size)
+        return self.model.compute_logits(hidden[inputs.logits_rows])
+
+    def sample(self, out: SchedulerOutput, sampling: list[Request], inputs: ModelInputs,
+               logits: torch.Tensor) -> tuple[list[Request], SamplerOutput | None]:
+        """The step's tokens from its logits (drafts verified), and its prompt logprobs."""
         if not sampling and not inputs.prompt_rows:
             return [], None
         logits = logits.cpu() if self.device.type != "cpu" else logits
@@ -66,15 +104,6 @@ class ModelRunner:
         result = (sample_with_drafts(self.sampler, logits[:num], sampling, [out.drafts(r) for r in sampling])
                   if sampling else None)
         return sampling, with_prompt_logprobs(result, logits[num:], out.requests, inputs.prompt_rows)
-
-    @torch.inference_mode()
-    def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """The model on one step's inputs; logits at `inputs.logits_rows`."""
-        self._set_threads(inputs.num_tokens)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, fused=self.native_decoder)
-        if not inputs.logits_rows.numel():
-            return hidden.new_empty(0, self.model.dims.vocab_size)
-        return self.model.compute_logits(hidden[inputs.logits_rows])
 
     def _set_threads(self, num_tokens: int) -> None:
         if self.device.type != "cpu":

@@ -107,6 +107,10 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """The sequence's tokens at positions start .. end - 1."""
+        return self.all_token_ids[start:end]
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

@@ -89,15 +89,6 @@ def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> No
             logits[row, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
 
 
-def argmax_suffices(requests: list[Request]) -> bool:
-    """Whether these rows' tokens are the plain argmax of their logits (greedy, nothing that
-    changes the logits first, no logprobs; the caller rules out drafts): what a parallel
-    worker may sample."""
-    return (not any(r.sampling_params.constrains_tokens or r.sampling_params.logprobs is not None
-                    for r in requests)
-            and not _needs_full_path(requests))
-
-
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """`logits` (any float dtype) stay as they are: log-probabilities are of these."""
@@ -105,7 +96,6 @@ class Sampler:
         full = _needs_full_path(requests)
         work = logits.float()
         if not constrained and not full:
-            # NOTE: the tokens `argmax_suffices` lets a parallel worker compute, the same way.
             tokens = argmax_rows(work).tolist()
             return SamplerOutput(tokens, compute_logprobs(logits, requests, tokens))
         if work is logits:

@@ -1,12 +1,13 @@
 """A parallel worker: one rank's model shard and KV pool, driven step by step by the engine.
 
-World rank 0 receives each step's `ModelInputs` from the engine over a pipe and broadcasts
-them to every rank. Each rank runs its pipeline stage's layers on its tensor-parallel shard (a
-stage after the first receives the previous stage's hidden states and residual first, a stage
-before the last sends its own on). The last stage gathers the logits over its group; its rank
-0 sends them to world rank 0, which answers the engine. Sampling stays in the engine, where
-every request's state lives, except a step whose every row samples plain greedy
-(`ModelInputs.sample_argmax`): the last stage takes the argmax, and token ids go back.
+World rank 0 receives each step's scheduler output from the engine over a pipe (its requests
+as `WorkerRequest` copies, worker_step.py) and broadcasts it to every rank. Each rank runs the
+same `ModelRunner` as one process: it prepares its own inputs and runs its pipeline stage's
+layers on its tensor-parallel shard (a stage after the first receives the previous stage's
+hidden states and residual first, a stage before the last sends its own on). The last stage
+gathers the logits over its group; its rank 0 samples and sends the tokens (`WorkerOutput`)
+to world rank 0, which answers the engine. A step that fails before or after the model runs
+is answered as a `WorkerStepError`; the workers go on.
 
 A worker exits with its parent (PR_SET_PDEATHSIG), and on any error: the engine, which
 watches its workers, then fails loudly rather than waiting on a collective forever.
@@ -29,8 +30,8 @@ import torch.distributed as dist
 
 from pagoda.config import EngineConfig
 from pagoda.distributed import launch
-from pagoda.model_inputs import ModelInputs
-from pagoda.sampler import argmax_rows
+from pagoda.scheduler import SchedulerOutput
+from pagoda.worker_step import WorkerOutput, WorkerStepError
 
 logger = logging.getLogger("pagoda")
 
@@ -88,28 +89,39 @@ class Shard:
         self.model = self.runner.model
         self.hidden_size = self.model.dims.hidden_size
         self.dtype = next(self.model.parameters()).dtype  # NOTE: hidden states and logits too
-        self.sampler_rank = spec.rank - self.tp.rank if self.stage.is_last else None
+        self.samples = self.stage.is_last and self.tp.rank == 0
 
     @torch.inference_mode()
-    def step(self, inputs: ModelInputs) -> torch.Tensor | None:
-        """Runs this stage; returns the logits (with `sample_argmax`, their argmax token ids) on
-        the rank that answers for them, else None."""
-        self.runner._set_threads(inputs.num_tokens)
+    def step(self, out: SchedulerOutput) -> WorkerOutput | WorkerStepError | None:
+        """Runs this stage of the step; returns its result (or why it failed) on the rank that
+        samples, else None.
+
+        Preparing the inputs and sampling fail alike on every rank that runs them (the same
+        inputs, no collective inside): such a failure is the answer, and the workers go on.
+        A failure while the model runs may leave another rank inside a collective: it ends this
+        worker (and the engine, which watches its workers)."""
+        try:
+            sampling, inputs = self.runner.preparer.prepare(out)
+        except Exception as exc:  # noqa: BLE001 - the step's failure, not the worker's
+            return self._failed(exc)
         intermediate = None if self.stage.is_first else self._receive(inputs.num_tokens)
-        out = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate)
-        if not self.stage.is_last:
-            h, residual = out
+        result = self.runner.forward(inputs, intermediate)
+        if isinstance(result, tuple):
+            h, residual = result
             assert self.stage.next_rank is not None and residual is not None
             dist.send(h.contiguous(), self.stage.next_rank)
             dist.send(residual.contiguous(), self.stage.next_rank)
             return None
-        assert isinstance(out, torch.Tensor)
-        if not inputs.logits_rows.numel():
-            return out.new_empty(0, self.model.dims.vocab_size)
-        logits = self.model.compute_logits(out[inputs.logits_rows])
         if self.tp.rank != 0:
             return None
-        return argmax_rows(logits.float()) if inputs.sample_argmax else logits
+        try:
+            return WorkerOutput.of(*self.runner.sample(out, sampling, inputs, result))
+        except Exception as exc:  # noqa: BLE001
+            return self._failed(exc)
+
+    def _failed(self, exc: Exception) -> WorkerStepError | None:
+        logger.warning("step failed: %s: %s", type(exc).__name__, exc)
+        return WorkerStepError(type(exc).__name__, str(exc)) if self.samples else None
 
     def _receive(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.stage.prev_rank is not None
@@ -129,34 +141,33 @@ def run_worker(spec: WorkerSpec, conn: Connection | None) -> None:
     if conn is not None:
         parts = shard.parts
         send(conn, ("ready", {"num_blocks": parts.num_blocks, "block_bytes": parts.block_bytes,
-                             "vocab_size": parts.vocab_size, "native": shard.runner.use_cpu_kernel}))
+                             "vocab_size": parts.vocab_size}))
     while True:
         message: list[Any] = [receive(conn) if conn is not None else None]
         dist.broadcast_object_list(message, src=0)
         if message[0] is None:
             break
-        logits = shard.step(message[0])
-        _answer(shard, spec.rank, conn, logits, message[0])
+        _answer(shard, spec.rank, conn, shard.step(message[0]))
     launch.leave()
 
 
-def _answer(shard: Shard, rank: int, conn: Connection | None, logits: torch.Tensor | None,
-            inputs: ModelInputs) -> None:
-    """Brings the last stage's logits to world rank 0, and rank 0 hands them to the engine."""
-    sampler = shard.sampler_rank if shard.stage.is_last else _last_stage_rank(shard)
+def _answer(shard: Shard, rank: int, conn: Connection | None,
+            reply: WorkerOutput | WorkerStepError | None) -> None:
+    """Brings the sampling rank's reply to world rank 0, which hands it to the engine."""
+    sampler = _sampler_rank(shard)
     if rank == 0:
         if sampler != 0:
-            rows = inputs.logits_rows.numel()
-            logits = (torch.empty(rows, dtype=torch.long) if inputs.sample_argmax
-                      else torch.empty(rows, shard.model.dims.vocab_size, dtype=shard.dtype))
-            dist.recv(logits, sampler)
+            box: list[Any] = [None]
+            dist.recv_object_list(box, sampler)
+            reply = box[0]
         assert conn is not None
-        send(conn, logits)
-    elif rank == sampler and logits is not None:
-        dist.send(logits.contiguous(), 0)
+        send(conn, reply)
+    elif rank == sampler:
+        dist.send_object_list([reply], 0)
 
 
-def _last_stage_rank(shard: Shard) -> int:
+def _sampler_rank(shard: Shard) -> int:
+    """The world rank that samples: tensor-parallel rank 0 of the last stage."""
     return (shard.stage.size - 1) * shard.tp.size
 
 

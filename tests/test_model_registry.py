@@ -6,10 +6,11 @@ from __future__ import annotations
 import types
 
 import pytest
-from torch import nn
+import torch
 
-from pagoda.layers import cpu_kernels
 from pagoda.layers.attention import PagedAttention
+from pagoda.layers.attention_backend import NativeAttentionBackend, TorchAttentionBackend
+from pagoda.model_runner import attention_backend_for
 from pagoda.models.registry import resolve_architecture
 
 
@@ -28,10 +29,13 @@ def test_an_unknown_architecture_is_named_with_the_supported_ones(config, named)
 
 
 def test_heads_wider_than_the_kernels_take_stay_on_torch():
-    """attention.cpp holds at most 256 values of a head in registers; a wider head (none of
-    today's models) must never reach it."""
-    model = nn.ModuleList([PagedAttention(4, 1, 256), PagedAttention(4, 1, 320)])
-    cpu_kernels.enable(model, True)
-    assert [m.native for m in model] == [True, False]
-    cpu_kernels.enable(model, False)
-    assert [m.native for m in model] == [False, False]
+    """attention.cpp holds at most 256 values of a head in registers; a model with a wider head
+    (none of today's models) must never reach it: the runner picks torch's backend."""
+    def model(*head_dims: int) -> types.SimpleNamespace:
+        layers = [PagedAttention(4, 1, d) for d in head_dims]
+        return types.SimpleNamespace(attention_layers=lambda: layers)
+
+    cpu = torch.device("cpu")
+    assert isinstance(attention_backend_for(model(256, 256), 16, cpu, True), NativeAttentionBackend)  # type: ignore[arg-type]
+    for m, native in ((model(256, 320), True), (model(256, 256), False)):
+        assert isinstance(attention_backend_for(m, 16, cpu, native), TorchAttentionBackend)  # type: ignore[arg-type]

@@ -20,10 +20,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from test_isolation import run
 from test_server import REPO, free_port, start_server
 
 from pagoda import LLM, SamplingParams, executor
 from pagoda.executor import WorkerDiedError
+from pagoda.sampling_params import StructuredOutputsParams
+from pagoda.worker_step import WorkerOutput
 
 ENGINE = dict(dtype="float32", max_model_len=256)
 
@@ -48,6 +51,15 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignor
 def tokens_and_logprobs(llm: LLM, params: SamplingParams) -> list[tuple[list[int], float]]:
     return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob)  # type: ignore[misc]
             for o in llm.generate(prompts(3), params, use_tqdm=False)]
+
+
+CONSTRAINED = [
+    SamplingParams(temperature=0, max_tokens=12,
+                   structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])),
+    SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=10, ignore_eos=True,
+                   repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=4),
+    SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+]
 
 
 @pytest.fixture(scope="module")
@@ -76,30 +88,55 @@ def one_process_sampled(one_process: LLM) -> list[tuple[list[int], float]]:
                  {"num_kv_blocks": 20, "block_size": 16}, marks=pytest.mark.slow),  # preemption
 ])
 def test_parallel_greedy_equals_one_process(tiny_llama: Path, expected: list[list[int]],
-                                            one_process_sampled: list, layout: dict, engine: dict,
+                                            one_process: LLM, one_process_sampled: list, layout: dict, engine: dict,
                                             monkeypatch):
     llm = LLM(str(tiny_llama), **ENGINE, **layout, **engine)
-    sent: list[bool] = []  # per step that projects rows to logits: did token ids come back?
-    real_send = executor.send
-    monkeypatch.setattr(executor, "send", lambda conn, obj: (
-        obj is not None and obj.logits_rows.numel() and sent.append(obj.sample_argmax),
-        real_send(conn, obj))[1])
+    replies: list[object] = []  # what the workers answered each step
+    real_receive = executor.receive
+    monkeypatch.setattr(executor, "receive", lambda conn: replies.append(real_receive(conn)) or replies[-1])
     try:
         got = tokens(llm, prompts() + [prompts()[0]], greedy())
         if engine.get("num_kv_blocks", 256) < 64:
             assert llm.engine.scheduler.num_preemptions > 0
         assert got == expected
-        # NOTE: plain greedy steps bring back token ids, not logits.
-        assert sent and all(sent)
+        # NOTE: the workers sample: token ids come back, never logits.
+        assert replies and all(isinstance(r, WorkerOutput) for r in replies)
         llm.engine.check_integrity()
         assert llm.engine.block_manager.prefix_cache_hits > 0
         if layout == {"tensor_parallel_size": 2}:
-            # NOTE: seeded sampling with logprobs: the logits come back, sampled in the engine.
-            sent.clear()
+            # NOTE: seeded sampling with logprobs: the generators' states travel with the step.
             sampled = tokens_and_logprobs(llm, SAMPLED)
-            assert sent and not any(sent)
             assert [t for t, _ in sampled] == [t for t, _ in one_process_sampled]
             assert [lp for _, lp in sampled] == pytest.approx([lp for _, lp in one_process_sampled], abs=1e-4)
+            # NOTE: what a worker cannot hold is computed in the engine (a grammar's masks) or
+            # sent along (the history penalties read, the prompt that prompt logprobs score).
+            for params in CONSTRAINED:
+                want, = one_process.generate(prompts(1), params, use_tqdm=False)
+                have, = llm.generate(prompts(1), params, use_tqdm=False)
+                assert [o.token_ids for o in have.outputs] == [o.token_ids for o in want.outputs]
+                if params.prompt_logprobs is not None:
+                    assert [sorted(e) if e else e for e in have.prompt_logprobs] == \
+                        [sorted(e) if e else e for e in want.prompt_logprobs]
+            # NOTE: one process's failure rule holds: a step that fails on the workers (here
+            # one request's copy is corrupt, so preparing inputs fails on every rank) is rerun
+            # request by request; only the culprit fails, and the workers go on.
+            real_for_workers = executor.for_workers
+
+            def corrupt(out, vocab_size):  # noqa: ANN001, ANN202
+                copy = real_for_workers(out, vocab_size)
+                for r in copy.requests:
+                    if r.request_id == "culprit":
+                        r.block_ids = []
+                return copy
+
+            monkeypatch.setattr(executor, "for_workers", corrupt)
+            llm.engine.add_request("culprit", prompts()[1], greedy(4))
+            llm.engine.add_request("innocent", prompts()[0], greedy())
+            results = run(llm.engine)
+            assert "IndexError" in (results["culprit"].error or "")
+            assert results["innocent"].error is None
+            assert results["innocent"].outputs[0].token_ids == expected[0]
+            assert all(w.is_alive() for w in llm.engine.core.runner.workers)
     finally:
         llm.engine.shutdown()
 

@@ -245,7 +245,7 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 def test_hadamard_kernel_equals_torch_bit_for_bit_and_keeps_dot_products(dtype: torch.dtype, head_dim: int) -> None:
     """The kernel and `rotate_heads` give the same bits (same butterflies, same order, one
     rounding); both are x . H within that rounding, and q.k is what it was."""
-    from pagoda.layers.attention import rotate_heads
+    from pagoda.layers.attention_backend import rotate_heads
 
     gen = torch.Generator().manual_seed(head_dim)
     # NOTE: heads strided inside rows strided apart, as q and k sit in the fused qkv output.

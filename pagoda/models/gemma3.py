@@ -21,7 +21,8 @@ from torch import nn
 
 from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
 from pagoda.layers.activation import GeluAndMul
-from pagoda.layers.attention import AttentionMetadata, PagedAttention
+from pagoda.layers.attention import PagedAttention
+from pagoda.layers.attention_backend import AttentionMetadata
 from pagoda.layers.norm import GemmaRMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, RotaryInputs, inv_freq_for
 from pagoda.layers.tensor_parallel import (

@@ -23,7 +23,8 @@ from torch import nn
 
 from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
 from pagoda.layers.activation import SiluAndMul
-from pagoda.layers.attention import AttentionMetadata, PagedAttention
+from pagoda.layers.attention import PagedAttention
+from pagoda.layers.attention_backend import AttentionMetadata
 from pagoda.layers.norm import RMSNorm
 from pagoda.layers.rotary import RotaryEmbedding, RotaryInputs, inv_freq_for
 from pagoda.layers.tensor_parallel import (

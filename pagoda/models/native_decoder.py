@@ -16,18 +16,16 @@ chunks alike) of at most `max_rows` rows (`takes`), and runs its layers otherwis
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagoda.layers import cpu_kernels
+from pagoda.layers.attention_backend import AttentionMetadata, NativeAttentionMetadata
 from pagoda.layers.cpu_kernels import checks
 from pagoda.layers.linear import Linear
 from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from pagoda.layers.attention import AttentionMetadata
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 CACHE_KINDS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -164,16 +162,14 @@ class NativeDecoder:
         """Whether the kernel attends every row of this step (its metadata, no torch-path
         prefill chunks), in bf16, with few enough rows that every linear's kernel plan takes
         the GEMM (`max_rows`)."""
-        return (meta.num_decode_tokens == h.shape[0] <= self.max_rows and not meta.prefills
-                and h.dtype == torch.bfloat16
-                and meta.decode_block_tables is not None and h.is_contiguous()
-                and positions.dtype == torch.int64)
+        return (isinstance(meta, NativeAttentionMetadata) and meta.num_tokens == h.shape[0] <= self.max_rows
+                and h.dtype == torch.bfloat16 and h.is_contiguous() and positions.dtype == torch.int64)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream before it), computed in h's buffer."""
-        tables, seq_lens, starts = meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_start_loc
-        assert tables is not None and seq_lens is not None and starts is not None
+        assert isinstance(meta, NativeAttentionMetadata)
+        tables, seq_lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
         rows = h.shape[0]
         if checks.ENABLED:
             self._check(positions, meta, rows)
@@ -186,11 +182,9 @@ class NativeDecoder:
         self._fn(ctypes.byref(self._stack), ctypes.byref(step), int(residual is not None))
         return h, res
 
-    def _check(self, positions: torch.Tensor, meta: AttentionMetadata, rows: int) -> None:
+    def _check(self, positions: torch.Tensor, meta: NativeAttentionMetadata, rows: int) -> None:
         """The indices the stack's kernels follow, against the pool and rotary tables
         (`PAGODA_CHECK_KERNEL_INPUTS`)."""
-        assert meta.decode_block_tables is not None and meta.decode_seq_lens is not None
-        assert meta.decode_query_start_loc is not None
         checks.positions(positions, rows, self._cos)
         checks.slots(meta.slot_mapping, rows, self._pool)
-        checks.paged(self._pool, meta.decode_block_tables, meta.decode_seq_lens, meta.decode_query_start_loc, rows)
+        checks.paged(self._pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, rows)
