@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI routes (/v1/...) and vLLM's side routes.
 
-Routes are thin: they validate, then hand off to `completions.py` / `chat.py`. Every error
-leaves in the OpenAI shape (`errors.py`); the gate middleware handles keys and draining.
-`/invocations` (SageMaker) routes a body to chat or completions, as vLLM does.
+Routes are thin: they validate, then hand off to `completions.py` / `chat.py` /
+`responses.py`. Every error leaves in the OpenAI shape (`errors.py`); the gate middleware
+handles keys and draining.
+`/invocations` (SageMaker) routes a body to chat, completions or responses by its shape.
 The engine runs in its own thread, so these handlers only wait on it and /health or
 /v1/models answer at once even when it is saturated. /health answers 503 with the reason when
 the engine loop died or stalls; /kv_cache reports the KV pool (bytes, blocks, tokens held,
@@ -36,6 +37,8 @@ from pagoda.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from pagoda.server.responses import create_response, retrieve_response
+from pagoda.server.responses_protocol import ResponsesRequest
 from pagoda.server.serving import ServerContext, invalid_input, tokenize_text
 from pagoda.server.webui import WebUIAssets
 from pagoda.server.webui import router as webui_router
@@ -100,23 +103,64 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx) -
     return await create_chat_completion(ctx, req, raw)
 
 
+@router.post("/v1/responses", dependencies=JSON_BODY)
+async def responses(req: ResponsesRequest, raw: Request, ctx: Ctx) -> Response:
+    return await create_response(ctx, req, raw)
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, ctx: Ctx) -> dict[str, Any]:
+    return retrieve_response(ctx, response_id)
+
+
+# NOTE: vLLM's /invocations tries each request type in this order; pagoda picks by the body's
+# key, so a malformed body gets its own route's 400 rather than "no handler".
+INVOCATION_ROUTES: tuple[tuple[str, Any, Any], ...] = (
+    ("messages", ChatCompletionRequest, create_chat_completion),
+    ("prompt", CompletionRequest, create_completion),
+    ("input", ResponsesRequest, create_response),
+)
+POOLING_KEYS = ("encoding_format", "dimensions", "query", "queries", "documents", "text_1",
+                "text_2")
+
+
+def invocation_route(body: Any) -> tuple[Any, Any]:
+    """The request type and handler of an /invocations body (a 400 for what pagoda cannot
+    serve: vLLM's pooling requests, embeddings, score, rerank, classify, have no engine here)."""
+    if not isinstance(body, dict):
+        raise bad_request("An /invocations body is a JSON object.")
+    items = body.get("input")
+    pooling = any(key in body for key in POOLING_KEYS) or (
+        isinstance(items, list) and not all(isinstance(item, dict) for item in items))
+    if pooling and "messages" not in body and "prompt" not in body:
+        raise bad_request("pagoda serves no pooling requests (embeddings, classification, "
+                          "score, rerank): send `messages`, `prompt` or a Responses `input`.",
+                          "input")
+    for key, request_type, handler in INVOCATION_ROUTES:
+        if key in body:
+            return request_type, handler
+    raise bad_request("Cannot find suitable handler for request: an /invocations body holds "
+                      "`messages` (a chat completion), `prompt` (a completion) or `input` "
+                      "(a response).")
+
+
 @router.post("/invocations", dependencies=JSON_BODY)
 async def invocations(raw: Request, ctx: Ctx) -> Response:
-    """SageMaker's one route, as vLLM routes it: a body with `messages` is a chat completion,
-    any other a completion."""
+    """SageMaker's one route: a body with `messages` is a chat completion, one with `prompt`
+    a completion, one with `input` a response (vLLM sends that to its pooling routes, which
+    pagoda lacks)."""
     try:
         body = await raw.json()
     except ValueError as e:
         raise bad_request(f"Malformed JSON body: {e}") from e
-    chat = isinstance(body, dict) and "messages" in body
+    request_type, handler = invocation_route(body)
     try:
-        if chat:
-            return await create_chat_completion(
-                ctx, ChatCompletionRequest.model_validate(body), raw)
-        return await create_completion(ctx, CompletionRequest.model_validate(body), raw)
+        req = request_type.model_validate(body)
     except ValidationError as e:
         # NOTE: the same 400 a malformed body gets on the routes themselves.
         raise RequestValidationError(e.errors()) from e
+    response: Response = await handler(ctx, req, raw)
+    return response
 
 
 @router.post("/tokenize", dependencies=JSON_BODY)

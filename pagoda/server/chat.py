@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -134,9 +135,20 @@ def _num_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
-async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request
-                                 ) -> Response:
-    ctx.check_model(req.model)
+@dataclass
+class ChatInputs:
+    """A chat request's checked inputs: its tool plan, its `SamplingParams` keywords (the
+    tools' constraint included), the field a grammar error names, the prompt, max tokens."""
+
+    plan: ToolPlan
+    fields: dict[str, Any]
+    structured_param: str
+    prompt: Prompt
+    max_tokens: int | None
+
+
+async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
+    """Checks the fields and tools, renders and tokenizes the conversation (400s)."""
     fields, structured_param = request_fields(req)
     plan = plan_tools(req, ctx.tool_parser)
     if plan.mode == "auto" and plan.parser is not None and not plan.parser.skip_special_tokens:
@@ -153,29 +165,45 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                              req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
+    return ChatInputs(plan, fields, structured_param, prompt, max_tokens)
+
+
+async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, inputs: ChatInputs,
+                     request_id: str) -> Generation:
+    """The chat's `Generation`, validated and admitted (400s, 429)."""
+    params = build_sampling_params(ctx, inputs.fields, len(inputs.prompt.token_ids),
+                                   inputs.max_tokens, _num_logprobs(req))
+    return await Generation.create(ctx, request_id, [inputs.prompt], [params],
+                                   inputs.structured_param, req.priority, req.user)
+
+
+async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request
+                                 ) -> Response:
+    ctx.check_model(req.model)
+    inputs = await chat_inputs(ctx, req)
     if req.use_beam_search:
-        return await _beam_search_chat(ctx, req, raw, prompt, max_tokens, plan, fields)
-    num_logprobs = _num_logprobs(req)
-    params = build_sampling_params(ctx, fields, len(prompt.token_ids), max_tokens, num_logprobs)
-    gen = await Generation.create(ctx, random_id("chatcmpl"), [prompt], [params],
-                                  structured_param, req.priority, req.user)
+        return await _beam_search_chat(ctx, req, raw, inputs)
+    gen = await start_chat(ctx, req, inputs, random_id("chatcmpl"))
     model = req.model or ctx.model_name
+    num_logprobs = _num_logprobs(req)
     if req.stream:
-        return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, plan)),
+        return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, inputs.plan)),
                                  media_type="text/event-stream")
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
-    return JSONResponse(full_chat(gen, model, num_logprobs, plan,
+    return JSONResponse(full_chat(gen, model, num_logprobs, inputs.plan,
                                   bool(req.return_token_ids)).model_dump())
 
 
-async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request, prompt: Prompt,
-                            max_tokens: int | None, plan: ToolPlan, fields: dict[str, Any]) -> Response:
+async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request,
+                            inputs: ChatInputs) -> Response:
     """vLLM's `use_beam_search` on chat: `n` beams, best first, as `n` choices."""
-    if req.logprobs or plan.mode != "none" or fields.get("structured_outputs") is not None:
+    if req.logprobs or inputs.plan.mode != "none" \
+            or inputs.fields.get("structured_outputs") is not None:
         raise bad_request("use_beam_search returns no logprobs, and takes no tools or output constraint.",
                           "use_beam_search")
-    params = beam_search_params(ctx, req, [prompt], max_tokens, req.length_penalty)
+    prompt = inputs.prompt
+    params = beam_search_params(ctx, req, [prompt], inputs.max_tokens, req.length_penalty)
     request_id = random_id("chatcmpl")
     results = await run_beam_search(ctx, raw, request_id, [prompt], params, req)
     if results is None:
@@ -254,8 +282,5 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
 
 def _tool_pieces(stream: ToolStream, delta: CompletionOutput) -> tuple[list[str], bool]:
     """The delta's content and tool-call pieces (JSON), and whether the choice called tools."""
-    messages, called = stream.feed(delta.text), False
-    if delta.finish_reason is not None:
-        tail, called = stream.finish()
-        messages += tail
+    messages, called = stream.step(delta.text, delta.finish_reason is not None)
     return [part_json(message) for message in messages], called

@@ -11,6 +11,7 @@ Invariant: a chunk is JSON-equal to what `CompletionResponse` / `ChatCompletionS
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -23,6 +24,11 @@ ROLE_DELTA = '{"role":"assistant","content":""}'
 
 def value_json(value: str | int | None) -> str:
     return NULL if value is None else _encode(value)
+
+
+def event_json(event: dict[str, Any]) -> str:
+    """A Responses stream event (plain values and dumped models), as compact as a chunk."""
+    return _encode(event)
 
 
 def part_json(part: BaseModel | None) -> str:

@@ -37,13 +37,15 @@ class APIError(Exception):
     """An error a route raises to answer with `status` in the OpenAI shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 code: int | str | None = None, headers: dict[str, str] | None = None) -> None:
+                 code: int | str | None = None, headers: dict[str, str] | None = None,
+                 error_type: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = status if code is None else code
         self.headers = headers
+        self.error_type = error_type
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -51,21 +53,31 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def error_body(status: int, message: str, param: str | None = None,
-               code: int | str | None = None) -> dict[str, Any]:
-    error_type = ERROR_TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "") + "Error")
+               code: int | str | None = None, error_type: str | None = None) -> dict[str, Any]:
+    """The OpenAI-shaped body; `error_type` defaults to the status's exception-style name."""
+    error_type = error_type or ERROR_TYPES.get(
+        status, HTTPStatus(status).phrase.replace(" ", "") + "Error")
     info = ErrorInfo(message=message, type=error_type, param=param,
                      code=status if code is None else code)
     return ErrorResponse(error=info).model_dump()
 
 
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error_body(error.status, error.message, error.param, error.code),
+    return JSONResponse(error_body(error.status, error.message, error.param, error.code,
+                                   error.error_type),
                         status_code=error.status, headers=error.headers)
 
 
 def sse_error(error: APIError) -> str:
     """An error as one SSE event, for a failure after a stream's 200 headers went out."""
     return f"data: {json.dumps(error_body(error.status, error.message, error.param))}\n\n"
+
+
+def error_event(error: APIError) -> dict[str, Any]:
+    """An error as the Responses stream's `error` event (OpenAI's fields, and the `error`
+    object the other streams' error events carry)."""
+    return {"type": "error", "code": str(error.code), "message": error.message,
+            "param": error.param, **error_body(error.status, error.message, error.param)}
 
 
 def context_length_error(max_model_len: int, num_prompt_tokens: int,

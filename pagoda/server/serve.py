@@ -39,6 +39,7 @@ from pagoda.config import (
 )
 from pagoda.metrics import LiveStatLogger, default_stat_loggers, format_kv_memory_report
 from pagoda.server.api import build_app
+from pagoda.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from pagoda.server.serving import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ServerContext,
@@ -160,6 +161,11 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help='logprobs name each token "token_id:N", not by its text')
     net.add_argument("--enable-request-id-headers", action="store_true",
                      help="every response carries X-Request-Id (the request's own, or a new one)")
+    net.add_argument("--responses-store-size", type=non_negative_int,
+                     default=DEFAULT_RESPONSES_STORE_SIZE, metavar="N",
+                     help="responses kept for previous_response_id and GET /v1/responses/{id}, "
+                          f"the least recently used dropped first (default "
+                          f"{DEFAULT_RESPONSES_STORE_SIZE}; 0 keeps none)")
     net.add_argument("--root-path", default=None,
                      help="the path prefix a proxy serves this server under (FastAPI's root_path)")
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
@@ -482,7 +488,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                             tool_parser=auto_tool_parser(args),
                             api_keys=api_keys(args),
                             max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
-                            return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                            return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                            response_store=ResponseStore(args.responses_store_size))
         logger.info("engine ready in %.1f s (max_model_len %d)", time.perf_counter() - started,
                     ctx.max_model_len)
         logger.info("%s", format_kv_memory_report(engine.kv_report()))

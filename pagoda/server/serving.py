@@ -36,6 +36,7 @@ from pagoda.server.protocol import (
     UsageInfo,
     now,
 )
+from pagoda.server.response_store import ResponseStore
 from pagoda.server.streaming import merge, until_disconnect
 from pagoda.server.tool_parsers import ToolParser
 
@@ -73,8 +74,9 @@ class EngineClient(Protocol):
 @dataclass
 class ServerContext:
     """Everything a route needs: the engine, the names it answers to, the limits, the
-    tool-call parser of "auto" (`--enable-auto-tool-choice --tool-call-parser`), and whether
-    logprobs name their tokens as "token_id:N" (`--return-tokens-as-token-ids`)."""
+    tool-call parser of "auto" (`--enable-auto-tool-choice --tool-call-parser`), whether
+    logprobs name their tokens as "token_id:N" (`--return-tokens-as-token-ids`), and the
+    stored responses (`--responses-store-size`)."""
 
     engine: EngineClient
     served_model_names: list[str]
@@ -87,6 +89,7 @@ class ServerContext:
     draining: bool = False
     num_active_requests: int = 0
     return_tokens_as_token_ids: bool = False
+    response_store: ResponseStore = field(default_factory=ResponseStore)
 
     @property
     def model_name(self) -> str:

@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from pagoda.server.errors import APIError, sse_error
+from pagoda.server.chunks import event_json
+from pagoda.server.errors import APIError, error_event, sse_error
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,15 +72,33 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
     return None
 
 
+async def _until_error(items: AsyncIterator[T]) -> AsyncIterator[T | APIError]:
+    """`items`, then the error that ended them if one did (anything unexpected as a 500)."""
+    try:
+        async for item in items:
+            yield item
+    except APIError as e:
+        yield e
+    except Exception as e:
+        logger.exception("stream failed")
+        yield APIError(500, f"{type(e).__name__}: {e}")
+
+
 async def sse(chunks: AsyncIterator[str]) -> AsyncIterator[str]:
     """Server-sent events: one `data:` line per chunk (its JSON), an error event on failure,
     [DONE]."""
-    try:
-        async for chunk in chunks:
-            yield f"data: {chunk}\n\n"
-    except APIError as e:
-        yield sse_error(e)
-    except Exception as e:
-        logger.exception("stream failed")
-        yield sse_error(APIError(500, f"{type(e).__name__}: {e}"))
+    async for chunk in _until_error(chunks):
+        yield sse_error(chunk) if isinstance(chunk, APIError) else f"data: {chunk}\n\n"
     yield "data: [DONE]\n\n"
+
+
+async def sse_events(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Named server-sent events (the Responses API's): `event: <type>` then the event's JSON,
+    numbered by `sequence_number`; a failure ends the stream with an `error` event (which,
+    like the chat stream's, carries an `error` object). No [DONE], as OpenAI's."""
+    number = 0
+    async for item in _until_error(events):
+        event = error_event(item) if isinstance(item, APIError) else item
+        event["sequence_number"] = number
+        number += 1
+        yield f"event: {event['type']}\ndata: {event_json(event)}\n\n"

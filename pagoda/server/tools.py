@@ -198,6 +198,15 @@ class ToolStream:
         scan = self.plan.parser.scan(self.text)
         return self._content(scan.content_end) + self._calls(scan.calls)
 
+    def step(self, delta: str, finished: bool) -> tuple[list[DeltaMessage], bool]:
+        """A delta's content and tool-call deltas (at the finish, what the end releases too),
+        and whether the choice called tools (known at the finish only)."""
+        messages, called = self.feed(delta), False
+        if finished:
+            tail, called = self.finish()
+            messages += tail
+        return messages, called
+
     def finish(self) -> tuple[list[DeltaMessage], bool]:
         """The deltas the end releases, and whether the choice called tools."""
         if self.plan.mode == "named" or self.plan.parser is None:
