@@ -90,6 +90,7 @@ class Shard:
         self.hidden_size = self.model.dims.hidden_size
         self.dtype = next(self.model.parameters()).dtype  # NOTE: hidden states and logits too
         self.samples = self.stage.is_last and self.tp.rank == 0
+        self.node_threads = spec.num_threads * par.ranks_per_node
 
     @torch.inference_mode()
     def step(self, out: SchedulerOutput) -> WorkerOutput | WorkerStepError | None:
@@ -114,10 +115,15 @@ class Shard:
             return None
         if self.tp.rank != 0:
             return None
+        # NOTE: every other rank of the node waits while this one samples: it borrows their
+        # cores (16 seeded top-p rows of SmolLM2's vocabulary: 98 ms on one Zen 3 core, 66 on two).
+        torch.set_num_threads(self.node_threads)
         try:
             return WorkerOutput.of(*self.runner.sample(out, sampling, inputs, result))
         except Exception as exc:  # noqa: BLE001
             return self._failed(exc)
+        finally:
+            torch.set_num_threads(self.runner.max_threads)
 
     def _failed(self, exc: Exception) -> WorkerStepError | None:
         logger.warning("step failed: %s: %s", type(exc).__name__, exc)
