@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from pagoda.request import Request
-from pagoda.sampler import Sampler, argmax_rows
+from pagoda.sampler import TOP_CANDIDATES, Sampler, argmax_rows
+from pagoda.sampling_params import SamplingParams
 
 VOCAB = 16
 
@@ -78,6 +79,26 @@ def test_top_k_top_p_min_p_restrict_support():
         assert tokens == {3}, params
     tokens = {Sampler()(_logits(), [_request([], temperature=1.0, top_k=3)]).token_ids[0] for _ in range(60)}
     assert tokens <= {3, 4, 7} and len(tokens) > 1
+
+
+def test_top_k_top_p_among_candidates_equals_a_whole_sort():
+    """The kept sets (and values) of the candidates' shortcut are a whole sort's, for peaked and
+    flat rows, top k below, between and above the candidates, with and without top p."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = 4000
+    # NOTE: the flat rows' (scale 0.05) sets go past the candidates
+    settings = [(k, p, scale) for k in (0, 3, 200, 1000, vocab) for p in (1.0, 0.95, 0.5)
+                for scale in (8.0, 1.0, 0.05)]
+    logits = torch.randn(len(settings), vocab, generator=gen) * torch.tensor([s for *_, s in settings])[:, None]
+    params = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p, _ in settings]
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])[:, None]
+    top_p = torch.tensor([p.top_p for p in params])[:, None]
+    want = Sampler._sorted_top_k_top_p(logits, top_k, top_p)
+    got = Sampler()._top_k_top_p(logits, params, vocab)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got, want)
+    kept = (~torch.isinf(got)).sum(dim=-1)
+    assert kept.min() >= 1 and kept.max() > TOP_CANDIDATES  # both paths ran
 
 
 def test_seeded_rows_ignore_batch_neighbours():
