@@ -1,24 +1,45 @@
-"""Median time of one `Sampler` call on one thread: B greedy rows of SmolLM2's 49,152 bf16
-logits with min_tokens pending (EOS masked), as in the side-by-side workload (ignore_eos +
-min_tokens). Run it in two checkouts to compare (docs/performance.md, Sampler).
+"""Median time of one `Sampler` call on one thread, B rows of SmolLM2's 49,152 bf16 logits:
+- greedy rows with min_tokens pending (EOS masked), as in the side-by-side workload
+  (ignore_eos + min_tokens);
+- seeded rows with temperature 0.8 and top_p 0.9 over peaked logits (N(0, 4^2): a few hundred
+  tokens hold the top-p mass), with a row's top-p set looked for among its largest logits
+  (`TOP_CANDIDATES`) and with a whole sort (`--whole-sort`), alternating.
+Run it in two checkouts to compare (docs/performance.md, Sampler).
 Usage: python docs/benchmarks/kernels/sampler_time.py [B ...]   (default 1 16 64)
 """
 import statistics, sys, time
 import torch
+from pagoda import sampler as sampler_module
 from pagoda.request import Request
 from pagoda.sampler import Sampler
 from pagoda.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
-for batch in [int(b) for b in sys.argv[1:]] or [1, 16, 64]:
-    params = SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True, temperature=0)
-    requests = [Request(f"r{i}", [1, 2, 3], params, eos_token_ids={2}) for i in range(batch)]
-    logits = torch.randn(batch, 49152, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    sampler = Sampler()
-    times = []
-    for i in range(60):
+CASES = {"greedy": SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True, temperature=0),
+         "seeded top-p": SamplingParams(max_tokens=128, temperature=0.8, top_p=0.9, seed=1)}
+
+
+def median_ms(requests: list[Request], logits: torch.Tensor, calls: int = 30) -> float:
+    sampler, times = Sampler(), []
+    for i in range(calls + 5):
         t = time.perf_counter()
         sampler(logits, requests)
-        if i >= 10:
+        if i >= 5:
             times.append(time.perf_counter() - t)
-    print(f"B={batch}: {statistics.median(times) * 1e3:.3f} ms per call")
+    return statistics.median(times) * 1e3
+
+
+candidates = getattr(sampler_module, "TOP_CANDIDATES", None)
+for batch in [int(b) for b in sys.argv[1:]] or [1, 16, 64]:
+    g = torch.Generator().manual_seed(0)
+    for name, params in CASES.items():
+        requests = [Request(f"r{i}", [1, 2, 3], params, eos_token_ids={2}) for i in range(batch)]
+        logits = (torch.randn(batch, 49152, generator=g) * (4 if params.top_p < 1 else 1)).to(torch.bfloat16)
+        if name == "greedy" or candidates is None:
+            print(f"B={batch} {name}: {median_ms(requests, logits):.3f} ms per call")
+            continue
+        for whole in (False, True, False, True):
+            sampler_module.TOP_CANDIDATES = 49152 if whole else candidates
+            print(f"B={batch} {name}{' (whole sort)' if whole else ''}: "
+                  f"{median_ms(requests, logits, 10):.3f} ms per call")
+        sampler_module.TOP_CANDIDATES = candidates
