@@ -109,6 +109,12 @@ class ModelRunner:
             return LastStageOutput(hidden.new_empty(0, self.model.dims.vocab_size), pooled)
         return LastStageOutput(self.model.compute_logits(hidden[inputs.logits_rows]), pooled)
 
+    def logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """The logits at `inputs.logits_rows` of a whole model (one process; benchmarks, tests)."""
+        result = self.forward(inputs)
+        assert isinstance(result, LastStageOutput)
+        return result.logits
+
     def sample(self, out: SchedulerOutput, sampling: list[Request], inputs: ModelInputs,
                stage: LastStageOutput) -> tuple[list[Request], SamplerOutput | None]:
         """The step's tokens from its logits (drafts verified), its prompt logprobs and its
