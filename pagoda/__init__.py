@@ -11,17 +11,26 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
     from pagoda.llm import LLM
-    from pagoda.outputs import CompletionOutput, RequestOutput
+    from pagoda.outputs import (
+        CompletionOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        RequestOutput,
+    )
+    from pagoda.pooling import PoolingParams
     from pagoda.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams",
+           "EmbeddingRequestOutput", "PoolingRequestOutput"]
 __version__ = "0.1.0"
 
 # NOTE: imported on first use, not with the package: `python -m pagoda.worker` (and
 # `pagoda.core_client`) would otherwise find their own module imported already, through
 # the engine, before running it as __main__ (runpy's double import and its warning).
 _HOMES = {"LLM": "pagoda.llm", "SamplingParams": "pagoda.sampling_params",
-          "RequestOutput": "pagoda.outputs", "CompletionOutput": "pagoda.outputs"}
+          "RequestOutput": "pagoda.outputs", "CompletionOutput": "pagoda.outputs",
+          "PoolingParams": "pagoda.pooling", "EmbeddingRequestOutput": "pagoda.outputs",
+          "PoolingRequestOutput": "pagoda.outputs"}
 
 
 def __getattr__(name: str) -> Any:

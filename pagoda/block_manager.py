@@ -112,8 +112,11 @@ class BlockManager:
 
     def takes_prefix_hits(self, request: Request) -> bool:
         """Whether `request` may reuse cached blocks: not when it wants prompt logprobs, which
-        need the logits of every prompt row (vLLM v1's rule); its own blocks are still cached."""
-        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+        need the logits of every prompt row (vLLM v1's rule), nor when it mean-pools every
+        prompt row's hidden state (pooling.py); its own blocks are still cached."""
+        pooling = request.pooling_params
+        return (self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+                and not (pooling is not None and pooling.pools_every_row))
 
     def get_computed_blocks(self, request: Request) -> list[Block]:
         """The longest cached prefix of the request, in whole blocks, never its last token."""

@@ -51,7 +51,8 @@ class LLMEngine:
         self.max_model_len = parts.config.scheduler.max_model_len
         self.block_bytes = parts.block_bytes
         self.processor = InputProcessor(parts.tokenizer, parts.vocab_size, self.max_model_len,
-                                        parts.config.limits, config.scheduler.scheduling_policy)
+                                        parts.config.limits, config.scheduler.scheduling_policy,
+                                        parts.pooler)
         self.states: dict[str, RequestState] = {}
         self.stat_loggers = list(stat_loggers)
         self.info = parts.info
@@ -98,10 +99,14 @@ class LLMEngine:
             ValueError: an invalid prompt or params (`param` names the field), or an id in use.
             PromptTooLongError: no room for one output token.
         """
-        request_id = request_id if request_id is not None else str(next(self._ids))
+        request_id = request_id if request_id is not None else self.new_id()
         self._check_new_id(request_id)
         return self.add_processed(self.processor.process(request_id, prompt, params, arrival_time,
                                                          priority=priority))
+
+    def new_id(self) -> str:
+        """A request id of this engine's own numbering."""
+        return str(next(self._ids))
 
     def add_processed(self, req: EngineRequest) -> str:
         """Queues a request that `self.processor` already validated; returns its id."""

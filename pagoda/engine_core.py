@@ -28,6 +28,7 @@ from pagoda.input_processor import EngineRequest
 from pagoda.isolation import StepResult, execute_isolating, untrusted_blocks, uses_any
 from pagoda.output_processor import finished_stats, record_token_timing
 from pagoda.outputs import RequestMetrics
+from pagoda.pooling import PooledPart, finish_vector
 from pagoda.request import Request, RequestStatus
 from pagoda.sampler import TokenLogprobs
 from pagoda.scheduler import Scheduler, SchedulerOutput
@@ -64,6 +65,7 @@ class EngineCoreOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     error_is_request: bool = False  # the request's own fault (its constraint), not the engine's
+    pooled: list[float] | None = None  # a pooled request's vector, when it finishes (pooling.py)
 
 
 @dataclass
@@ -104,7 +106,7 @@ class EngineCore:
         children = [
             Request(req.request_id, req.prompt_token_ids, params, self.eos_token_ids,
                     req.arrival_time, self.max_model_len, sample_index=i, grammar=grammars[i],
-                    priority=req.priority, group=req.group)
+                    priority=req.priority, group=req.group, pooling_params=req.pooling_params)
             for i, params in enumerate(samples)
         ]
         self._requests[req.request_id] = children
@@ -219,6 +221,7 @@ class EngineCore:
                 stats.num_preemptions += 1
                 result.samples.pop(request, None)
                 result.prompt_logprobs.pop(request, None)
+                result.pooled.pop(request, None)
             else:
                 ran.add(request, num_tokens - self._rejected_drafts(sched.drafts(request), request,
                                                                     result, stats))
@@ -226,6 +229,8 @@ class EngineCore:
         for request, entries in result.prompt_logprobs.items():
             self._report_prompt_logprobs(request, entries)
         now = time.time()
+        for request, part in result.pooled.items():
+            self._pool(request, part, now, stats)
         for request, (tokens, logprobs) in result.samples.items():
             try:
                 for token in tokens:
@@ -290,6 +295,25 @@ class EngineCore:
         request.num_prompt_logprobs += len(entries)
         out = self._change(request)
         out.new_prompt_logprobs = (out.new_prompt_logprobs or []) + entries
+
+    def _pool(self, request: Request, part: PooledPart, now: float, stats: IterationStats) -> None:
+        """Adds a step's part to the request's pooled vector; once its whole prompt is
+        computed, the request finishes with the vector (its first and only "token")."""
+        if request.is_finished or request.pooling_params is None:
+            return
+        # NOTE: parts follow each other (`positions_to_pool` starts past the rows pooled).
+        request.pooled_sum = part.total if request.pooled_sum is None else request.pooled_sum + part.total
+        request.num_pooled_tokens = part.start + part.count
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return
+        params = request.pooling_params
+        num_rows = request.num_pooled_tokens if params.pools_every_row else 1
+        vector = finish_vector(request.pooled_sum, num_rows, params)
+        request.metrics.first_token_time = request.metrics.last_token_time = now
+        stats.time_to_first_tokens.append(now - request.metrics.arrival_time)
+        stats.num_prompt_tokens += request.num_prompt_tokens
+        self._finish(request, RequestStatus.FINISHED_STOPPED, stats)
+        self._change(request).pooled = vector
 
     def _change(self, request: Request) -> EngineCoreOutput:
         """The output this step reports for `request`, created on first change."""

@@ -29,6 +29,7 @@ from pagoda.layers.kernel_plan import KernelPlan
 from pagoda.layers.linear import prepack_for_cpu
 from pagoda.model_runner import ModelRunner, step_threads
 from pagoda.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
+from pagoda.pooling import PoolerConfig
 from pagoda.stats import EngineInfo
 
 logger = logging.getLogger("pagoda")
@@ -49,6 +50,7 @@ class EngineParts:
     eos_token_ids: set[int]
     vocab_size: int
     info: EngineInfo = EngineInfo("", "", "")
+    pooler: PoolerConfig = PoolerConfig(0)
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -140,7 +142,8 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     log_capacity(spec, num_blocks, config.cache.block_size, max_model_len)
     logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
     return EngineParts(config, tokenizer, runner, num_blocks, spec.block_bytes(config.cache.block_size),
-                       eos_token_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, plan))
+                       eos_token_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, plan),
+                       PoolerConfig.from_hf_config(hf_config))
 
 
 def engine_info(device: torch.device, plan: KernelPlan | None) -> EngineInfo:

@@ -32,6 +32,7 @@ from typing import Any
 from pagoda.config import EngineConfig
 from pagoda.engine_setup import EngineParts, build_model_parts, eos_token_ids, resolve_max_model_len
 from pagoda.models.loader import load_hf_config, load_tokenizer, resolve_model_path
+from pagoda.pooling import PoolerConfig
 from pagoda.request import Request
 from pagoda.sampler import SamplerOutput
 from pagoda.scheduler import SchedulerOutput
@@ -250,7 +251,8 @@ def start_parallel_engine_parts(config: EngineConfig) -> EngineParts:
                 "%d KV blocks per rank", par.tensor_parallel_size, par.pipeline_parallel_size,
                 par.nnodes, info["num_blocks"])
     return EngineParts(config, tokenizer, executor, info["num_blocks"], info["block_bytes"],
-                       eos_token_ids(hf_config, tokenizer), info["vocab_size"])
+                       eos_token_ids(hf_config, tokenizer), info["vocab_size"],
+                       pooler=PoolerConfig.from_hf_config(hf_config))
 
 
 def run_headless(config: EngineConfig) -> int:

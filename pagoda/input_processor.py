@@ -8,6 +8,8 @@ reaches the engine core (vLLM's `Processor`):
 - sampling params: `n` up to `max_n`, stop strings and stop token ids bounded in number and
   size, stop ids inside the vocabulary, `top_k` above the vocabulary clamped to "off",
   logit_bias and allowed_token_ids inside the vocabulary;
+- pooling params: `dimensions` only on a Matryoshka model (vLLM's rule), the prompt cut to
+  `truncate_prompt_tokens` first; a pooled prompt may fill the whole context;
 - structured outputs: compiled here (cached per constraint, in the caller's thread), so an
   invalid schema is a 400 and compiling never stalls the engine's steps.
 Invariant: what `process` returns can be scheduled and sampled without an index or overflow
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import LimitsConfig
+from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParamError, SamplingParams
 from pagoda.structured_output import Grammar, GrammarCompiler
 
@@ -52,6 +55,7 @@ class EngineRequest:
     grammar: Grammar | None = None
     priority: int = 0
     group: str | None = None  # requests that share one share the scheduler's turns
+    pooling_params: PoolingParams | None = None  # a pooled request (pooling.py): no tokens
 
 
 def check_unicode(text: str, param: str) -> None:
@@ -72,11 +76,14 @@ class InputProcessor:
         max_model_len: the context length.
         limits: resolved limits (`LimitsConfig.resolved`).
         scheduling_policy: the scheduler's; a nonzero `priority` needs "priority".
+        pooler: the model's embedding width and Matryoshka support (pooled requests).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
-                 limits: LimitsConfig, scheduling_policy: str = "fcfs") -> None:
+                 limits: LimitsConfig, scheduling_policy: str = "fcfs",
+                 pooler: PoolerConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.pooler = pooler or PoolerConfig(0)
         self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -116,9 +123,11 @@ class InputProcessor:
             raise SamplingParamError(
                 param, f"Token id {bad} is out of vocabulary (size {self.vocab_size}).")
 
-    def check_prompt(self, token_ids: list[int]) -> None:
+    def check_prompt(self, token_ids: list[int], pooled: bool = False) -> None:
+        """Ids inside the vocabulary, leaving room for one token (a pooled prompt, which
+        generates none, may fill the whole context)."""
         self.check_token_ids(token_ids, "prompt")
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > self.max_model_len - (0 if pooled else 1):
             raise PromptTooLongError(len(token_ids), self.max_model_len)
 
     def check_priority(self, priority: int) -> None:
@@ -194,6 +203,31 @@ class InputProcessor:
 
     def close(self) -> None:
         self.grammars.close()
+
+    def process_pooling(self, request_id: str, prompt: str | list[int], params: PoolingParams,
+                        arrival_time: float | None = None, prompt_text: str | None = None,
+                        priority: int = 0, group: str | None = None) -> EngineRequest:
+        """Tokenizes (when given text), truncates and validates one pooled request.
+
+        Raises:
+            ValueError: with `param` naming the offending field.
+            PromptTooLongError: the prompt is longer than the context.
+        """
+        if isinstance(prompt, str):
+            prompt_text = prompt
+            token_ids = self.tokenize(prompt)
+        else:
+            token_ids = list(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            token_ids = token_ids[-keep:]
+        self.check_priority(priority)
+        self.check_prompt(token_ids, pooled=True)
+        self.pooler.check(params)
+        return EngineRequest(request_id, token_ids, SamplingParams(max_tokens=1),
+                             time.time() if arrival_time is None else arrival_time, prompt_text,
+                             None, priority, group, params)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float | None = None, prompt_text: str | None = None,

@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pagoda.pooling import PooledPart
 from pagoda.request import Request
 from pagoda.sampler import SamplerOutput, TokenLogprobs
 from pagoda.scheduler import SchedulerOutput
@@ -30,11 +31,12 @@ class StepRunner(Protocol):
 @dataclass
 class StepResult:
     """What a step did: requests that ran (with their token counts), samples, prompt logprobs
-    scored, failures."""
+    scored, pooled parts, failures."""
 
     executed: list[tuple[Request, int]] = field(default_factory=list)
     samples: dict[Request, tuple[list[int], TokenLogprobs | None]] = field(default_factory=dict)
     prompt_logprobs: dict[Request, list[TokenLogprobs]] = field(default_factory=dict)
+    pooled: dict[Request, PooledPart] = field(default_factory=dict)
     failed: list[tuple[Request, Exception]] = field(default_factory=list)
 
     def add_run(self, out: SchedulerOutput, sampled: list[Request],
@@ -44,6 +46,7 @@ class StepResult:
             for i, (request, logprobs) in enumerate(zip(sampled, result.logprobs, strict=True)):
                 self.samples[request] = (result.emitted(i), logprobs)
             self.prompt_logprobs.update(result.prompt_logprobs)
+            self.pooled.update(result.pooled)
 
 
 def execute_isolating(runner: StepRunner, out: SchedulerOutput) -> StepResult:

@@ -1,8 +1,10 @@
-"""The offline API: `LLM(model, **engine_args).generate(prompts, params)` and `.chat(...)`."""
+"""The offline API: `LLM(model, **engine_args).generate(prompts, params)`, `.chat(...)`, and
+the pooled ones, `.embed(prompts)` and `.encode(prompts)` (pooling.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from tqdm import tqdm
 
@@ -14,7 +16,15 @@ from pagoda.beam_search import (
     live_beams,
 )
 from pagoda.engine import LLMEngine
-from pagoda.outputs import CompletionOutput, RequestOutput
+from pagoda.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -40,6 +50,7 @@ def merge_delta(into: RequestOutput | None, delta: RequestOutput) -> RequestOutp
     into.num_cached_tokens = delta.num_cached_tokens
     if delta.prompt_logprobs is not None:
         into.prompt_logprobs = delta.prompt_logprobs
+    into.pooled = delta.pooled if delta.pooled is not None else into.pooled
     return into
 
 
@@ -65,7 +76,7 @@ class LLM:
 
         `priority` (one per prompt, lower is sooner) needs `scheduling_policy="priority"`."""
         prompt_list = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompt_list))
+        params = _as_list(sampling_params, SamplingParams, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts.")
@@ -86,6 +97,34 @@ class LLM:
             outputs = self.generate([beam.tokens for _, beam in live], step, use_tqdm=False)
             advance_all(searches, live, [(out.outputs[0].logprobs or [{}])[0] for out in outputs])
         return [search.result(self.tokenizer) for search in searches]
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              use_tqdm: bool | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: one embedding per prompt (`.outputs.embedding`), in order."""
+        return [PoolingRequestOutput(out.request_id, EmbeddingOutput(vector), out.prompt_token_ids)
+                for out, vector in self._pool(prompts, pooling_params, use_tqdm)]
+
+    def encode(self, prompts: Prompt | Sequence[Prompt],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.encode`: each prompt's pooled vector (`.outputs.data`), in order."""
+        return [PoolingRequestOutput(out.request_id, PoolingOutput(vector), out.prompt_token_ids)
+                for out, vector in self._pool(prompts, pooling_params, use_tqdm)]
+
+    def _pool(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None,
+              use_tqdm: bool | None) -> list[tuple[RequestOutput, list[float]]]:
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_list(pooling_params, PoolingParams, len(prompt_list))
+        engine = self.engine
+        ids = [engine.add_processed(engine.processor.process_pooling(engine.new_id(), p, pp))
+               for p, pp in zip(prompt_list, params, strict=True)]
+        results = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
+        failed = next((out for out in results if out.pooled is None), None)
+        if failed is not None:
+            raise RuntimeError(f"Request {failed.request_id} failed: {failed.error}")
+        return [(out, out.pooled or []) for out in results]
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
         return list(prompt) if isinstance(prompt, list) else self.engine.processor.tokenize(prompt)
@@ -126,11 +165,16 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return list(prompts)  # type: ignore[arg-type]
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+P = TypeVar("P", SamplingParams, PoolingParams)
+
+
+def _as_list(params: P | Sequence[P] | None, kind: type[P], n: int) -> list[P]:
+    """One params object per prompt (the default's when None, the same one for all)."""
     if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
+        return [kind()] * n
+    if isinstance(params, kind):
         return [params] * n
+    assert not isinstance(params, (SamplingParams, PoolingParams))
     if len(params) != n:
-        raise ValueError(f"Got {len(params)} sampling params for {n} prompts.")
+        raise ValueError(f"Got {len(params)} {kind.__name__} for {n} prompts.")
     return list(params)

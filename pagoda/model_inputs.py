@@ -5,20 +5,26 @@ takes: with the native CPU kernels every row, with torch's SDPA the one-token de
 the rest), flattens it without padding, and builds `input_ids`, `positions`, `slot_mapping`,
 the attention metadata (built by the backend, attention_backend.py) and the rows
 whose logits are needed (sampling rows, then the prompt rows of requests that ask for
-prompt logprobs). The result, `ModelInputs`, holds only tensors and plain data; every
+prompt logprobs), and the hidden rows pooled requests pool (pooling.py; a pooled request
+has no sampling row). The result, `ModelInputs`, holds only tensors and plain data; every
 parallel worker prepares its own from the step's `WorkerRequest` copies (worker_step.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from pagoda.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pagoda.pooling import PoolRows, positions_to_pool
 from pagoda.prompt_logprobs import PromptRows, positions_to_score
 from pagoda.request import Request
 from pagoda.scheduler import SchedulerOutput
+
+Span = TypeVar("Span", PromptRows, PoolRows)
 
 
 @dataclass
@@ -32,6 +38,8 @@ class ModelInputs:
     logits_rows: torch.Tensor
     num_tokens: int
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    pool_rows: list[PoolRows] = field(default_factory=list)  # NOTE: hidden rows `pool_row_ids`
+    pool_row_ids: torch.Tensor | None = None
 
     @property
     def num_sample_rows(self) -> int:
@@ -60,23 +68,27 @@ class InputPreparer:
         counts = [out.num_scheduled_tokens[i] for i in order]
         input_ids, positions, meta, sample_rows = self._prepare(reqs, counts, [out.drafts(r) for r in reqs])
         rows = [r for _, first, last in sample_rows for r in range(first, last + 1)]
-        prompt_rows, scored_rows = self._prompt_rows(out, order)
+        prompt_rows, scored_rows = self._spans(out, order, positions_to_score, PromptRows)
+        pool_rows, pooled_rows = self._spans(out, order, positions_to_pool, PoolRows)
         inputs = ModelInputs(input_ids, positions, meta,
                              torch.tensor(rows + scored_rows, dtype=torch.long, device=self.device),
-                             sum(counts), prompt_rows)
+                             sum(counts), prompt_rows, pool_rows,
+                             torch.tensor(pooled_rows, dtype=torch.long, device=self.device))
         return [reqs[i] for i, _, _ in sample_rows], inputs
 
     @staticmethod
-    def _prompt_rows(out: SchedulerOutput, order: list[int]) -> tuple[list[PromptRows], list[int]]:
-        """The prompt positions each request scores (prompt logprobs) and their hidden rows."""
-        spans: list[PromptRows] = []
+    def _spans(out: SchedulerOutput, order: list[int], positions: Callable[[Request, int], tuple[int, int]],
+               span_type: Callable[[int, int, int], Span]) -> tuple[list[Span], list[int]]:
+        """The prompt positions each request scores (prompt logprobs) or pools, as spans
+        (`span_type`), and their hidden rows."""
+        spans: list[Span] = []
         rows: list[int] = []
         base = 0
         for i in order:
             request, n = out.requests[i], out.num_scheduled_tokens[i]
-            start, count = positions_to_score(request, n)
+            start, count = positions(request, n)
             if count:
-                spans.append(PromptRows(i, start, count))
+                spans.append(span_type(i, start, count))
                 first = base + start - request.num_computed_tokens
                 rows.extend(range(first, first + count))
             base += n
@@ -98,7 +110,7 @@ class InputPreparer:
             input_ids.extend(tokens)
             positions.extend(range(c, c + n))
             slots.extend(self._slot(r, p) for p in range(c, c + n))
-            if c + n >= r.num_tokens:
+            if c + n >= r.num_tokens and r.pooling_params is None:
                 last = len(input_ids) - 1
                 sample_rows.append((i, last - len(draft), last))
         meta = self.backend.build(reqs, counts, self._tensor(slots))

@@ -3,12 +3,15 @@
 `InputPreparer` (model_inputs.py) flattens the batch into `ModelInputs`; `forward` runs the
 model (one pipeline stage of it, in a parallel worker) and takes logits only at the rows that
 sample (and the prompt rows of requests asking for prompt logprobs, scored by
-`prompt_logprobs.py`); `sample` calls the sampler (and verifies drafts). One process runs
+`prompt_logprobs.py`), and keeps the final-norm hidden rows pooled requests pool
+(`pooling.py`); `sample` calls the sampler (and verifies drafts). One process runs
 `execute`; every parallel worker (worker.py) runs the same pieces on its shard, on the
 requests' copies the engine sends (worker_step.py), and its last stage samples.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +25,7 @@ from pagoda.model_inputs import InputPreparer, ModelInputs
 from pagoda.models.llama import Intermediate
 from pagoda.models.native_decoder import NativeDecoder
 from pagoda.models.registry import CausalLM
+from pagoda.pooling import pool_chunks
 from pagoda.prompt_logprobs import with_prompt_logprobs
 from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
@@ -29,6 +33,15 @@ from pagoda.scheduler import SchedulerOutput
 from pagoda.spec_decode.rejection import sample_with_drafts
 
 SMALL_STEP_TOKENS = 12
+
+
+@dataclass
+class LastStageOutput:
+    """What the last stage's forward pass keeps: the logits rows, and the final-norm hidden
+    rows of the pooled requests (`ModelInputs.pool_rows`)."""
+
+    logits: torch.Tensor
+    pooled_hidden: torch.Tensor
 
 
 def step_threads(num_tokens: int, max_threads: int) -> int:
@@ -73,37 +86,50 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         """Runs one step; returns the requests that sampled and their tokens (with the prompt
-        logprobs scored, when some request asked)."""
+        logprobs scored and the pooled parts, when some request asked)."""
         sampling, inputs = self.preparer.prepare(out)
-        logits = self.forward(inputs)
-        assert isinstance(logits, torch.Tensor)
-        return self.sample(out, sampling, inputs, logits)
+        result = self.forward(inputs)
+        assert isinstance(result, LastStageOutput)
+        return self.sample(out, sampling, inputs, result)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs,
-                intermediate: Intermediate | None = None) -> torch.Tensor | Intermediate:
-        """The model on one step's inputs: logits at `inputs.logits_rows`; a pipeline stage
-        before the last (given the previous stage's `intermediate` unless it is the first)
-        returns its hidden states and residual instead."""
+                intermediate: Intermediate | None = None) -> LastStageOutput | Intermediate:
+        """The model on one step's inputs: logits at `inputs.logits_rows` and the final-norm
+        hidden states at `inputs.pool_row_ids`; a pipeline stage before the last (given the
+        previous stage's `intermediate` unless it is the first) returns its hidden states and
+        residual instead."""
         self._set_threads(inputs.num_tokens)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate,
                             fused=self.native_decoder)
         if isinstance(hidden, tuple):
             return hidden
+        pooled = hidden[inputs.pool_row_ids] if inputs.pool_rows else hidden[:0]
         if not inputs.logits_rows.numel():
-            return hidden.new_empty(0, self.model.dims.vocab_size)
-        return self.model.compute_logits(hidden[inputs.logits_rows])
+            return LastStageOutput(hidden.new_empty(0, self.model.dims.vocab_size), pooled)
+        return LastStageOutput(self.model.compute_logits(hidden[inputs.logits_rows]), pooled)
+
+    def logits(self, inputs: ModelInputs) -> torch.Tensor:
+        """The logits at `inputs.logits_rows` of a whole model (one process; benchmarks, tests)."""
+        result = self.forward(inputs)
+        assert isinstance(result, LastStageOutput)
+        return result.logits
 
     def sample(self, out: SchedulerOutput, sampling: list[Request], inputs: ModelInputs,
-               logits: torch.Tensor) -> tuple[list[Request], SamplerOutput | None]:
-        """The step's tokens from its logits (drafts verified), and its prompt logprobs."""
-        if not sampling and not inputs.prompt_rows:
+               stage: LastStageOutput) -> tuple[list[Request], SamplerOutput | None]:
+        """The step's tokens from its logits (drafts verified), its prompt logprobs and its
+        pooled parts."""
+        if not sampling and not inputs.prompt_rows and not inputs.pool_rows:
             return [], None
-        logits = logits.cpu() if self.device.type != "cpu" else logits
+        logits = stage.logits.cpu() if self.device.type != "cpu" else stage.logits
         num = inputs.num_sample_rows
         result = (sample_with_drafts(self.sampler, logits[:num], sampling, [out.drafts(r) for r in sampling])
                   if sampling else None)
-        return sampling, with_prompt_logprobs(result, logits[num:], out.requests, inputs.prompt_rows)
+        result = with_prompt_logprobs(result, logits[num:], out.requests, inputs.prompt_rows)
+        if inputs.pool_rows:
+            result = result if result is not None else SamplerOutput([], [])
+            result.pooled = pool_chunks(stage.pooled_hidden, out.requests, inputs.pool_rows)
+        return sampling, result
 
     def _set_threads(self, num_tokens: int) -> None:
         if self.device.type != "cpu":

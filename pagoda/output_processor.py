@@ -118,6 +118,7 @@ class RequestState:
         self.prompt_logprobs_sent = False
         self.error: str | None = None
         self.error_is_request = False  # the request's own fault (its constraint), not the engine's
+        self.pooled: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -132,6 +133,8 @@ class RequestState:
             self.metrics = out.metrics
         if out.new_prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs += [to_logprobs(e, self.tokenizer) for e in out.new_prompt_logprobs]
+        if out.pooled is not None:
+            self.pooled = out.pooled
         return self.samples[out.sample_index].update(out)
 
     def fail(self, error: str) -> None:
@@ -150,6 +153,7 @@ class RequestState:
             outputs=deltas, finished=self.finished, metrics=self.metrics,
             num_cached_tokens=max(s.num_cached_tokens for s in self.samples), error=self.error,
             error_is_request=self.error_is_request, prompt_logprobs=self._take_prompt_logprobs(),
+            pooled=self.pooled,
         )
 
     def _take_prompt_logprobs(self) -> PromptLogprobs | None:

@@ -80,3 +80,36 @@ class RequestOutput:
     error_is_request: bool = False  # the error is the request's own (e.g. an unsatisfiable constraint)
     extra: dict[str, object] = field(default_factory=dict)
     prompt_logprobs: PromptLogprobs | None = None
+    pooled: list[float] | None = None  # a pooled request's vector (pooling.py), when finished
+
+
+@dataclass
+class PoolingOutput:
+    """vLLM's: the pooled vector."""
+
+    data: list[float]
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's: the embedding and its size."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class PoolingRequestOutput:
+    """vLLM's result of `LLM.encode` (`outputs`: a `PoolingOutput`) and, with an
+    `EmbeddingOutput`, of `LLM.embed` (vLLM's `EmbeddingRequestOutput`)."""
+
+    request_id: str
+    outputs: PoolingOutput | EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+EmbeddingRequestOutput = PoolingRequestOutput

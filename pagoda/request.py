@@ -13,6 +13,7 @@ import time
 import torch
 
 from pagoda.outputs import RequestMetrics
+from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import Grammar
 
@@ -46,6 +47,7 @@ class Request:
         grammar: Grammar | None = None,
         priority: int = 0,
         group: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
@@ -53,6 +55,7 @@ class Request:
         self.group = request_id if group is None else group  # what one client asked at once
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
+        self.pooling_params = pooling_params
         self.eos_token_ids = eos_token_ids or set()
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -69,8 +72,14 @@ class Request:
         # NOTE: prompt positions whose logprobs were reported (prompt_logprobs.py); a recompute
         # after preemption does not report them again.
         self.num_prompt_logprobs = 0
+        # NOTE: a pooled request (pooling.py) generates nothing; the sum of its pooled rows so
+        # far and their count (a recompute after preemption pools none twice).
+        self.pooled_sum: torch.Tensor | None = None
+        self.num_pooled_tokens = 0
 
     def _max_tokens(self, max_model_len: int | None) -> int:
+        if self.pooling_params is not None:
+            return 0
         limit = self.sampling_params.max_tokens
         if max_model_len is not None:
             room = max_model_len - len(self.prompt_token_ids)

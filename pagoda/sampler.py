@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.pooling import PooledPart
 from pagoda.request import Request
 from pagoda.structured_output import apply_bitmask
 
@@ -33,6 +34,8 @@ class SamplerOutput:
     spec_token_ids: list[list[int]] | None = None
     # request -> entries of the prompt positions it scored this step (prompt_logprobs.py)
     prompt_logprobs: dict[Request, list[TokenLogprobs]] = field(default_factory=dict)
+    # request -> its part of the pooled vector this step computed (pooling.py)
+    pooled: dict[Request, PooledPart] = field(default_factory=dict)
 
     def emitted(self, index: int) -> list[int]:
         if self.spec_token_ids is not None:

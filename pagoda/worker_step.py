@@ -5,7 +5,7 @@ same `ModelRunner` as one process does, on a `SchedulerOutput` whose requests ar
 `WorkerRequest`s: plain-data copies of what input preparation and sampling read of a
 sequence in this step. Each worker prepares its own inputs from it; the last stage samples
 and answers a `WorkerOutput` (token ids, logprobs, prompt logprobs, seeded generators'
-states), never logits.
+states, pooled requests' parts of their vectors), never logits.
 
 What a worker cannot hold is computed here, in the engine, before the step: a grammar's
 bitmask rows (`MaskedGrammar`: the sampling row, or one row per draft position), and a
@@ -21,6 +21,7 @@ from typing import cast
 
 import torch
 
+from pagoda.pooling import PooledPart, PoolingParams
 from pagoda.request import Request
 from pagoda.sampler import SamplerOutput, TokenLogprobs
 from pagoda.sampling_params import SamplingParams
@@ -66,6 +67,8 @@ class WorkerRequest:
     prompt_token_ids: list[int] = field(default_factory=list)  # NOTE: only to score prompt logprobs
     generator_state: bytes | None = None
     grammar: MaskedGrammar | None = None
+    pooling_params: PoolingParams | None = None
+    num_pooled_tokens: int = 0
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     @property
@@ -123,7 +126,7 @@ def worker_request(request: Request, num_tokens: int, draft: list[int],
         request.num_prompt_logprobs,
         request.prompt_token_ids if params.prompt_logprobs is not None else [],
         state_bytes(request.generator) if samples and request.generator is not None else None,
-        grammar)
+        grammar, request.pooling_params, request.num_pooled_tokens)
 
 
 def for_workers(out: SchedulerOutput, vocab_size: int) -> SchedulerOutput:
@@ -147,6 +150,7 @@ class WorkerOutput:
     spec_token_ids: list[list[int]] | None = None
     prompt_logprobs: dict[Key, list[TokenLogprobs]] = field(default_factory=dict)
     generator_states: dict[Key, bytes] = field(default_factory=dict)
+    pooled: dict[Key, PooledPart] = field(default_factory=dict)
 
     @classmethod
     def of(cls, sampled: list[Request], result: SamplerOutput | None) -> WorkerOutput:
@@ -156,7 +160,8 @@ class WorkerOutput:
         states = {r.key: state_bytes(r.generator) for r in sampled if r.generator is not None}
         return cls([r.key for r in sampled], result.token_ids, result.logprobs,
                    result.spec_token_ids,
-                   {r.key: entries for r, entries in result.prompt_logprobs.items()}, states)
+                   {r.key: entries for r, entries in result.prompt_logprobs.items()}, states,
+                   {r.key: part for r, part in result.pooled.items()})
 
     def for_engine(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         """The engine's (sampled requests, SamplerOutput) for `out`; seeded requests'
@@ -166,10 +171,11 @@ class WorkerOutput:
             generator = by_key[key].generator
             assert generator is not None
             set_state(generator, state)
-        if not self.keys and not self.prompt_logprobs:
+        if not self.keys and not self.prompt_logprobs and not self.pooled:
             return [], None
         result = SamplerOutput(self.token_ids, self.logprobs, self.spec_token_ids,
-                               {by_key[k]: v for k, v in self.prompt_logprobs.items()})
+                               {by_key[k]: v for k, v in self.prompt_logprobs.items()},
+                               {by_key[k]: v for k, v in self.pooled.items()})
         return [by_key[k] for k in self.keys], result
 
 

@@ -47,7 +47,7 @@ def last_token_logits(path: str, dtype: str, batch: list[list[int]]) -> torch.Te
     for r in reqs:
         decode.add(r, 1)
     _, inputs = runner.preparer.prepare(decode)
-    return runner.forward(inputs).float()
+    return runner.logits(inputs).float()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral_swa"])

@@ -66,6 +66,16 @@ async def app_client(engine: AsyncLLM, **ctx_args: object) -> AsyncIterator[http
         yield c
 
 
+def post(engine: AsyncLLM, path: str, body: dict) -> httpx.Response:
+    """One JSON POST to the app over `engine`, in-process."""
+
+    async def main() -> httpx.Response:
+        async with app_client(engine) as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(main())
+
+
 async def wait_unhealthy(engine: AsyncLLM, timeout: float = 10.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

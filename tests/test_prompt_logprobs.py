@@ -175,12 +175,7 @@ def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
     eng.shutdown()
 
 
-def post(engine: AsyncLLM, path: str, body: dict) -> httpx.Response:
-    async def main() -> httpx.Response:
-        async with health.app_client(engine) as client:
-            return await client.post(path, json=body)
-
-    return asyncio.run(main())
+post = health.post
 
 
 def lm_eval_request(prompt: str | list[int]) -> dict:

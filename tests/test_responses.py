@@ -297,10 +297,13 @@ def test_invocations_dispatch_by_body_shape(client: Client):
     assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
     response = client.request("POST", "/invocations", {"input": "hi", "max_output_tokens": 2})
     assert response.status_code == 200 and response.json()["object"] == "response"
-    for body in ({"input": ["a", "b"]}, {"input": "a", "encoding_format": "float"},
-                 {"query": "a", "documents": ["b"]}):
+    for body in ({"input": ["a", "b"]}, {"input": "a", "encoding_format": "float"}):
         r = client.request("POST", "/invocations", body)
-        assert r.status_code == 400 and "pooling" in r.json()["error"]["message"], r.text
+        assert r.status_code == 200 and r.json()["data"][0]["object"] == "embedding", r.text
+    r = client.request("POST", "/invocations", {"query": "a", "documents": ["b", "c"]})
+    assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
+    r = client.request("POST", "/invocations", {"text_1": "a", "text_2": "b"})
+    assert r.status_code == 200 and r.json()["data"][0]["object"] == "score", r.text
     r = client.request("POST", "/invocations", {"max_tokens": 4})
     assert r.status_code == 400 and "Cannot find suitable handler" in r.json()["error"]["message"]
 

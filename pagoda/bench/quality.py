@@ -75,7 +75,7 @@ def perplexity(llm: Any, ids: list[int], num_windows: int, window: int, chunk: i
             step.add(request, n)
             _, inputs = runner.preparer.prepare(step)
             inputs.logits_rows = torch.arange(n, device=runner.device)
-            logits = runner.forward(inputs).float()
+            logits = runner.logits(inputs).float()
             targets = torch.tensor(tokens[start + 1:start + n + 1], device=logits.device)
             logp = torch.log_softmax(logits[:len(targets)], dim=-1)
             nll -= float(logp.gather(1, targets[:, None]).sum())

@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI routes (/v1/...) and vLLM's side routes.
 
 Routes are thin: they validate, then hand off to `completions.py` / `chat.py` /
-`responses.py`. Every error leaves in the OpenAI shape (`errors.py`); the gate middleware
+`responses.py` / `embeddings.py` (embeddings, pooling, score, rerank). Every error leaves in the OpenAI shape (`errors.py`); the gate middleware
 handles keys and draining.
-`/invocations` (SageMaker) routes a body to chat, completions or responses by its shape.
+`/invocations` (SageMaker) routes a body to chat, completions, responses, embeddings, pooling,
+score or rerank by its shape.
 The engine runs in its own thread, so these handlers only wait on it and /health or
 /v1/models answer at once even when it is saturated. /health answers 503 with the reason when
 the engine loop died or stalls; /kv_cache reports the KV pool (bytes, blocks, tokens held,
@@ -25,8 +26,15 @@ from starlette.responses import Response
 from pagoda.metrics import LiveStatLogger, format_kv_memory_report, render_metrics
 from pagoda.server.chat import create_chat_completion, render_chat
 from pagoda.server.completions import create_completion
+from pagoda.server.embeddings import create_embedding, create_pooling, create_rerank, create_score
 from pagoda.server.errors import APIError, bad_request, error_response, install_error_handlers
 from pagoda.server.middleware import GateMiddleware, RequestIdHeaders
+from pagoda.server.pooling_protocol import (
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from pagoda.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -108,6 +116,28 @@ async def responses(req: ResponsesRequest, raw: Request, ctx: Ctx) -> Response:
     return await create_response(ctx, req, raw)
 
 
+@router.post("/v1/embeddings", dependencies=JSON_BODY)
+async def embeddings(req: EmbeddingRequest, raw: Request, ctx: Ctx) -> Response:
+    return await create_embedding(ctx, req, raw)
+
+
+@router.post("/pooling", dependencies=JSON_BODY)
+async def pooling(req: PoolingRequest, raw: Request, ctx: Ctx) -> Response:
+    return await create_pooling(ctx, req, raw)
+
+
+@router.post("/score", dependencies=JSON_BODY)
+@router.post("/v1/score", dependencies=JSON_BODY)
+async def score(req: ScoreRequest, raw: Request, ctx: Ctx) -> Response:
+    return await create_score(ctx, req, raw)
+
+
+@router.post("/rerank", dependencies=JSON_BODY)
+@router.post("/v1/rerank", dependencies=JSON_BODY)
+async def rerank(req: RerankRequest, raw: Request, ctx: Ctx) -> Response:
+    return await create_rerank(ctx, req, raw)
+
+
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, ctx: Ctx) -> dict[str, Any]:
     return retrieve_response(ctx, response_id)
@@ -118,37 +148,39 @@ async def get_response(response_id: str, ctx: Ctx) -> dict[str, Any]:
 INVOCATION_ROUTES: tuple[tuple[str, Any, Any], ...] = (
     ("messages", ChatCompletionRequest, create_chat_completion),
     ("prompt", CompletionRequest, create_completion),
+    ("text_1", ScoreRequest, create_score),
+    ("query", RerankRequest, create_rerank),
+    ("task", PoolingRequest, create_pooling),
     ("input", ResponsesRequest, create_response),
 )
-POOLING_KEYS = ("encoding_format", "dimensions", "query", "queries", "documents", "text_1",
-                "text_2")
+EMBEDDING_KEYS = ("encoding_format", "dimensions")
 
 
 def invocation_route(body: Any) -> tuple[Any, Any]:
-    """The request type and handler of an /invocations body (a 400 for what pagoda cannot
-    serve: vLLM's pooling requests, embeddings, score, rerank, classify, have no engine here)."""
+    """The request type and handler of an /invocations body: `input` is an embedding request
+    when it is a list of strings or token ids, or beside `encoding_format` or `dimensions`;
+    else (a string, or a list of items) a response."""
     if not isinstance(body, dict):
         raise bad_request("An /invocations body is a JSON object.")
     items = body.get("input")
-    pooling = any(key in body for key in POOLING_KEYS) or (
+    embedding = any(key in body for key in EMBEDDING_KEYS) or (
         isinstance(items, list) and not all(isinstance(item, dict) for item in items))
-    if pooling and "messages" not in body and "prompt" not in body:
-        raise bad_request("pagoda serves no pooling requests (embeddings, classification, "
-                          "score, rerank): send `messages`, `prompt` or a Responses `input`.",
-                          "input")
+    if embedding and not any(key in body for key in ("messages", "prompt", "task")):
+        return EmbeddingRequest, create_embedding
     for key, request_type, handler in INVOCATION_ROUTES:
         if key in body:
             return request_type, handler
     raise bad_request("Cannot find suitable handler for request: an /invocations body holds "
-                      "`messages` (a chat completion), `prompt` (a completion) or `input` "
-                      "(a response).")
+                      "`messages` (a chat completion), `prompt` (a completion), `input` (a "
+                      "response, or embeddings), `text_1` (score), `query` (rerank) or `task` "
+                      "with `input` (pooling).")
 
 
 @router.post("/invocations", dependencies=JSON_BODY)
 async def invocations(raw: Request, ctx: Ctx) -> Response:
     """SageMaker's one route: a body with `messages` is a chat completion, one with `prompt`
-    a completion, one with `input` a response (vLLM sends that to its pooling routes, which
-    pagoda lacks)."""
+    a completion, one with `input` a response or embeddings (`invocation_route`), one with
+    `text_1` a score, one with `query` a rerank."""
     try:
         body = await raw.json()
     except ValueError as e:

@@ -320,6 +320,8 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--preemption-mode", "value", "a preempted request is always recomputed, never swapped"),
     ("--prefix-caching-hash-algo", "value", "prefix-cache blocks are keyed by pagoda's own chained "
                                             "hashes of their token ids"),
+    ("--task", "value", "one server both generates and pools (embeddings, pooling, score, rerank)"),
+    ("--runner", "value", "one server both generates and pools (embeddings, pooling, score, rerank)"),
 )
 
 # vLLM flags for features pagoda does not have: given with a value that asks for the feature,

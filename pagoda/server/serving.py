@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,6 +26,7 @@ from pagoda.beam_search import (
 )
 from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParams
 from pagoda.server.constraints import check_supported, logit_bias, structured_constraint
 from pagoda.server.errors import APIError, bad_request, context_length_error
@@ -251,6 +252,7 @@ class Generation:
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * len(prompts)
         self.num_cached_tokens = [0] * len(prompts)
         self.finished = [False] * len(prompts)
+        self.pooled: list[list[float] | None] = [None] * len(prompts)  # pooled requests' vectors
 
     @classmethod
     async def create(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
@@ -259,24 +261,52 @@ class Generation:
         """Validates and compiles every prompt's request. The prompts share one scheduling
         group (they take turns with other requests), and so do all requests naming the same
         OpenAI `user`: one client's many requests cannot starve another's."""
+        try:
+            # NOTE: grammars compile on their own threads first, never holding tokenizing ones.
+            for sp in params:
+                await ctx.processor.prepare_grammar(sp, structured_param)
+        except ValueError as e:
+            raise invalid_input(e) from e
+
+        def one(i: int, request_id: str, group: str) -> EngineRequest:
+            return ctx.processor.process(request_id, prompts[i].token_ids, params[i],
+                                         prompt_text=prompts[i].text, structured_param=structured_param,
+                                         priority=priority, group=group)
+
+        return await cls._start(ctx, request_id, prompts, one, params[0].n, user)
+
+    @classmethod
+    async def create_pooled(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
+                            params: PoolingParams, priority: int = 0,
+                            user: str | None = None) -> Generation:
+        """As `create`, for pooled requests (pooling.py): each prompt's vector comes in
+        `pooled`, no choice gets a token."""
+
+        def one(i: int, request_id: str, group: str) -> EngineRequest:
+            return ctx.processor.process_pooling(request_id, prompts[i].token_ids, params,
+                                                 prompt_text=prompts[i].text, priority=priority,
+                                                 group=group)
+
+        return await cls._start(ctx, request_id, prompts, one, 1, user)
+
+    @classmethod
+    async def _start(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
+                     process_one: Callable[[int, str, str], EngineRequest], n: int,
+                     user: str | None) -> Generation:
+        """Each prompt's engine request (`process_one(index, request id, group)`) validated in a
+        worker thread (400s), then room in the queue for all their sequences (429)."""
         request_ids = ([request_id] if len(prompts) == 1
                        else [f"{request_id}-{i}" for i in range(len(prompts))])
         group = f"user:{user}" if user else request_id
 
         def process() -> list[EngineRequest]:
-            return [ctx.processor.process(rid, p.token_ids, sp, prompt_text=p.text,
-                                          structured_param=structured_param, priority=priority,
-                                          group=group)
-                    for rid, p, sp in zip(request_ids, prompts, params, strict=True)]
+            return [process_one(i, rid, group) for i, rid in enumerate(request_ids)]
 
         try:
-            # NOTE: grammars compile on their own threads first, never holding tokenizing ones.
-            for sp in params:
-                await ctx.processor.prepare_grammar(sp, structured_param)
             requests = await asyncio.to_thread(process)
         except ValueError as e:
             raise invalid_input(e) from e
-        admit(ctx, len(prompts) * params[0].n)
+        admit(ctx, len(prompts) * n)
         return cls(ctx, request_id, prompts, requests)
 
     async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
@@ -292,6 +322,8 @@ class Generation:
                 self.finished[i] = out.finished
                 if out.prompt_logprobs is not None:
                     self.prompt_logprobs[i] = out.prompt_logprobs
+                if out.pooled is not None:
+                    self.pooled[i] = out.pooled
                 for delta in out.outputs:
                     index = i * self.n + delta.index
                     self.choices[index].add(delta)
