@@ -34,13 +34,19 @@ def _tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[list[list[int]]]:
     return [[o.token_ids for o in r.outputs] for r in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def test_in_process_apart_and_tp2_cores_give_the_same_greedy_tokens(tiny_llama, in_process, apart):
+def test_in_process_and_apart_cores_give_the_same_greedy_tokens(in_process, apart):
     assert isinstance(apart.engine.core, CoreProcessClient) and apart.engine.runner is None
-    expected = _tokens(in_process)
-    assert _tokens(apart) == expected
+    assert _tokens(apart) == _tokens(in_process)
+
+
+# NOTE: slow (16-22 s on a 2-vCPU Zen 3: a core process starting two workers), which the default
+# suite's 10 minutes could no longer hold; the core apart (above) and TP=2 in one process
+# (test_parallel.py) stay in every `make test`. Run it with `pytest -m slow`.
+@pytest.mark.slow
+def test_a_tp2_core_apart_gives_the_same_greedy_tokens(tiny_llama, in_process):
     tp2 = LLM(str(tiny_llama), tensor_parallel_size=2, core_process=True, **ENGINE)
     try:
-        assert _tokens(tp2) == expected
+        assert _tokens(tp2) == _tokens(in_process)
     finally:
         tp2.engine.shutdown()
 
