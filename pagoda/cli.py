@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from pagoda.config import QUANTIZATIONS
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
@@ -20,6 +22,8 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("-q", "--quantization", choices=QUANTIZATIONS, default=None,
+                   help="gguf: a quantized GGUF's blocks kept packed (the start-up log says how many linears)")
     p.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     p.set_defaults(func=_run_generate)
 
@@ -27,7 +31,7 @@ def _add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     from pagoda import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len, quantization=args.quantization)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     start = time.time()
     if args.no_chat or not getattr(llm.tokenizer, "chat_template", None):

@@ -1,10 +1,8 @@
 """Weight quantization and the fp8 KV cache in the engine, on the tiny random models.
 
 - config: vLLM's names, and a ValueError naming the value for anything else;
-- packing: int4/int8 round to nearest (error at most half a step), GGUF blocks unpack to
-  exactly what `gguf` dequantizes;
-- GGUF-packed loading through fused and tensor-parallel loaders puts every shard's codes and
-  scales in the right rows;
+- packing: int4/int8 round to nearest (error at most half a step) (GGUF's blocks and their
+  loading: tests/test_quantization_gguf.py);
 - the engine: every scheme composes with chunked prefill, prefix caching and preemption (the
   same greedy tokens as the same scheme run plainly, in fp32), with and without the kernels;
 - the fp8 pool: one byte a value, so the same memory holds twice the blocks.
@@ -12,22 +10,18 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pagoda import LLM, SamplingParams
 from pagoda.config import CacheConfig, EngineConfig, ModelConfig
-from pagoda.distributed.group import ParallelGroup
 from pagoda.kv_cache import KVCacheSpec, num_blocks_for, resolve_kv_cache_dtype
 from pagoda.layers import cpu_kernels
 from pagoda.layers.linear import UNQUANTIZED, Linear
-from pagoda.layers.quantization import gguf as gguf_quant
 from pagoda.layers.quantization import packing, quantize_model
 from pagoda.layers.quantization.embedding import QuantizedEmbedding
 from pagoda.layers.quantization.methods import PackedLinearMethod
-from pagoda.layers.tensor_parallel import MergedColumnParallelLinear, RowParallelLinear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -105,68 +99,6 @@ def test_int8_round_trip_within_half_a_step() -> None:
     _, d = packing.unpack_int8(packed, 192)
     err = (packing.dequantize_int8(packed, 192, 192, torch.float32) - w).abs()
     assert d.shape == (24, 1) and (err <= d / 2 * (1 + 1e-6)).all()
-
-
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_unpack_to_what_gguf_dequantizes(kind: str) -> None:
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    from pagoda.models.gguf import dequantize_blocks, unpack_blocks
-
-    kind_type = GGMLQuantizationType[kind]
-    w = np.random.default_rng(0).standard_normal((6, 128)).astype(np.float32)
-    raw = quantize(w, kind_type)
-    codes, d, m = unpack_blocks(raw, kind, 6)
-    expand = lambda a: np.repeat(a, 32, axis=1)  # noqa: E731
-    ours = codes * expand(d) + (expand(m) if m is not None else 0)
-    theirs = dequantize(raw, kind_type).reshape(6, 128)
-    assert np.array_equal(ours.astype(np.float32), theirs)
-    # NOTE: the loader's own dequantization (the file's unpacked tensors): the same bits.
-    assert np.array_equal(dequantize_blocks(raw, kind, 6).view(np.uint32), theirs.view(np.uint32))
-
-
-# ---------------------------------------------------------------- GGUF-packed loading
-
-def _load_packed(layer: Linear, shards: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-    """Loads full (unsharded) codes/scales/offsets through the layer's prepared loaders."""
-    params = dict(layer.named_parameters())
-    for i, (codes, d, m) in enumerate(shards):
-        extra = (i,) if isinstance(layer, MergedColumnParallelLinear) else ()
-        for name, t in (("weight", codes), ("weight_scale", d), ("weight_zero", m)):
-            params[name].weight_loader(params[name], t, *extra)  # type: ignore[attr-defined]
-
-
-def _random_q4(rows: int, cols: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    codes = torch.randint(0, 16, (rows, cols), generator=g).float()
-    return codes, torch.rand(rows, cols // 32, generator=g) / 10, torch.randn(rows, cols // 32, generator=g) / 10
-
-
-def _dense(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    return codes * d.half().float().repeat_interleave(32, 1) + m.half().float().repeat_interleave(32, 1)
-
-
-@pytest.mark.parametrize("rank", [0, 1])
-def test_gguf_packed_shards_load_through_parallel_loaders(rank: int) -> None:
-    g = torch.Generator().manual_seed(rank)
-    tp = ParallelGroup(rank=rank, size=2)
-    merged = MergedColumnParallelLinear(128, [64, 128], tp=tp)
-    row = RowParallelLinear(256, 32, tp=tp)
-    for layer in (merged, row):
-        assert gguf_quant._scheme_for(layer, {"Q4_1"}) == "int4"
-        assert gguf_quant._scheme_for(layer, {"Q4_1", "Q8_0"}) is None
-        gguf_quant.prepare_linear(layer, "int4")
-    full = [_random_q4(64, 128, g), _random_q4(128, 128, g)]
-    _load_packed(merged, full)
-    row_full = _random_q4(32, 256, g)
-    _load_packed(row, [row_full])
-    gguf_quant.finish_gguf_load(merged)
-    gguf_quant.finish_gguf_load(row)
-    want_merged = torch.cat([_dense(*full[0])[rank * 32:(rank + 1) * 32], _dense(*full[1])[rank * 64:(rank + 1) * 64]])
-    want_row = _dense(*row_full)[:, rank * 128:(rank + 1) * 128]
-    for layer, want in ((merged, want_merged), (row, want_row)):
-        assert isinstance(layer.method, PackedLinearMethod)
-        assert torch.equal(layer.method.dequantize(torch.float32), want)
 
 
 # ---------------------------------------------------------------- the engine

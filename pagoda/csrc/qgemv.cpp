@@ -7,7 +7,8 @@
 // stream (the bf16 GEMV's lesson, gemv.cpp):
 // - int4: [K/2 bytes of nibbles][G x f16 scale d][G x f16 offset m], w = q * d + m, q in
 //   [0, 15], groups of `gs` (32, 64 or 128) along K; K is a multiple of 64.
-// - int8: [K x int8][G x f32 scale d], w = q * d (G = 1: one scale per output channel).
+// - int8: [K x int8][G x f32 scale d], w = q * d (G = 1: one scale per output channel; GGUF's
+//   records: groups of 32, or 16 for Q6_K).
 // y[M, N] = x[M, K] W^T (+ bias). x, bias and y share one dtype T (f32, bf16, f16).
 //
 // int4 products run on vdpbf16ps: each nibble q becomes the exact bf16 of 128 + q (0x4300 | q),
@@ -388,10 +389,12 @@ void int8_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float
 // AVX2 Q8_0 dot products: per 32 k's, vpsignb moves x's signs onto the weight codes so that
 // vpmaddubsw multiplies |xq| (u8) by them (pairs at most 2 * 127 * 127, no saturation), vpmaddwd
 // sums the pairs into 8 int32 lanes, exact; then the lanes, in fp32, times dx * d add to the
-// row's sums. Three times fewer instructions a weight than widening both to fp32.
+// row's sums. Three times fewer instructions a weight than widening both to fp32. Weight groups
+// of 16 (GGUF's Q6_K) take two scales a block: lanes 0-3 hold k's 0-15, lanes 4-7 k's 16-31.
 template <int M>
 void int8_rows_int(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
-  const int64_t blocks = a.K / kXGroup, per_group = a.gs / kXGroup;
+  const int64_t blocks = a.K / kXGroup, per_group = std::max<int64_t>(a.gs / kXGroup, 1);
+  const bool halves = a.gs < kXGroup;
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
     const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
@@ -400,13 +403,14 @@ void int8_rows_int(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float*
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t j = 0; j < blocks; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kXGroup * j));
-      const float dj = d[j / per_group];
+      const __m256 dj = halves ? _mm256_setr_m128(_mm_set1_ps(d[2 * j]), _mm_set1_ps(d[2 * j + 1]))
+                               : _mm256_set1_ps(d[j / per_group]);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.xq + m * a.K + kXGroup * j));
         const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(w, xv));
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
-        acc[m] = _mm256_fmadd_ps(sums, _mm256_set1_ps(x.dx[m * blocks + j] * dj), acc[m]);
+        acc[m] = _mm256_fmadd_ps(sums, _mm256_mul_ps(_mm256_set1_ps(x.dx[m * blocks + j]), dj), acc[m]);
       }
     }
     for (int m = 0; m < M; ++m) out[m * a.N + n] = reduce_add(Vf{acc[m], _mm256_setzero_ps()});
@@ -563,7 +567,7 @@ void qgemv(Format format, const T* x, int64_t x_stride, const QArgs& a, const T*
     all_rows<Format::kInt4>(a, acts, M, out.data(), bias, y, y_stride, max_threads);
   } else {
 #if defined(PAGODA_AVX2)
-    if (a.K % kXGroup == 0 && a.gs % kXGroup == 0) {
+    if (a.K % kXGroup == 0 && (a.gs % kXGroup == 0 || a.gs == kXGroup / 2)) {
       thread_local std::vector<int8_t> xq;
       xq.resize(M * a.K);
       xf.resize(M * a.K / kXGroup);
@@ -652,7 +656,8 @@ void dequantize(Format format, const QArgs& a, T* out) {
 // it multiplies x as it is).
 extern "C" int64_t pagoda_qgemv_x_group(int64_t K, int64_t gs) {  // int4 records: K, gs multiples of 32 always
 #if defined(PAGODA_AVX2)
-  return K % pagoda::kXGroup == 0 && gs % pagoda::kXGroup == 0 ? pagoda::kXGroup : 0;
+  const bool groups_fit = gs % pagoda::kXGroup == 0 || gs == pagoda::kXGroup / 2;
+  return K % pagoda::kXGroup == 0 && groups_fit ? pagoda::kXGroup : 0;
 #else
   (void)K;
   (void)gs;

@@ -1,16 +1,17 @@
 """Reading a GGUF file: tensors dequantized and renamed to Hugging Face names.
 
 Config, tokenizer and chat template come from the GGUF metadata through transformers' own
-GGUF support; the tensors are read here with the `gguf` package so that only what the model
-needs is materialised (`GGUFIndex` reads the tensor table; `gguf` dequantizes any kind it
-knows: Q4_0 ... Q8_0, the k-quants, F16, F32). llama.cpp stores Llama-architecture q/k
+GGUF support; the tensors are read here so that only what the model needs is materialised
+(`GGUFIndex` reads the tensor table; `gguf_blocks` decodes Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K and Q6_K in torch, bit for bit as the `gguf` package dequantizes them; any other
+kind goes through the package). llama.cpp stores Llama-architecture q/k
 projections permuted for its rotary layout; they are permuted back. Gemma 3 names its four
 norms of a layer its own way and stores each norm weight as 1 + w (Hugging Face's w, for
 x * (1 + w)); the 1 is taken back off.
-With `packed` names (quantization='gguf', see layers/quantization/gguf.py), those Q4_0, Q4_1
-and Q8_0 tensors are not dequantized: each yields its integer codes under its own name, and
-its block scales d (and offsets m: Q4_1's m, Q4_0's -8d) as `<name>_scale` / `<name>_zero`,
-[rows, columns / 32]; rows are un-permuted like the weight's.
+With `packed` tensors (quantization='gguf', see layers/quantization/gguf.py), those are not
+dequantized: each yields its int8 codes under its own name, and its group scales d (and
+offsets m) in its record format as `<name>_scale` / `<name>_zero`, [rows, columns / group];
+rows are un-permuted like the weight's.
 """
 
 from __future__ import annotations
@@ -18,13 +19,17 @@ from __future__ import annotations
 import functools
 import os
 import re
-import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from pagoda.models.gguf_blocks import DECODED_KINDS, decode
 from pagoda.models.gguf_index import GGUFIndex
+
+if TYPE_CHECKING:
+    from pagoda.layers.quantization.gguf import RecordFormat
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -63,9 +68,9 @@ def _architecture(reader: GGUFIndex) -> str:
     return str(reader.fields.get("general.architecture"))
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(2, 1).reshape(w.shape)
 
 
 def _reader(path: str) -> GGUFIndex:
@@ -93,55 +98,25 @@ def gguf_tensor_types(path: str) -> dict[str, str]:
     return types
 
 
-# bytes per block of 32, and where the codes start, for the kinds kept packed
-_BLOCKS = {"Q4_0": (18, 2), "Q4_1": (20, 4), "Q8_0": (34, 2)}
-
-
-def unpack_blocks(raw: np.ndarray, kind: str, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """A Q4_0/Q4_1/Q8_0 tensor's raw blocks -> (codes [rows, cols], d, m [rows, cols / 32]).
-
-    Q4 codes are in [0, 15] with w = q * d + m (Q4_0: m = -8d); Q8_0 codes are int8, w = q * d.
-    """
-    size, start = _BLOCKS[kind]
-    blocks = np.ascontiguousarray(raw).view(np.uint8).reshape(-1, size)
-    d = blocks[:, :2].copy().view(np.float16).astype(np.float32).reshape(rows, -1)
-    qs = blocks[:, start:]
-    if kind == "Q8_0":
-        return qs.copy().view(np.int8).astype(np.float32).reshape(rows, -1), d, None
-    codes = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.float32).reshape(rows, -1)
-    m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32).reshape(rows, -1) if kind == "Q4_1" else -8 * d
-    return codes, d, m
-
-
 def dequantize_blocks(raw: np.ndarray, kind: str, rows: int) -> np.ndarray:
-    """A Q4_0/Q4_1/Q8_0 tensor's raw blocks as float32 [rows, cols]: the `gguf` package's own
-    formulas, bit for bit, in torch over the whole tensor (the package's numpy loop over row
-    groups took 2-3 s of SmolLM2's start-up)."""
-    size, start = _BLOCKS[kind]
-    with warnings.catch_warnings():
-        # NOTE: a read-only view of the mapped file: only read here, never written.
-        warnings.simplefilter("ignore", UserWarning)
-        blocks = torch.from_numpy(np.ascontiguousarray(raw).view(np.uint8).reshape(-1, size))
-    d = blocks[:, :2].contiguous().view(torch.float16).float()
-    qs = blocks[:, start:]
-    if kind == "Q8_0":
-        w = qs.contiguous().view(torch.int8).float() * d
-    else:
-        q = torch.cat([qs & 15, qs >> 4], dim=1).float()
-        if kind == "Q4_0":
-            w = d * (q - 8)
-        else:
-            w = d * q + blocks[:, 2:4].contiguous().view(torch.float16).float()
-    return w.reshape(rows, -1).numpy()
+    """A tensor's raw blocks of a kind in `gguf_blocks.DECODED_KINDS` as float32 [rows, cols]:
+    the `gguf` package's own formulas, bit for bit, in torch over the whole tensor (the
+    package's numpy loop over row groups took 2-3 s of SmolLM2's start-up)."""
+    return decode(raw, kind, rows).dequantize().numpy()
 
 
-def iter_gguf_weights(path: str, packed: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (Hugging Face name, float32 tensor) for every tensor the model uses.
+def iter_gguf_weights(path: str, packed: Mapping[str, RecordFormat] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (Hugging Face name, tensor) for every tensor the model uses: float32, or for the
+    `packed` ones int8 codes and their fp32 group scales and offsets.
 
     Args:
-        packed: tensors (HF names without 'model.') to yield as codes and scales instead.
+        packed: tensors (HF names without 'model.') to yield in a record format instead
+            (layers/quantization/gguf.py: `prepare_gguf_load`, `to_format`).
     """
     from gguf.quants import dequantize
+
+    from pagoda.layers.quantization.gguf import to_format
 
     reader = _reader(path)
     arch = _architecture(reader)
@@ -152,23 +127,27 @@ def iter_gguf_weights(path: str, packed: set[str] | None = None) -> Iterator[tup
         if name is None:
             continue
         shape = tuple(reversed([int(x) for x in tensor.shape]))
-        if packed and name.removeprefix("model.") in packed:
-            codes, d, m = unpack_blocks(tensor.data, tensor.tensor_type.name, shape[0])
-            parts = {name: codes, f"{name}_scale": d}
-            if m is not None:
-                parts[f"{name}_zero"] = m
+        kind = tensor.tensor_type.name
+        fmt = packed.get(name.removeprefix("model.")) if packed else None
+        parts: dict[str, torch.Tensor | None]
+        if fmt is not None:
+            codes, scale, offset = to_format(decode(tensor.data, kind, shape[0]), fmt)
+            parts = {name: codes, f"{name}_scale": scale, f"{name}_zero": offset}
         else:
-            kind = tensor.tensor_type.name
-            array = (dequantize_blocks(tensor.data, kind, shape[0]) if kind in _BLOCKS else
-                     np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)).reshape(shape)
+            if kind in DECODED_KINDS:
+                weights = decode(tensor.data, kind, shape[0]).dequantize().view(shape)
+            else:
+                weights = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32,
+                                                    copy=True)).reshape(shape)
             if arch in _NORMS_PLUS_ONE and name.endswith("norm.weight"):
-                array = array - 1
-            parts = {name: array}
-        for part, array in parts.items():
-            yield part, torch.from_numpy(np.array(_unpermuted(array, name, arch, n_head, n_kv), copy=True))
+                weights -= 1
+            parts = {name: weights}
+        for part, t in parts.items():
+            if t is not None:
+                yield part, _unpermuted(t, name, arch, n_head, n_kv).contiguous()
 
 
-def _unpermuted(array: np.ndarray, name: str, arch: str, n_head: int, n_kv: int) -> np.ndarray:
+def _unpermuted(array: torch.Tensor, name: str, arch: str, n_head: int, n_kv: int) -> torch.Tensor:
     if arch in _PERMUTED_ARCHS and ".q_proj." in name:
         return _unpermute(array, n_head)
     if arch in _PERMUTED_ARCHS and ".k_proj." in name:

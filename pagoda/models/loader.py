@@ -14,15 +14,18 @@ import contextlib
 import functools
 import importlib.util
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
 from pagoda.models.registry import CausalLM, resolve_architecture
+
+if TYPE_CHECKING:
+    from pagoda.layers.quantization.gguf import RecordFormat
 
 SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "smollm2-135m"}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -122,7 +125,7 @@ def load_tokenizer(path: str, chat_template: str | None = None, tokenizer: str |
     return tok
 
 
-def iter_weights(path: str, packed: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: str, packed: Mapping[str, RecordFormat] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     if is_gguf(path):
         from pagoda.models.gguf import iter_gguf_weights
 
@@ -192,8 +195,9 @@ def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.d
     """Builds the registered model (this rank's shard and stage) and loads its weights.
 
     Args:
-        gguf_packed: keep a GGUF's Q4_0/Q4_1/Q8_0 tensors packed (quantization='gguf'); the
-            caller finishes with `layers.quantization.finish_gguf`.
+        gguf_packed: keep a GGUF's quantized tensors packed (quantization='gguf': Q4_0, Q4_1,
+            Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the caller finishes with
+            `layers.quantization.finish_gguf`.
     """
     if gguf_packed and not is_gguf(path):
         raise ValueError(f"quantization='gguf' needs a .gguf model, got {path!r}; for other "

@@ -2,7 +2,8 @@
 
 - `int8`: weight-only int8, one scale per output channel; activations stay bf16/fp32.
 - `int4`: weight-only int4 with a scale and an offset per group of 32, 64 or 128 inputs.
-- `gguf`: a quantized GGUF's Q4_0/Q4_1/Q8_0 blocks kept as they are (gguf.py), no float copy.
+- `gguf`: a quantized GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) kept as
+  integer codes and group scales in int4/int8 records (gguf.py), no float copy.
 - `fp8`: e4m3 weights with per-channel scales, where the hardware multiplies fp8 (CUDA 8.9+).
 
 `quantize_model` applies int8/int4/fp8 from the outside after loading (gpt-fast style): each

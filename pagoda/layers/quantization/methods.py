@@ -28,6 +28,13 @@ if TYPE_CHECKING:
 # over SmolLM2's weights (docs/benchmarks/quantization/qgemv_stream.py) it beats the GEMV from
 # 1 row on, by 3x from 8 rows.
 NATIVE_MAX_ROWS = 16
+# NOTE: where the GEMV multiplies integers (the avx2 build: x rounded to int8 codes, `x_group`),
+# it runs steps of up to this many rows too: the dense fallback dequantizes the layer to fp32
+# every step (no native bf16 there). Gemma 3's five layer shapes in their GGUF records on a
+# Zen 3 (docs/benchmarks/quantization/records_rows.py; docs/performance.md, "GGUF k-quants
+# kept packed"): the GEMV 2-4x faster at 32 rows, 1.3x at 128, ahead at 256 (38.1 against
+# 41.8 ms summed) and behind at 512 (72.0 against 69.4).
+INTEGER_GEMV_MAX_ROWS = 256
 
 
 @functools.cache
@@ -49,11 +56,15 @@ class PackedLinearMethod:
         scheme: 'int4' or 'int8'.
         packed: uint8 [out_features, record bytes]; None once repacked into `panels`.
         panels: the codes in the small-M GEMM's layout (`use_gemm`), or None.
+        offsets: int8 only: fp32 [out_features, groups] offsets m, w = q * d + m, added outside
+            the kernel (GGUF's Q5_K and Q5_1, layers/quantization/gguf.py), or None.
     """
 
-    def __init__(self, scheme: str, packed: torch.Tensor, in_features: int, group_size: int) -> None:
+    def __init__(self, scheme: str, packed: torch.Tensor, in_features: int, group_size: int,
+                 offsets: torch.Tensor | None = None) -> None:
         self.scheme = scheme
         self.packed: torch.Tensor | None = packed
+        self.offsets = offsets
         self.panels: cpu_kernels.ops.Int8Panels | cpu_kernels.ops.Int4Panels | None = None
         self._records: cpu_kernels.ops.Records | None = None
         self.in_features = in_features
@@ -63,12 +74,14 @@ class PackedLinearMethod:
     @property
     def name(self) -> str:
         per = "channel" if self.group_size == self.in_features else f"group {self.group_size}"
-        return f"{self.scheme} ({per})"
+        return f"{self.scheme} ({per}{', offsets' if self.offsets is not None else ''})"
 
     def use_gemm(self) -> bool:
         """Repacks the records into the GEMM's panels, the only copy kept (the caller checks that
         the native GEMM exists and activations are bf16): int8 per channel and int4. Returns
         whether this layer has panels (group-wise int8, GGUF's Q8_0, keeps its records)."""
+        if self.offsets is not None:
+            return False
         if self.packed is None:
             return self.panels is not None
         if self.scheme == "int4":
@@ -84,9 +97,12 @@ class PackedLinearMethod:
 
     def native_weight(self) -> cpu_kernels.ops.Int8Panels | cpu_kernels.ops.Int4Panels | cpu_kernels.ops.Records | None:
         """What the native GEMM and decoder stack multiply by (bf16 activations): the panels, or
-        the records as they are (steps of up to `Records.max_rows`); None without the kernels."""
+        the records as they are (steps of up to `Records.max_rows`); None without the kernels,
+        or with offsets outside the records (which the native products would leave out)."""
         if self.panels is not None:
             return self.panels
+        if self.offsets is not None:
+            return None
         if self.packed is None or self.packed.device.type != "cpu" or not cpu_kernels.available():
             return None
         if self._records is None or self._records.data is not self.packed:
@@ -94,9 +110,21 @@ class PackedLinearMethod:
         return self._records
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.offsets is None:
+            return self._product(layer, x, bias)
+        # NOTE: the records' product and the offsets' (x's group sums times m, a [G, N] product:
+        # 1/group of the records' work) added in fp32, rounded once to x's dtype.
+        y = self._product(layer, x.float(), None if bias is None else bias.float())
+        sums = x.float().unflatten(-1, (-1, self.group_size)).sum(-1)
+        return torch.addmm(y, sums, self.offsets.t()).to(x.dtype)
+
+    def _product(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x times the records (or panels) alone, offsets aside."""
         if self.panels is not None and x.dtype == torch.bfloat16:
             return cpu_kernels.ops.gemm(x, self.panels, bias)
-        if self.packed is not None and layer.native and x.shape[0] <= NATIVE_MAX_ROWS:
+        rows = x.shape[0]
+        if self.packed is not None and layer.native and (
+                rows <= NATIVE_MAX_ROWS or (rows <= INTEGER_GEMV_MAX_ROWS and self._gemv_x_group())):
             return cpu_kernels.ops.qgemv(x, self.packed, self.fmt, self.in_features, self.group_size, bias)
         dtype = torch.float32 if x.dtype == torch.bfloat16 and not bf16_matmul_is_fast(x.device) else x.dtype
         x_group = self._gemv_x_group() if layer.native else 0
@@ -110,7 +138,7 @@ class PackedLinearMethod:
             xin = x.to(torch.bfloat16).to(dtype)
         else:
             xin = x.to(dtype)
-        w = self.dequantize(dtype, bool(layer.native))
+        w = self._dequantize_records(dtype, bool(layer.native))
         return F.linear(xin, w, None if bias is None else bias.to(dtype)).to(x.dtype)
 
     def _gemv_x_group(self) -> int:
@@ -121,7 +149,16 @@ class PackedLinearMethod:
 
     def dequantize(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
                    ) -> torch.Tensor:
-        """The dense weight (or its `rows`) in `dtype`, by the kernel when `native`."""
+        """The dense weight (or its `rows`) in `dtype`, by the kernel when `native`; with offsets,
+        q * d + m in fp32 (`gguf`'s operations) rounded once to `dtype`."""
+        if self.offsets is None:
+            return self._dequantize_records(dtype, native, rows)
+        w = self._dequantize_records(torch.float32, native, rows)
+        m = self.offsets if rows is None else self.offsets[rows]
+        return (w.unflatten(-1, (-1, self.group_size)) + m[..., None]).flatten(-2).to(dtype)
+
+    def _dequantize_records(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
+                            ) -> torch.Tensor:
         if self.panels is not None:
             w = self._dequantize_panels(self.panels, rows).to(dtype)
             return w if rows is None else w.view(*rows.shape, self.in_features)
@@ -148,7 +185,7 @@ class PackedLinearMethod:
             scales = self.panels.scales
             return self.panels.data.numel() + scales.numel() * scales.element_size()
         assert self.packed is not None
-        return self.packed.numel()
+        return self.packed.numel() + (0 if self.offsets is None else 4 * self.offsets.numel())
 
 
 # NOTE: e4m3's largest finite value; activations are scaled per token onto it.
