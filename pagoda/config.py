@@ -124,6 +124,10 @@ class SchedulerConfig:
         max_model_len: filled in from the model when the engine starts.
         scheduling_policy: "fcfs" (arrival order, groups in turn) or "priority" (vLLM's: a request's
             `priority`, lower first, then as fcfs; preemption takes the worst first).
+        step_time_target_ms: when set, each step's token budget is cut to what the last steps'
+            times say ends within this many milliseconds (step_cost.py), never above
+            `max_num_batched_tokens`: a latency floor for first tokens and inter-token gaps
+            under load, at some throughput. None: the fixed budget.
     """
 
     max_num_seqs: int = 256
@@ -133,6 +137,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     scheduling_policy: str = "fcfs"
+    step_time_target_ms: float | None = None
 
     def __post_init__(self) -> None:
         _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
@@ -141,6 +146,8 @@ class SchedulerConfig:
         _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens",
                self.max_num_batched_tokens, "must be positive")
         _check(self.max_model_len > 0, "max_model_len", self.max_model_len, "must be positive")
+        _check(self.step_time_target_ms is None or self.step_time_target_ms > 0,
+               "step_time_target_ms", self.step_time_target_ms, "must be positive")
 
 
 @dataclass(frozen=True)

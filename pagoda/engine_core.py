@@ -190,6 +190,7 @@ class EngineCore:
         for request_id in {o.request_id for o in outputs}:
             self._forget_if_done(request_id)
         stats.step_duration = time.time() - start
+        self.scheduler.record_step(sched.total_num_scheduled_tokens, stats.step_duration)
         return CoreStep(outputs, stats)
 
     def _propose(self) -> Drafts:

@@ -9,6 +9,10 @@ the worst, then newest) is preempted (its blocks freed, to be recomputed). When 
 waiting request's group holds no seat while another holds several, it gets a seat (taken
 back from the group holding the most if all `max_num_seqs` are taken) and a share of the
 step's tokens, so one client's 1,000 prompts cannot hold every seat nor every prefill.
+When the budget cannot take every running request's tokens (a long prefill, or more decodes
+than the budget), the least recently served go first, so every request advances in turn.
+Under `step_time_target_ms` the budget is what the last steps' times say fits the target
+(step_cost.py).
 A running request's drafted tokens (the proposer's, given to `schedule`) are scheduled with
 it as extra tokens when the budget has room, and recorded in the output
 (`SchedulerOutput.spec_token_ids`); drafts that do not fit are dropped, never the real tokens.
@@ -24,6 +28,7 @@ from pagoda.block_manager import BlockManager
 from pagoda.config import SchedulerConfig
 from pagoda.request import Request, RequestStatus
 from pagoda.request_queue import RequestQueue
+from pagoda.step_cost import StepCost
 
 
 @dataclass
@@ -74,6 +79,10 @@ class Scheduler:
         self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.step_cost = StepCost()
+        self._num_steps = 0
+        # NOTE: the step each running (or preempted) request was last scheduled in.
+        self._last_served: dict[Request, int] = {}
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -85,18 +94,31 @@ class Scheduler:
         """This step's requests; `drafts` are the proposer's tokens for running requests,
         scheduled with them as far as the budget has room."""
         out = SchedulerOutput()
-        total = self.config.max_num_batched_tokens
+        self._num_steps += 1
+        total = self.token_budget()
         reserve = self._make_room(out, total)
         budget = self._schedule_running(out, total - reserve, drafts or {})
         if len(out.preempted) == out.seat_preemptions:  # NOTE: no room was short
             self._schedule_waiting(out, budget + reserve)
         return out
 
+    def token_budget(self) -> int:
+        """This step's token budget: the configured one, or less under a step time target."""
+        target = self.config.step_time_target_ms
+        if target is None:
+            return self.config.max_num_batched_tokens
+        return self.step_cost.budget(target / 1000, self.config.max_num_batched_tokens)
+
+    def record_step(self, num_tokens: int, seconds: float) -> None:
+        """A finished step's scheduled tokens and time (the step time target's evidence)."""
+        self.step_cost.record(num_tokens, seconds)
+
     def _make_room(self, out: SchedulerOutput, total: int) -> int:
         """Room for a waiting request whose group holds no seat while another group holds
         several (one client's many prompts): a seat, taken back from the group holding the
         most when all are taken (its newest waits first in its group), and up to half the
-        token budget, never the running decodes' share. Returns the tokens reserved."""
+        token budget (decodes beyond the other half wait their turn). Returns the tokens
+        reserved."""
         if not self.waiting or not self.running:
             return 0
         held = Counter(r.group for r in self.running)
@@ -113,12 +135,11 @@ class Scheduler:
             self.waiting.return_to_group(victim)
             out.preempted.append(victim)
             out.seat_preemptions += 1
-        num_decodes = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
-        return max(0, min(head.num_tokens, total // 2, total - num_decodes))
+        return min(head.num_tokens, total // 2)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
                           drafts: dict[Request, list[int]]) -> int:
-        for request in list(self.running):
+        for request in self._in_turn(budget):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -133,8 +154,17 @@ class Scheduler:
             if refund is None:
                 break
             out.add(request, num_tokens, spec)
+            self._last_served[request] = self._num_steps
             budget += refund - num_tokens
         return budget
+
+    def _in_turn(self, budget: int) -> list[Request]:
+        """The running requests in the order this step serves them: as they run when the
+        budget takes all their tokens, else the least recently served first (in running order
+        among equals), so a long prefill or a crowd of decodes leaves none behind for long."""
+        if sum(r.num_tokens - r.num_computed_tokens for r in self.running) <= budget:
+            return list(self.running)
+        return sorted(self.running, key=lambda r: self._last_served.get(r, 0))
 
     def _allocate_or_preempt(self, request: Request, num_tokens: int, out: SchedulerOutput) -> int | None:
         """Allocates `request`'s slots, preempting until they fit; returns the tokens freed by
@@ -189,6 +219,7 @@ class Scheduler:
             held[request.group] += 1
             self._admit(request, num_hit)
             out.add(request, num_tokens)
+            self._last_served[request] = self._num_steps
             budget -= num_tokens
 
     def _admit(self, request: Request, num_hit: int) -> None:
@@ -220,4 +251,5 @@ class Scheduler:
             # NOTE: blocks computed before the failed step hold good KV (a shared system prompt).
             self.block_manager.uncache(request, request.num_computed_tokens // self.block_manager.block_size)
         self.block_manager.free(request)
+        self._last_served.pop(request, None)
         request.status = status

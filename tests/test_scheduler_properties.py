@@ -11,7 +11,7 @@ preemption never serves another prefix's KV. At the end every block is free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
@@ -55,6 +55,9 @@ class Sim:
 
     def step(self, seed: int) -> None:
         out = self.scheduler.schedule()
+        # NOTE: a made-up step time (2 ms + 1 ms a token, jittered) for the step time target.
+        self.scheduler.record_step(out.total_num_scheduled_tokens,
+                                   0.002 + 0.001 * out.total_num_scheduled_tokens * (1 + seed % 5 / 10))
         config = self.scheduler.config
         assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
         assert len(self.scheduler.running) <= config.max_num_seqs
@@ -101,14 +104,16 @@ class Sim:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, extra_blocks=st.integers(0, 12), block_size=st.sampled_from([2, 4, 8]),
        caching=st.booleans(), max_num_seqs=st.integers(1, 6),
-       budget=st.integers(MAX_MODEL_LEN // 2, 64), policy=st.sampled_from(["fcfs", "priority"]))
+       budget=st.integers(MAX_MODEL_LEN // 2, 64), policy=st.sampled_from(["fcfs", "priority"]),
+       step_ms=st.sampled_from([None, 20.0, 40.0]))
 def test_random_workloads_keep_every_invariant(ops, extra_blocks, block_size, caching,
-                                               max_num_seqs, budget, policy):
+                                               max_num_seqs, budget, policy, step_ms):
     # NOTE: one max_model_len sequence must fit (the engine refuses a smaller pool at start)
     num_blocks = -(-MAX_MODEL_LEN // block_size) + extra_blocks
     bm = BlockManager(num_blocks, block_size, caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                             max_model_len=MAX_MODEL_LEN, scheduling_policy=policy)
+                             max_model_len=MAX_MODEL_LEN, scheduling_policy=policy,
+                             step_time_target_ms=step_ms)
     sim = Sim(Scheduler(config, bm), bm)
     for op in ops:
         if op[0] == "add":
@@ -131,9 +136,11 @@ def test_random_workloads_keep_every_invariant(ops, extra_blocks, block_size, ca
 
 
 # ---- fairness and priority -------------------------------------------------------------------
-def _scheduler(max_num_seqs: int = 8, policy: str = "fcfs", num_blocks: int = 256) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
-                             max_model_len=MAX_MODEL_LEN, scheduling_policy=policy)
+def _scheduler(max_num_seqs: int = 8, policy: str = "fcfs", num_blocks: int = 256, budget: int = 64,
+               step_ms: float | None = None) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                             max_model_len=MAX_MODEL_LEN, scheduling_policy=policy,
+                             step_time_target_ms=step_ms)
     return Scheduler(config, BlockManager(num_blocks, 4, False))
 
 
@@ -212,3 +219,47 @@ def test_priority_preemption_takes_the_worst_running_request():
         if preempted:
             break
     assert preempted and preempted[0] is bad
+
+
+def _decoding(scheduler: Scheduler, n: int, group: str | None = None) -> list[Request]:
+    """`n` requests, stepped until every one is running and past its prompt."""
+    requests = [_request(f"r{i}", group=group, max_tokens=40) for i in range(n)]
+    for request in requests:
+        scheduler.add_request(request)
+    for _ in range(40):
+        _step(scheduler)
+        if all(r.output_token_ids for r in requests):
+            return requests
+    raise AssertionError("the requests never all decoded")
+
+
+def test_running_requests_take_turns_when_the_budget_is_short():
+    """More decodes than the budget: before, the first ones ran every step and the rest never
+    (until the first finished); now the least recently served go first."""
+    scheduler = _scheduler(max_num_seqs=8, budget=64)
+    requests = _decoding(scheduler, 8)
+    # NOTE: as when a step time target cuts the budget after the seats were taken.
+    scheduler.config = replace(scheduler.config, max_num_batched_tokens=4)
+    served = [r for _ in range(4) for r in _step(scheduler)]
+    assert sorted(served.count(r) for r in requests) == [2] * 8
+
+
+def test_a_newcomer_gets_tokens_when_decodes_fill_the_budget():
+    """A request of another group arriving while a batch's decodes need the whole budget is
+    prefilled in the next step (it used to wait for the batch's decodes to leave room)."""
+    scheduler = _scheduler(max_num_seqs=16, budget=8)
+    _decoding(scheduler, 8, group="batch")
+    probe = _request("probe")
+    scheduler.add_request(probe)
+    assert probe in _step(scheduler) and probe.num_computed_tokens == 3
+
+
+def test_a_step_time_target_cuts_the_budget_to_the_measured_line():
+    scheduler = _scheduler(max_num_seqs=100, budget=64, step_ms=30.0)
+    assert scheduler.token_budget() == 64  # nothing measured yet
+    for n in (8, 16, 32, 64):
+        scheduler.record_step(n, 0.010 + 0.0005 * n)  # 10 ms + 0.5 ms a token
+    assert scheduler.token_budget() == 40
+    for i in range(100):
+        scheduler.add_request(_request(f"r{i}"))
+    assert scheduler.schedule().total_num_scheduled_tokens == 40

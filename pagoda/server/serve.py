@@ -56,7 +56,7 @@ ENGINE_FLAGS = {
     "kv_cache_memory": "kv_cache_memory", "gpu_memory_utilization": "gpu_memory_utilization",
     "num_kv_blocks": "num_kv_blocks", "enable_prefix_caching": "enable_prefix_caching",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-    "scheduling_policy": "scheduling_policy",
+    "scheduling_policy": "scheduling_policy", "step_time_target_ms": "step_time_target_ms",
     "tensor_parallel_size": "tensor_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size", "nnodes": "nnodes",
     "node_rank": "node_rank", "dist_init_addr": "dist_init_addr", "core_process": "core_process",
@@ -212,6 +212,11 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fcfs (default): arrival order, with the requests of a many-prompt "
                             "request taking turns with others; priority: each request's "
                             "`priority` field first (lower is sooner), as vLLM")
+    cache.add_argument("--step-time-target-ms", type=float, default=None, metavar="MS",
+                       help="cut each step's token budget to what the last steps' times say "
+                            "ends within MS milliseconds (at most --max-num-batched-tokens): a "
+                            "floor for first-token and inter-token latency under load, at some "
+                            "throughput; off by default")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None)
     cache.add_argument("--speculative-config", default=None, metavar="JSON",
