@@ -73,7 +73,6 @@ class ModelRunner:
         self.attention_backend = attention_backend_for(model, block_size, device, self.use_cpu_kernel)
         self.preparer = InputPreparer(block_size, device, self.attention_backend)
         self.max_threads = torch.get_num_threads()
-        cpu_kernels.enable(model, self.use_cpu_kernel)
         if self.use_cpu_kernel:
             cpu_kernels.ops.set_num_threads(self.max_threads)
 

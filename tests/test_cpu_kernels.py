@@ -299,7 +299,6 @@ def test_linear_prepacked_for_its_kernel(variant: str) -> None:
     plain = [layer.weight.detach().clone() for layer in model]
     kept = model[1].weight
     packed = prepack_for_cpu(model, keep={id(kept)})
-    cpu_kernels.enable(model, True)
     native = ops.gemm_is_native()
     assert native == (variant == "avx512bf16")
     if native:

@@ -220,7 +220,6 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
     for layer in model:
         layer.weight.data = torch.empty(0, dtype=torch.bfloat16)
     assert prepack_for_cpu(model) == 2
-    cpu_kernels.enable(model, True)
     assert model[1].method.panels is None and model[1].method.packed is not None
     rows = torch.tensor([39, 0, 33, 32])
     for layer, w in zip(model, dense, strict=True):

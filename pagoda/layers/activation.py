@@ -1,5 +1,5 @@
-"""Gated activations over a fused gate/up projection: SiLU-and-multiply (one kernel call when
-`native`) and GELU-and-multiply (GeGLU, torch)."""
+"""Gated activations over a fused gate/up projection: SiLU-and-multiply (one kernel call where
+the CPU kernels take x) and GELU-and-multiply (GeGLU, torch)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.native = False
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.is_contiguous():
+        if x.is_contiguous() and cpu_kernels.takes(x):
             return cpu_kernels.ops.silu_and_mul(x)
         return silu_and_mul(x)
 

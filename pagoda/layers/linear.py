@@ -85,7 +85,7 @@ class UnquantizedLinearMethod:
             return PATH_FNS[layer.plan.path_for(x.shape[0])](layer, x, bias)
         if layer.gemm_weight is not None:
             return cpu_kernels.ops.gemm(x, layer.gemm_weight, bias)
-        if layer.native and x.shape[0] <= GEMV_MAX_ROWS and layer._gemv_ready():
+        if x.shape[0] <= GEMV_MAX_ROWS and layer._gemv_ready() and cpu_kernels.takes(x):
             return cpu_kernels.ops.gemv(x, layer.weight, bias)
         if layer.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")
@@ -113,7 +113,6 @@ class Linear(nn.Module):
         self.in_features, self.out_features = input_size, output_size
         self.packed: torch.Tensor | None = None
         self.gemm_weight: cpu_kernels.ops.PackedWeight | None = None
-        self.native = False
         self.plan: ShapePlan | None = None
         self.method: LinearMethod = UNQUANTIZED
 

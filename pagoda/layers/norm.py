@@ -1,7 +1,7 @@
 """RMSNorm, computed as Hugging Face does (in float32, cast back before the weight).
 
 `forward_with_residual` is the pre-norm block's "add the residual, then normalize": vLLM's
-fused_add_rms_norm. With `native` set (by the model runner, on CPU) both run one kernel call
+fused_add_rms_norm. Where the CPU kernels take x (`cpu_kernels.takes`) both run one kernel call
 with the same rounding points; the fused form then updates x and residual in place.
 """
 
@@ -18,10 +18,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native and x.dim() == 2 and x.stride(-1) == 1:
+        if x.dim() == 2 and cpu_kernels.takes(x) and x.stride(-1) == 1:
             return cpu_kernels.ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         h = x.float()
@@ -30,7 +29,7 @@ class RMSNorm(nn.Module):
 
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); the native path reuses both buffers."""
-        if self.native and x.is_contiguous() and residual.is_contiguous():
+        if x.is_contiguous() and residual.is_contiguous() and cpu_kernels.takes(x):
             cpu_kernels.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
         residual = x + residual

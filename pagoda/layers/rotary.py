@@ -2,8 +2,8 @@
 
 Frequencies come from transformers' own rope-initialisation functions (default, linear,
 llama3, yarn, ...), so scaled variants match the reference exactly. The table is gathered by
-position once per step and shared by every layer; with `native` set (by the model runner, on
-CPU) nothing is gathered and each layer rotates q and k in place with one kernel call, rounding
+position once per step and shared by every layer; where the CPU kernels take the positions
+(`cpu_kernels.takes`) nothing is gathered and each layer rotates q and k in place with one kernel call, rounding
 like `apply_rotary` in the storage dtype.
 """
 
@@ -59,11 +59,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-        self.native = False
-
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryInputs:
         """What every layer of this step needs to rotate its q and k."""
-        if self.native:
+        if cpu_kernels.takes(positions):
             return RotaryInputs(positions, self.cos, self.sin, native=True)  # type: ignore[arg-type]
         cos: torch.Tensor = self.cos  # type: ignore[assignment]
         sin: torch.Tensor = self.sin  # type: ignore[assignment]

@@ -2,15 +2,16 @@
 write, rotary in place, RMSNorm (fused with the residual add), SiLU-and-mul, and a bf16
 matrix-vector product for small batches.
 
-`available()` says whether a library is loaded (it is loaded once, on first use); layers
-whose `native` flag the model runner sets (see `enable`) call `ops` instead of torch.
+`available()` says whether a library is loaded (it is loaded once, on first use); a layer
+calls `ops` instead of torch for a tensor the kernels take (`takes`: on the CPU, a library
+loaded), so nothing is set on a model from outside.
 Invariant: with PAGODA_DISABLE_CPU_KERNELS=1, or when nothing can be loaded, nothing here is
 called and every layer runs its pure-torch path, on any device.
 """
 
 from __future__ import annotations
 
-from torch import nn
+import torch
 
 from pagoda.layers.cpu_kernels import ops
 from pagoda.layers.cpu_kernels.loader import KernelLibrary, load
@@ -52,12 +53,9 @@ def use_variant(variant: str | None) -> KernelLibrary | None:
     return _library
 
 
-def enable(model: nn.Module, on: bool) -> None:
-    """Sets the `native` flag of every module that has one (the layers with a kernel path),
-    except where the module says the kernels cannot take it (`supports_native`)."""
-    for module in model.modules():
-        if hasattr(module, "native"):
-            module.native = on and getattr(module, "supports_native", True)  # type: ignore[assignment]
+def takes(x: torch.Tensor) -> bool:
+    """Whether a layer's kernel path runs for `x`: a CPU tensor, with a library loaded."""
+    return x.device.type == "cpu" and library() is not None
 
 
-__all__ = ["available", "computes_bf16", "enable", "library", "ops", "use_variant"]
+__all__ = ["available", "computes_bf16", "library", "ops", "takes", "use_variant"]

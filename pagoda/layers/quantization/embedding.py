@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pagoda.distributed.group import SINGLE, ParallelGroup
+from pagoda.layers import cpu_kernels
 from pagoda.layers.quantization.methods import Fp8LinearMethod, PackedLinearMethod
 
 
@@ -24,14 +25,13 @@ class QuantizedEmbedding(nn.Module):
         self.rows = rows
         self.start = start
         self.tp = tp
-        self.native = False
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.rows
         if self.tp.size == 1:
-            return self.method.dequantize(self.dtype, self.native, ids)
+            return self.method.dequantize(self.dtype, cpu_kernels.takes(ids), ids)
         local = ids - self.start
         mine = (local >= 0) & (local < rows)
-        out = self.method.dequantize(self.dtype, self.native, local.clamp(0, rows - 1))
+        out = self.method.dequantize(self.dtype, cpu_kernels.takes(ids), local.clamp(0, rows - 1))
         out[~mine] = 0
         return self.tp.all_reduce(out)

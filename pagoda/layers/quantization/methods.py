@@ -1,8 +1,8 @@
 """Quantized linear methods: what a `Linear` holds in place of its float weight.
 
 A method owns its packed tensors and computes `x W^T + bias` from them (`apply`). A `Linear`
-calls `self.method.apply(self, x, bias)`; its `native` flag (set by the model runner when the
-CPU kernels are on) picks the kernel path. Every method also has a pure-torch path
+calls `self.method.apply(self, x, bias)`; the kernel path runs where the CPU kernels take x
+(`cpu_kernels.takes`). Every method also has a pure-torch path
 (dequantize, then `F.linear`) that runs on any device.
 """
 
@@ -122,12 +122,12 @@ class PackedLinearMethod:
         """x times the records (or panels) alone, offsets aside."""
         if self.panels is not None and x.dtype == torch.bfloat16:
             return cpu_kernels.ops.gemm(x, self.panels, bias)
-        rows = x.shape[0]
-        if self.packed is not None and layer.native and (
+        rows, native = x.shape[0], cpu_kernels.takes(x)
+        if self.packed is not None and native and (
                 rows <= NATIVE_MAX_ROWS or (rows <= INTEGER_GEMV_MAX_ROWS and self._gemv_x_group())):
             return cpu_kernels.ops.qgemv(x, self.packed, self.fmt, self.in_features, self.group_size, bias)
         dtype = torch.float32 if x.dtype == torch.bfloat16 and not bf16_matmul_is_fast(x.device) else x.dtype
-        x_group = self._gemv_x_group() if layer.native else 0
+        x_group = self._gemv_x_group() if native else 0
         # NOTE: this path rounds x as the GEMV multiplies it, so that a step's size never changes
         # a result beyond summation order: to int8 codes by groups (the AVX2 build, in fp32,
         # exact) or to bf16 (int4 on vdpbf16ps). (The GEMM's panels, which take every step where
@@ -138,7 +138,7 @@ class PackedLinearMethod:
             xin = x.to(torch.bfloat16).to(dtype)
         else:
             xin = x.to(dtype)
-        w = self._dequantize_records(dtype, bool(layer.native))
+        w = self._dequantize_records(dtype, native)
         return F.linear(xin, w, None if bias is None else bias.to(dtype)).to(x.dtype)
 
     def _gemv_x_group(self) -> int:
