@@ -249,7 +249,6 @@ def test_vllm_flags_pagoda_implements_under_vllms_names():
 @pytest.mark.parametrize("argv, refused", [
     (["--enable-lora", "--lora-modules", "a=/x"], "--enable-lora: LoRA adapters are not supported yet"),
     (["--data-parallel-size", "2"], "--data-parallel-size: one server is one engine"),
-    (["--reasoning-parser", "deepseek_r1"], "--reasoning-parser: reasoning parsers are not supported"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb: weights are not offloaded"),
 ])
 def test_vllm_features_pagoda_lacks_are_refused_at_start(argv: list[str], refused: str,

@@ -211,3 +211,40 @@ def test_hermes_parser_and_stream():
     calls = [tc for p in pieces + tail for tc in p.tool_calls or []]
     assert called and calls[0].function.name == "get_weather"
     assert "".join(tc.function.arguments or "" for tc in calls) == "{}"
+
+
+def _stream_deltas(engine: AsyncLLM, body: dict, **ctx: object) -> list[dict]:
+    streamed = post(engine, "/v1/chat/completions", {**body, "stream": True}, **ctx)
+    assert streamed.status_code == 200, streamed.text
+    return [json.loads(line[6:])["choices"][0]["delta"] for line in streamed.text.splitlines()
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+
+
+@pytest.mark.parametrize("parser, choices, expected", [
+    ("deepseek_r1", ["<think>plan it</think>yes"], ("plan it", "yes")),
+    ("deepseek_r1", ["plan it</think>yes"], ("plan it", "yes")),
+    ("qwen3", ["<think>plan it</think>yes"], ("plan it", "yes")),
+    ("qwen3", ["plain answer"], (None, "plain answer")),
+])
+def test_reasoning_parser_splits_whole_and_streamed_answers(engine: AsyncLLM, parser, choices, expected):
+    """vLLM's --reasoning-parser: the thinking in `reasoning` (and `reasoning_content`), the
+    rest in `content`; a stream's deltas add up to the same. The tiny model's answer is forced
+    by guided_choice."""
+    from pagoda.server.reasoning import get_reasoning_parser
+
+    ctx = {"reasoning_parser": get_reasoning_parser(parser)}
+    body = chat(guided_choice=choices)
+    r = post(engine, "/v1/chat/completions", body, **ctx)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert (message["reasoning"], message["content"]) == expected
+    assert message["reasoning_content"] == message["reasoning"]
+    deltas = _stream_deltas(engine, body, **ctx)
+    assert "".join(d.get("reasoning") or "" for d in deltas) == (expected[0] or "")
+    assert "".join(d.get("content") or "" for d in deltas) == (expected[1] or "")
+    assert all(d.get("reasoning_content") == d.get("reasoning") for d in deltas)
+    hidden = post(engine, "/v1/chat/completions", {**body, "include_reasoning": False}, **ctx)
+    assert hidden.json()["choices"][0]["message"]["reasoning"] is None
+    assert not any(d.get("reasoning") for d in _stream_deltas(engine, {**body, "include_reasoning": False}, **ctx))
+    plain = post(engine, "/v1/chat/completions", body)  # NOTE: without a parser, the text as is
+    assert plain.json()["choices"][0]["message"]["content"] == choices[0]

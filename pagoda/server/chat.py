@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pagoda.outputs import CompletionOutput, Logprob
+from pagoda.outputs import Logprob
 from pagoda.server.chunks import (
     NULL,
     ROLE_DELTA,
@@ -19,6 +19,7 @@ from pagoda.server.chunks import (
     content_delta,
     ids_members,
     part_json,
+    reasoning_delta,
 )
 from pagoda.server.errors import bad_request
 from pagoda.server.protocol import (
@@ -32,6 +33,7 @@ from pagoda.server.protocol import (
     ChatMessage,
     random_id,
 )
+from pagoda.server.reasoning import ReasoningStream, split
 from pagoda.server.serving import (
     Generation,
     Prompt,
@@ -192,7 +194,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
     return JSONResponse(full_chat(gen, model, num_logprobs, inputs.plan,
-                                  bool(req.return_token_ids)).model_dump())
+                                  bool(req.return_token_ids), req.include_reasoning).model_dump())
 
 
 async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request,
@@ -223,15 +225,19 @@ def _finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | No
 
 
 def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolPlan,
-              return_token_ids: bool = False) -> ChatCompletionResponse:
+              return_token_ids: bool = False, include_reasoning: bool = True) -> ChatCompletionResponse:
     choices = []
+    parser = gen.ctx.reasoning_parser
     for index, state in enumerate(gen.choices):
         logprobs = None
         if num_logprobs is not None:
             logprobs = chat_logprobs(gen.ctx, state.token_ids, state.logprobs, num_logprobs)
-        content, calls = parse_calls(plan, state.text) if plan.calls_tools else (state.text, [])
+        thought, text = split(parser, state.text) if parser is not None else (None, state.text)
+        thought = thought if include_reasoning else None
+        content, calls = parse_calls(plan, text or "") if plan.calls_tools else (text, [])
         choices.append(ChatCompletionResponseChoice(
-            index=index, message=AssistantMessage(content=content, tool_calls=calls),
+            index=index, message=AssistantMessage(content=content, tool_calls=calls, reasoning=thought,
+                                                  reasoning_content=thought),
             logprobs=logprobs, finish_reason=_finish_reason(plan, state.finish_reason, bool(calls)),
             stop_reason=state.stop_reason,
             token_ids=list(state.token_ids) if return_token_ids else None))
@@ -252,6 +258,8 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
                              extra)
 
     streams = [ToolStream(plan) for _ in gen.choices]
+    parser = gen.ctx.reasoning_parser
+    thinking = [ReasoningStream(parser) for _ in gen.choices] if parser is not None else None
     # NOTE: vLLM's stream: the prompt's ids in the first chunk, a delta's ids in its chunk.
     prompt_ids = ids_members(prompt_token_ids=gen.prompts[0].token_ids) \
         if req.return_token_ids else ""
@@ -265,9 +273,16 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
         if num_logprobs is not None:
             logprobs = part_json(chat_logprobs(gen.ctx, delta.token_ids, delta.logprobs or [],
                                                num_logprobs))
-        pieces, called = [content_delta(delta.text)], False
+        final, text, pieces, called = delta.finish_reason is not None, delta.text, [], False
+        if thinking is not None:
+            thought, text = thinking[index].step(text, final)
+            if thought and req.include_reasoning:
+                pieces.append(reasoning_delta(thought))
         if plan.calls_tools:
-            pieces, called = _tool_pieces(streams[index], delta)
+            tool_pieces, called = _tool_pieces(streams[index], text, final)
+            pieces += tool_pieces
+        elif text:
+            pieces.append(content_delta(text))
         pieces = pieces or [content_delta("")]
         ids = ids_members(token_ids=list(delta.token_ids)) if req.return_token_ids else ""
         for i, piece in enumerate(pieces):
@@ -280,7 +295,7 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
         yield chunks.encode(None, part_json(gen.usage()))
 
 
-def _tool_pieces(stream: ToolStream, delta: CompletionOutput) -> tuple[list[str], bool]:
+def _tool_pieces(stream: ToolStream, text: str, final: bool) -> tuple[list[str], bool]:
     """The delta's content and tool-call pieces (JSON), and whether the choice called tools."""
-    messages, called = stream.step(delta.text, delta.finish_reason is not None)
+    messages, called = stream.step(text, final)
     return [part_json(message) for message in messages], called

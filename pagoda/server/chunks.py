@@ -45,6 +45,12 @@ def content_delta(text: str) -> str:
     return f'{{"content":{_encode(text)}}}'
 
 
+def reasoning_delta(text: str) -> str:
+    """The chat delta of reasoning (--reasoning-parser), under vLLM's two names."""
+    encoded = _encode(text)
+    return f'{{"reasoning":{encoded},"reasoning_content":{encoded}}}'
+
+
 def ids_members(**ids: list[int] | None) -> str:
     """vLLM's `token_ids` / `prompt_token_ids` as extra members (`,"token_ids":[...]`), the
     ones given only: a stream that did not ask for them keeps its bytes."""

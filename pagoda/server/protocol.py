@@ -315,6 +315,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ChatCompletionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # NOTE: vLLM's: False drops the reasoning (--reasoning-parser)
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -345,6 +346,9 @@ class ToolCall(OpenAIBaseModel):
 class AssistantMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    # NOTE: with --reasoning-parser, the thinking; vLLM sends it under both names.
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 

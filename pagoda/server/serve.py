@@ -39,6 +39,7 @@ from pagoda.config import (
 )
 from pagoda.metrics import LiveStatLogger, default_stat_loggers, format_kv_memory_report
 from pagoda.server.api import build_app
+from pagoda.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from pagoda.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from pagoda.server.serving import (
     DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -296,6 +297,11 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the model's tool-call format: hermes (<tool_call> JSON: Qwen, "
                             "Hermes), llama3_json, mistral ([TOOL_CALLS]), pythonic "
                             "([f(x=1)]: Llama 3.2/4)")
+    tools.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split a reasoning model's <think>...</think> into the message's "
+                            "`reasoning` (and `reasoning_content`): deepseek_r1 (R1, QwQ, "
+                            "Qwen3 thinking models: all up to </think>), qwen3 (only an answer "
+                            "that opens with <think>)")
 
 
 # vLLM flags that launch scripts pass and that mean nothing to pagoda: (flag, how it parses,
@@ -337,7 +343,6 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--lora-modules", "list", None, "LoRA adapters are not supported yet"),
     ("--max-loras", "value", None, "LoRA adapters are not supported yet"),
     ("--max-lora-rank", "value", None, "LoRA adapters are not supported yet"),
-    ("--reasoning-parser", "value", None, "reasoning parsers are not supported yet"),
     ("--data-parallel-size", "value", "1", "one server is one engine; for data parallelism run "
                                            "replicas behind a load balancer (docs/scaling.md)"),
     ("--api-server-count", "value", "1", "one API server process serves each engine"),
@@ -493,6 +498,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                             max_model_len=engine.config.model.max_model_len,
                             chat_template=load_chat_template(config.model.chat_template),
                             tool_parser=auto_tool_parser(args),
+                            reasoning_parser=(get_reasoning_parser(args.reasoning_parser)
+                                              if args.reasoning_parser else None),
                             api_keys=api_keys(args),
                             max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
                             return_tokens_as_token_ids=args.return_tokens_as_token_ids,

@@ -37,6 +37,7 @@ from pagoda.server.protocol import (
     UsageInfo,
     now,
 )
+from pagoda.server.reasoning import ReasoningParser
 from pagoda.server.response_store import ResponseStore
 from pagoda.server.streaming import merge, until_disconnect
 from pagoda.server.tool_parsers import ToolParser
@@ -85,6 +86,7 @@ class ServerContext:
     max_model_len: int
     chat_template: str | None = None
     tool_parser: ToolParser | None = None
+    reasoning_parser: ReasoningParser | None = None
     api_keys: list[str] = field(default_factory=list)
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     draining: bool = False
