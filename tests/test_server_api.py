@@ -297,3 +297,34 @@ def test_entrypoint_rejects_unknown_flag():
 def test_unloadable_model_exits_1(capsys: pytest.CaptureFixture[str]):
     assert run_serve(serve_parser().parse_args(["serve", "/nonexistent/model"])) == 1
     assert "cannot load '/nonexistent/model'" in capsys.readouterr().err
+
+
+def test_cors_only_where_the_flags_allow(engine: FakeEngine):
+    """vLLM's --allowed-origins: a browser's preflight is answered before the API key is asked
+    for; without the flag no CORS headers (vLLM would allow every origin)."""
+    from pagoda.server.api import CorsPolicy
+    from pagoda.server.serve import cors_policy
+
+    ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake", max_model_len=64,
+                        api_keys=["k"])
+    preflight = {"Origin": "https://a.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+
+    async def options(app: object, origin: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.options("/v1/chat/completions", headers={**preflight, "Origin": origin})
+
+    args = serve_parser().parse_args(["serve", "m", "--allowed-origins", '["https://a.example"]'])
+    policy = cors_policy(args)
+    assert policy == CorsPolicy(["https://a.example"])
+    allowed = asyncio.run(options(build_app(ctx, cors=policy), "https://a.example"))
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == "https://a.example"
+    other = asyncio.run(options(build_app(ctx, cors=policy), "https://b.example"))
+    assert "access-control-allow-origin" not in other.headers
+    assert cors_policy(serve_parser().parse_args(["serve", "m"])) is None
+    closed = asyncio.run(options(build_app(ctx), "https://a.example"))
+    assert "access-control-allow-origin" not in closed.headers
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["serve", "m", "--allowed-origins", "https://a.example"])

@@ -248,3 +248,34 @@ def test_reasoning_parser_splits_whole_and_streamed_answers(engine: AsyncLLM, pa
     assert not any(d.get("reasoning") for d in _stream_deltas(engine, {**body, "include_reasoning": False}, **ctx))
     plain = post(engine, "/v1/chat/completions", body)  # NOTE: without a parser, the text as is
     assert plain.json()["choices"][0]["message"]["content"] == choices[0]
+
+
+def _rendered(engine: AsyncLLM, body: dict, **ctx: object) -> str:
+    r = post(engine, "/v1/chat/completions", {**body, "max_tokens": 1, "return_token_ids": True}, **ctx)
+    assert r.status_code == 200, r.text
+    return engine.tokenizer.decode(r.json()["prompt_token_ids"])
+
+
+def test_a_request_chat_template_needs_the_trust_flag(engine: AsyncLLM):
+    body = chat("hi", chat_template="X{{ messages[0]['content'] }}Y")
+    err = error(post(engine, "/v1/chat/completions", body))
+    assert err["message"].startswith("Chat template is passed with request, but --trust-request-chat-template")
+    assert err["param"] == "chat_template"
+    kwargs_body = chat("hi", chat_template_kwargs={"chat_template": "Z"})
+    assert error(post(engine, "/v1/chat/completions", kwargs_body))["param"] == "chat_template"
+    assert _rendered(engine, body, trust_request_chat_template=True) == "XhiY"
+    assert _rendered(engine, kwargs_body, trust_request_chat_template=True) == "Z"
+
+
+@pytest.mark.parametrize("setting, template, expected", [
+    ("auto", "{% for p in messages[0]['content'] %}[{{ p['text'] }}]{% endfor %}", "[a][b]"),
+    ("auto", "<{{ messages[0]['content'] }}>", "<a\nb>"),
+    ("string", "<{{ messages[0]['content'] }}>", "<a\nb>"),
+    ("openai", "{% for p in messages[0].content %}({{ p.text }}){% endfor %}", "(a)(b)"),
+])
+def test_chat_template_content_format(engine: AsyncLLM, setting, template, expected):
+    from pagoda.server.chat import content_format
+
+    body = chat([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])  # type: ignore[arg-type]
+    assert _rendered(engine, body, chat_template=template, chat_template_content_format=setting) == expected
+    assert content_format("auto", template) == ("openai" if "for p" in template else "string")

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from pydantic import ValidationError
 from starlette.responses import Response
 
@@ -241,8 +243,19 @@ async def kv_cache(ctx: Ctx) -> dict[str, Any]:
     return {**report, "text": format_kv_memory_report(report)}
 
 
+@dataclass(frozen=True)
+class CorsPolicy:
+    """vLLM's --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials."""
+
+    allowed_origins: list[str]
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+
+
 def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
-              web_ui: bool = True, request_id_headers: bool = False, api_docs: bool = True) -> FastAPI:
+              web_ui: bool = True, request_id_headers: bool = False, api_docs: bool = True,
+              cors: CorsPolicy | None = None) -> FastAPI:
     """The app serving `ctx.engine`; `ctx` is shared with the launcher (draining, counts).
 
     Args:
@@ -251,6 +264,9 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
         request_id_headers: every response carries `X-Request-Id` (vLLM's
             `--enable-request-id-headers`).
         api_docs: serve `/docs`, `/redoc` and `/openapi.json` (`--disable-fastapi-docs`: not).
+        cors: answer browsers' cross-origin calls as the policy allows (outermost, so a
+            preflight is answered before the API key is asked for); None, the default, sends no
+            CORS headers (vLLM allows every origin unless told otherwise).
     """
     app = FastAPI(title="pagoda", version=pagoda_version(),
                   description="OpenAI-compatible LLM server (vLLM-style).",
@@ -266,6 +282,10 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
         app.add_middleware(WebUIAssets)
     if request_id_headers:
         app.add_middleware(RequestIdHeaders)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+                           allow_credentials=cors.allow_credentials)
     app.include_router(router)
     app.include_router(webui_router)
     return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -54,46 +55,85 @@ from pagoda.server.serving import (
 from pagoda.server.streaming import sse, until_disconnect
 from pagoda.server.tools import ToolPlan, ToolStream, parse_calls, plan_tools
 
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but --trust-request-chat-template is not "
+                      "set. Refused request with untrusted chat template.")
+# NOTE: a template that loops over a message's content (`for part in message['content']`)
+# takes OpenAI's list of parts; vLLM's "auto" looks for the same in the template's syntax tree.
+_ITERATES_CONTENT = re.compile(r"\bfor\s+\w+\s+in\s+[^%}\n]*?(\[\s*['\"]content['\"]\s*\]|\.content\b)")
 
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
+
+def content_format(setting: str, source: str) -> str:
+    """"string" (text parts joined by newlines) or "openai" (the list of text parts) for a
+    template's `message['content']`: `setting` (--chat-template-content-format), or for
+    "auto" what the template's source does with it."""
+    if setting != "auto":
+        return setting
+    return "openai" if _ITERATES_CONTENT.search(source) else "string"
+
+
+def _message_dict(message: ChatMessage, fmt: str) -> dict[str, Any]:
     data = message.model_dump(exclude_none=True)
     content = message.content
     if isinstance(content, list):
         if any(part.get("type") != "text" for part in content):
             raise bad_request("Only text content parts are supported.", "messages")
-        content = "\n".join(str(part.get("text", "")) for part in content)
-    data["content"] = content or ""
+        texts = [str(part.get("text", "")) for part in content]
+        data["content"] = [{"type": "text", "text": t} for t in texts] if fmt == "openai" else "\n".join(texts)
+    else:
+        data["content"] = [{"type": "text", "text": content or ""}] if fmt == "openai" else content or ""
     return data
 
 
-def template_has_tools(ctx: ServerContext) -> bool:
+def _num_chars(message: dict[str, Any]) -> int:
+    content = message["content"]
+    return len(content) if isinstance(content, str) else sum(len(part["text"]) for part in content)
+
+
+def chat_template_for(ctx: ServerContext, req: ChatCompletionRequest) -> str | None:
+    """The template `req` renders with: its own `chat_template` (or one in its
+    `chat_template_kwargs`), only under --trust-request-chat-template as vLLM, else the
+    server's (None: the tokenizer's)."""
+    own = req.chat_template if req.chat_template is not None else (req.chat_template_kwargs or {}).get("chat_template")
+    if own is None:
+        return ctx.chat_template
+    if not ctx.trust_request_chat_template:
+        raise bad_request(UNTRUSTED_TEMPLATE, "chat_template")
+    return str(own)
+
+
+def _template_source(ctx: ServerContext, template: str | None) -> str:
+    return str(template or getattr(ctx.tokenizer, "chat_template", None) or "")
+
+
+def template_has_tools(ctx: ServerContext, template: str | None = None) -> bool:
     """Whether the chat template renders `tools` (it then has a tool-call format)."""
-    source = ctx.chat_template or getattr(ctx.tokenizer, "chat_template", None) or ""
-    return "tools" in str(source)
+    return "tools" in _template_source(ctx, template or ctx.chat_template)
 
 
 async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
                       template_kwargs: dict[str, Any] | None = None,
-                      tools: ToolPlan | None = None) -> str:
+                      tools: ToolPlan | None = None, template: str | None = None) -> str:
     """Applies the chat template (--chat-template, else the tokenizer's), in a worker thread.
 
     The messages' text is size-checked first (`--max-prompt-chars`), so a huge conversation
     is refused before any templating or tokenizing. Tools go to a template that renders them;
     for one that cannot, a call's tools are described in a system message.
     """
-    conversation = [_message_dict(m) for m in messages]
-    template_kwargs = dict(template_kwargs or {})
+    template = template or ctx.chat_template
+    fmt = content_format(ctx.chat_template_content_format, _template_source(ctx, template))
+    conversation = [_message_dict(m, fmt) for m in messages]
+    template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
     if tools is not None and tools.tools:
-        if template_has_tools(ctx):
+        if template_has_tools(ctx, template):
             template_kwargs["tools"] = tools.template_tools()
         elif tools.calls_tools:
             conversation = _with_system_note(conversation, tools.system_note())
-    num_chars = sum(len(m["content"]) for m in conversation)
+    num_chars = sum(_num_chars(m) for m in conversation)
     try:
         ctx.processor.check_num_chars(num_chars, "messages")
     except ValueError as e:
         raise invalid_input(e) from e
-    return await asyncio.to_thread(_apply_template, ctx, conversation, add_generation_prompt,
+    return await asyncio.to_thread(_apply_template, ctx, template, conversation, add_generation_prompt,
                                    template_kwargs)
 
 
@@ -104,11 +144,11 @@ def _with_system_note(conversation: list[dict[str, Any]], note: str) -> list[dic
     return [{"role": "system", "content": note}, *conversation]
 
 
-def _apply_template(ctx: ServerContext, conversation: list[dict[str, Any]],
+def _apply_template(ctx: ServerContext, template: str | None, conversation: list[dict[str, Any]],
                     add_generation_prompt: bool, template_kwargs: dict[str, Any] | None) -> str:
     try:
         text = ctx.tokenizer.apply_chat_template(
-            conversation, chat_template=ctx.chat_template, tokenize=False,
+            conversation, chat_template=template, tokenize=False,
             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
     except Exception as e:  # NOTE: jinja raises its own errors for conversations it rejects.
         raise bad_request(f"The chat template could not be applied: {e}", "messages") from e
@@ -161,7 +201,7 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInp
                               structured_param)
         fields["structured_outputs"], structured_param = plan.constraint(), "tools"
     text = await render_chat(ctx, req.messages, req.add_generation_prompt,
-                             req.chat_template_kwargs, plan)
+                             req.chat_template_kwargs, plan, chat_template_for(ctx, req))
     prompt = truncate_prompt(Prompt(await tokenize_text(ctx, text, False, "messages"), text),
                              req.truncate_prompt_tokens, ctx.max_model_len,
                              req.truncation_side)

@@ -38,10 +38,11 @@ from pagoda.config import (
     parse_bytes,
 )
 from pagoda.metrics import LiveStatLogger, default_stat_loggers, format_kv_memory_report
-from pagoda.server.api import build_app
+from pagoda.server.api import CorsPolicy, build_app
 from pagoda.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from pagoda.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from pagoda.server.serving import (
+    CONTENT_FORMATS,
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     ServerContext,
     load_chat_template,
@@ -73,6 +74,17 @@ ENGINE_FLAGS = {
     "quantization_group_size": "quantization_group_size", "kv_cache_dtype": "kv_cache_dtype",
     "max_logprobs": "max_logprobs", "tokenizer": "tokenizer",
 }
+
+
+def json_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM's CORS flags take them."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}: {e}") from e
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return value
 
 
 def human_int(text: str) -> int:
@@ -169,6 +181,13 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                           f"{DEFAULT_RESPONSES_STORE_SIZE}; 0 keeps none)")
     net.add_argument("--root-path", default=None,
                      help="the path prefix a proxy serves this server under (FastAPI's root_path)")
+    net.add_argument("--allowed-origins", type=json_list, default=None, metavar="JSON",
+                     help='origins a browser may call from, as vLLM (\'["https://a.example"]\' '
+                          'or \'["*"]\'); default: no CORS headers, same-origin pages only '
+                          "(vLLM allows every origin)")
+    net.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON")
+    net.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON")
+    net.add_argument("--allow-credentials", action="store_true")
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
     net.add_argument("--ssl-certfile", default=None, help="... and this certificate chain")
     net.add_argument("--engine-stall-timeout", type=positive_seconds, default=60.0,
@@ -183,6 +202,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--max-model-len", type=human_int, default=None)
     model.add_argument("--seed", type=int, default=None)
     model.add_argument("--chat-template", default=None, help="a Jinja template or a file path")
+    model.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                       help="how a message's content reaches the template: string (text parts "
+                            "joined by newlines), openai (the list of parts), auto (openai when "
+                            "the template loops over message['content'])")
+    model.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a request carry its own chat_template (refused otherwise, as vLLM)")
     model.add_argument("--tokenizer", default=None,
                        help="load the tokenizer from this directory, .gguf file or alias "
                             "(default: the model's own)")
@@ -407,6 +432,14 @@ def no_effect_lines(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+def cors_policy(args: argparse.Namespace) -> CorsPolicy | None:
+    """The CORS policy the flags ask for; None without --allowed-origins."""
+    if args.allowed_origins is None:
+        return None
+    return CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers,
+                      args.allow_credentials)
+
+
 def auto_tool_parser(args: argparse.Namespace) -> ToolParser | None:
     """The parser of tool_choice "auto", None without --enable-auto-tool-choice (as vLLM,
     --tool-call-parser alone changes nothing).
@@ -497,6 +530,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
         ctx = ServerContext(engine=engine, served_model_names=names, model_path=model,
                             max_model_len=engine.config.model.max_model_len,
                             chat_template=load_chat_template(config.model.chat_template),
+                            chat_template_content_format=args.chat_template_content_format,
+                            trust_request_chat_template=args.trust_request_chat_template,
                             tool_parser=auto_tool_parser(args),
                             reasoning_parser=(get_reasoning_parser(args.reasoning_parser)
                                               if args.reasoning_parser else None),
@@ -509,7 +544,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
         logger.info("%s", format_kv_memory_report(engine.kv_report()))
         app = build_app(ctx, live, web_ui=not args.disable_web_ui,
                         request_id_headers=args.enable_request_id_headers,
-                        api_docs=not args.disable_fastapi_docs)
+                        api_docs=not args.disable_fastapi_docs, cors=cors_policy(args))
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
                                    timeout_graceful_shutdown=2, root_path=args.root_path or "",

@@ -73,6 +73,10 @@ class EngineClient(Protocol):
     def record_rejection(self, reason: str) -> None: ...
 
 
+# NOTE: --chat-template-content-format, as vLLM: how a message's content reaches the template.
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
 @dataclass
 class ServerContext:
     """Everything a route needs: the engine, the names it answers to, the limits, the
@@ -85,6 +89,8 @@ class ServerContext:
     model_path: str
     max_model_len: int
     chat_template: str | None = None
+    chat_template_content_format: str = "auto"
+    trust_request_chat_template: bool = False
     tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None
     api_keys: list[str] = field(default_factory=list)
