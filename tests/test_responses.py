@@ -265,7 +265,7 @@ def test_an_engine_error_ends_the_stream_with_an_error_event(client: Client):
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "pagoda takes no other"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input", "pagoda takes no other"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input", "'input_text' or 'output_text'"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text",
@@ -324,3 +324,33 @@ def test_the_openai_client_creates_and_streams(client: Client):
     assert streamed[-1].type == "response.completed"
     assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == \
         response.output_text
+
+
+def test_a_reasoning_parser_gives_a_reasoning_item_streamed_and_not(engine: AsyncLLM):
+    """--reasoning-parser on /v1/responses: the thinking is a `reasoning` item before the
+    message (streamed as reasoning_text deltas that add up to it), and is left out of the
+    conversation a later turn continues. The tiny model's answer is forced by a choice."""
+    from pagoda.server.reasoning import get_reasoning_parser
+
+    client = Client(engine)
+    client.ctx.reasoning_parser = get_reasoning_parser("deepseek_r1")
+    body = {"input": "Think first.", "structured_outputs": {"choice": ["<think>plan it</think>yes"]},
+            "max_output_tokens": 40}
+    full = client.create(**body)
+    kinds = [item["type"] for item in full["output"]]
+    assert kinds == ["reasoning", "message"]
+    assert full["output"][0]["content"] == [{"type": "reasoning_text", "text": "plan it"}]
+    assert output_text(full) == "yes"
+    got = events(client.request("POST", "/v1/responses", {"model": "tiny", "temperature": 0, **body,
+                                                          "stream": True}))
+    thought = "".join(d["delta"] for name, d in got if name == "response.reasoning_text.delta")
+    assert thought == "plan it"
+    final = got[-1][1]["response"]
+    assert [item["type"] for item in final["output"]] == kinds and output_text(final) == "yes"
+    assert [d["item"]["type"] for name, d in got if name == "response.output_item.done"] == kinds
+    # NOTE: a client may send the reasoning item back; it is accepted and not prompted.
+    again = client.create(input=[*full["output"], {"role": "user", "content": "Go on."}],
+                          max_output_tokens=2)
+    assert again["status"] in ("completed", "incomplete")
+    stored = client.ctx.response_store.get(full["id"])
+    assert stored is not None and all("plan it" not in str(m["content"]) for m in stored.messages)

@@ -6,7 +6,8 @@ a message item (`response.output_item.added`, `response.content_part.added`, the
 `response.output_text.delta`s; closed by `.output_text.done`, `.content_part.done`,
 `.output_item.done`) or a function call item (`.output_item.added`, then
 `response.function_call_arguments.delta`s; closed by `.function_call_arguments.done`,
-`.output_item.done`). An item closes when the next one starts, or at the end, where the last
+`.output_item.done`), or a reasoning item (`.output_item.added`, then
+`response.reasoning_text.delta`s; closed by `.reasoning_text.done`, `.output_item.done`). An item closes when the next one starts, or at the end, where the last
 one takes the response's status ("incomplete" when `max_output_tokens` cut it). Invariant:
 the items equal those the same text gives unstreamed (`output_items`), ids aside.
 The events are plain dicts; `streaming.sse_events` numbers and frames them.
@@ -17,11 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 from pagoda.server.protocol import DeltaMessage
+from pagoda.server.reasoning import ReasoningParser, split
 from pagoda.server.responses_protocol import (
     FunctionCallItem,
     OutputItem,
     OutputMessage,
     OutputText,
+    ReasoningItem,
+    ReasoningText,
     Status,
 )
 from pagoda.server.tools import ToolPlan, parse_calls
@@ -29,11 +33,16 @@ from pagoda.server.tools import ToolPlan, parse_calls
 Event = dict[str, Any]
 
 
-def output_items(plan: ToolPlan, text: str, status: Status) -> list[OutputItem]:
-    """A finished output's items: a message (if it has text, or nothing else), then each tool
-    call; the last item takes `status`, the others are complete."""
-    content, calls = parse_calls(plan, text) if plan.calls_tools else (text, [])
+def output_items(plan: ToolPlan, text: str, status: Status,
+                 parser: ReasoningParser | None = None) -> list[OutputItem]:
+    """A finished output's items: its reasoning (with a reasoning parser, if it thought), a
+    message (if it has text, or nothing else), then each tool call; the last item takes
+    `status`, the others are complete."""
+    thought, answer = split(parser, text) if parser is not None else (None, text)
+    content, calls = parse_calls(plan, answer or "") if plan.calls_tools else (answer, [])
     items: list[OutputItem] = []
+    if thought:
+        items.append(ReasoningItem(content=[ReasoningText(text=thought)]))
     if content or not calls:
         items.append(OutputMessage(content=[OutputText(text=content or "")]))
     items += [FunctionCallItem(call_id=call.id, name=call.function.name,
@@ -65,6 +74,18 @@ class OutputEvents:
                                                delta=call.function.arguments))
                 self._text += call.function.arguments
         return events
+
+    def feed_reasoning(self, text: str) -> list[Event]:
+        """Reasoning text (a reasoning parser's), into the open reasoning item or a new one."""
+        if not text:
+            return []
+        events: list[Event] = []
+        if not (self._open and isinstance(self.items[-1], ReasoningItem)):
+            events += self._close("completed")
+            self._start(ReasoningItem(status="in_progress"))
+            events.append(self._added())
+        self._text += text
+        return events + [self._item_event("response.reasoning_text.delta", content_index=0, delta=text)]
 
     def close(self, status: Status) -> list[Event]:
         """The end of the output: the open item done with `status` (an empty message first
@@ -98,6 +119,9 @@ class OutputEvents:
             item.arguments = text
             events = [self._item_event("response.function_call_arguments.done", arguments=text,
                                        name=item.name)]
+        elif isinstance(item, ReasoningItem):
+            item.content = [ReasoningText(text=text)]
+            events = [self._item_event("response.reasoning_text.done", content_index=0, text=text)]
         else:
             item.content = [OutputText(text=text)]
             events = [self._part_event("response.output_text.done", text=text),

@@ -6,7 +6,8 @@ items as chat messages (a `function_call` joins the assistant message before it 
 call, a `function_call_output` is a `tool` message); `text.format` is `response_format`,
 `max_output_tokens` is `max_completion_tokens`. The chat machinery (template, tools, output
 constraint, sampling, validation, queue) runs it, and its output comes back as output items:
-a message with the text, then one `function_call` per tool call. A 400 names the Responses
+its reasoning (with a `--reasoning-parser`, a `reasoning` item, left out of a later turn's
+prompt), a message with the text, then one `function_call` per tool call. A 400 names the Responses
 field (`input`, `max_output_tokens`, `text.format`), not the chat one it went through.
 Streamed, the events are OpenAI's (`response_events.py`). With `store` (the default) the
 finished response and its conversation are kept (`response_store.py`).
@@ -36,16 +37,20 @@ from pagoda.server.protocol import (
     ResponseFormat,
     UsageInfo,
 )
+from pagoda.server.reasoning import ReasoningStream
 from pagoda.server.response_events import OutputEvents, output_items
 from pagoda.server.response_store import StoredResponse
 from pagoda.server.responses_protocol import (
     FunctionCallInput,
     FunctionCallItem,
+    FunctionCallOutputInput,
     IncompleteDetails,
     InputItem,
     InputMessage,
     InputTokensDetails,
     OutputItem,
+    OutputMessage,
+    ReasoningItem,
     ResponsesRequest,
     ResponsesResponse,
     ResponseUsage,
@@ -96,12 +101,12 @@ def chat_messages(items: str | list[InputItem]) -> list[dict[str, Any]]:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        else:
+        elif isinstance(item, FunctionCallOutputInput):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
     return messages
 
 
-def _as_input(item: OutputItem) -> InputItem:
+def _as_input(item: OutputMessage | FunctionCallItem) -> InputItem:
     if isinstance(item, FunctionCallItem):
         return FunctionCallInput(type="function_call", call_id=item.call_id, name=item.name,
                                  arguments=item.arguments)
@@ -212,7 +217,8 @@ class ResponseTurn:
         """The finished response, stored with its conversation when the request asks."""
         response = self.response(self.status, output, response_usage(self.gen.usage()))
         if self.req.store:
-            conversation = self.messages + chat_messages([_as_input(item) for item in output])
+            conversation = self.messages + chat_messages(
+                [_as_input(item) for item in output if not isinstance(item, ReasoningItem)])
             self.ctx.response_store.put(response.id, StoredResponse(
                 response.model_dump(mode="json"), conversation))
         return response
@@ -232,7 +238,7 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
                                  media_type="text/event-stream")
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
-    output = output_items(inputs.plan, gen.choices[0].text, turn.status)
+    output = output_items(inputs.plan, gen.choices[0].text, turn.status, ctx.reasoning_parser)
     return JSONResponse(turn.finish(output).model_dump(mode="json"))
 
 
@@ -243,12 +249,18 @@ async def stream_response(turn: ResponseTurn) -> AsyncIterator[dict[str, Any]]:
     yield {"type": "response.created", "response": snapshot}
     yield {"type": "response.in_progress", "response": snapshot}
     tools, output = ToolStream(turn.plan), OutputEvents()
+    parser = turn.ctx.reasoning_parser
+    thinking = ReasoningStream(parser) if parser is not None else None
     async for _, delta in turn.gen.deltas():
-        messages, _ = tools.step(delta.text, delta.finish_reason is not None)
+        last, text = delta.finish_reason is not None, delta.text
+        if thinking is not None:
+            thought, text = thinking.step(text, last)
+            for event in output.feed_reasoning(thought):
+                yield event
+        messages, _ = tools.step(text, last)
         for message in messages:
             for event in output.feed(message):
                 yield event
     for event in output.close(turn.status):
         yield event
-    final = turn.finish(output.items).model_dump(mode="json")
-    yield {"type": "response.completed", "response": final}
+    yield {"type": "response.completed", "response": turn.finish(output.items).model_dump(mode="json")}

@@ -70,13 +70,30 @@ class FunctionCallOutputInput(OpenAIBaseModel):
     output: str
 
 
+class ReasoningText(OpenAIBaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningInput(OpenAIBaseModel):
+    """An earlier response's reasoning item, sent back with the conversation: accepted, and
+    left out of the prompt (chat templates drop earlier turns' thinking too)."""
+
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    status: Status | None = None
+
+
 InputItem = Annotated[
     Annotated[InputMessage, Tag("message")]
     | Annotated[FunctionCallInput, Tag("function_call")]
-    | Annotated[FunctionCallOutputInput, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputInput, Tag("function_call_output")]
+    | Annotated[ReasoningInput, Tag("reasoning")],
     Discriminator(_item_type, custom_error_type="input_item_type",
-                  custom_error_message="an input item is of type 'message', 'function_call' or "
-                                       "'function_call_output' (pagoda takes no other)")]
+                  custom_error_message="an input item is of type 'message', 'function_call', "
+                                       "'function_call_output' or 'reasoning' (pagoda takes no other)")]
 
 
 class FunctionTool(OpenAIBaseModel):
@@ -184,7 +201,17 @@ class FunctionCallItem(OpenAIBaseModel):
     status: Status = "completed"
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class ReasoningItem(OpenAIBaseModel):
+    """The thinking a `--reasoning-parser` took out of the answer."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str = Field(default_factory=lambda: response_id("rs"))
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Status = "completed"
+
+
+OutputItem = ReasoningItem | OutputMessage | FunctionCallItem
 
 
 class InputTokensDetails(OpenAIBaseModel):
