@@ -127,12 +127,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, d: LlamaDims, flags: LlamaFlags, tp: ParallelGroup) -> None:
+    """Attention, then the feed-forward block: `mlp`, a dense `LlamaMLP` unless the model gives
+    another (a sparse mixture of experts, models/moe.py)."""
+
+    def __init__(self, d: LlamaDims, flags: LlamaFlags, tp: ParallelGroup, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.self_attn = LlamaAttention(d, flags, tp)
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.mlp = LlamaMLP(d, flags, tp)
+        self.mlp = LlamaMLP(d, flags, tp) if mlp is None else mlp
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryInputs,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,10 +216,15 @@ class LlamaForCausalLM(DecoderOnlyLM):
         d = LlamaDims.from_hf(config, flags)
         self.dims = d
         self.build_stage(d.vocab_size, d.hidden_size, d.tie_word_embeddings, d.num_layers,
-                         lambda i: LlamaDecoderLayer(d, flags, tp), lambda: RMSNorm(d.hidden_size, d.rms_norm_eps),
-                         tp, stage)
+                         lambda i: LlamaDecoderLayer(d, flags, tp, self.make_mlp(config, d, flags, tp, i)),
+                         lambda: RMSNorm(d.hidden_size, d.rms_norm_eps), tp, stage)
         inv_freq, scaling = inv_freq_for(config, d.head_dim)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
+
+    def make_mlp(self, config: object, d: LlamaDims, flags: LlamaFlags, tp: ParallelGroup,
+                 layer: int) -> nn.Module | None:
+        """Layer `layer`'s feed-forward block; None: the dense `LlamaMLP` (a subclass's seat)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 intermediate: Intermediate | None = None,
