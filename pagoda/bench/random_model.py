@@ -53,7 +53,13 @@ def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = No
         ValueError: an unknown shape.
     """
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     from pagoda.models.loader import gguf_metadata_dir, resolve_model_path
 
@@ -65,13 +71,12 @@ def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = No
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, initializer_range=0.02,
         hidden_act="silu", **(dims or SHAPES[shape]))
-    moe = "num_local_experts" in kwargs
-    config = (MixtralConfig if moe else LlamaConfig)(**kwargs)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = (MixtralForCausalLM if moe else LlamaForCausalLM)(config)
+        model: Any = (MixtralForCausalLM(MixtralConfig(**kwargs)) if "num_local_experts" in kwargs
+                      else LlamaForCausalLM(LlamaConfig(**kwargs)))
     finally:
         torch.set_default_dtype(previous)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ down_proj`) and each lands in its expert's slice.
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import TYPE_CHECKING
 
@@ -139,13 +140,12 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = select_experts(router_logits, self.top_k, self.renormalize)
         order, token_ids, counts = group_by_expert(expert_ids, self.num_experts)
+        if not x.shape[0]:
+            return self.tp.all_reduce(torch.zeros_like(x))
         rows = x[token_ids]
-        out_rows = torch.empty_like(rows)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n:
-                out_rows[start:start + n] = self._expert(expert, rows[start:start + n])
-                start += n
+        starts = [0, *itertools.accumulate(counts)]
+        out_rows = torch.cat([self._expert(e, rows[starts[e]:starts[e + 1]]) for e in range(self.num_experts)
+                              if counts[e]])
         pair_weights = weights.flatten()[order, None]
         if self.weights_in_model_dtype:
             scaled = out_rows * pair_weights.to(x.dtype)
