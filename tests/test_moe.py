@@ -115,10 +115,18 @@ def test_quantized_experts_compute_their_dequantized_weights(scheme):
     torch.testing.assert_close(moe(x, logits), _per_token(xin, logits, dense13, dense2, False), rtol=2e-2, atol=2e-2)
 
 
-def test_a_quantized_moe_model_generates(tiny_model_factory):
-    llm = LLM(str(tiny_model_factory("mixtral")), dtype="float32", num_kv_blocks=64, quantization="int8")
+@pytest.mark.parametrize("engine", [dict(dtype="float32", quantization="int8"), dict(dtype="bfloat16")],
+                         ids=["int8", "bf16"])
+def test_quantized_and_bf16_moe_models_generate(engine, tiny_model_factory):
+    """int8: every expert packed; bf16: the experts on the GEMM's panels where the kernels
+    compute bf16, and the native decoder stack (dense layers only) not built."""
+    llm = LLM(str(tiny_model_factory("mixtral")), num_kv_blocks=64, **engine)
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
-    assert len(experts) == 2 and all(m.expert_methods is not None for m in experts)
+    assert len(experts) == 2 and llm.engine.runner.native_decoder is None
+    if "quantization" in engine:
+        assert all(m.expert_methods is not None for m in experts)
+    elif cpu_kernels.available() and cpu_kernels.computes_bf16():
+        assert all(m.gemm_weights is not None for m in experts)
     out = llm.generate(_prompts(2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
 
