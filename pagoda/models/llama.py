@@ -1,12 +1,13 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as one model with flags.
 
 Flags come from the architecture and its config: q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), a sliding window (Mistral), tied embeddings. The model is free of quantization and
-cache-management code: it reads the `AttentionMetadata` it is given. Tensor parallelism
-hides in its layers (layers/tensor_parallel.py: each holds its rank's shard, given an explicit
-`ParallelGroup`); a pipeline stage (`PipelineStage`) builds only its own decoder layers, the
-first the embedding, the last the final norm and LM head. With the defaults it is the whole
-model on one process.
+(Qwen3), a sliding window (Mistral), tied embeddings; a subclass may give a layer another
+feed-forward block (`make_mlp`: Mixtral's and Qwen3-MoE's experts, models/moe.py). The model
+is free of quantization and cache-management code: it reads the `AttentionMetadata` it is
+given. Tensor parallelism hides in its layers (layers/tensor_parallel.py: each holds its
+rank's shard, given an explicit `ParallelGroup`); a pipeline stage (`PipelineStage`) builds
+only its own decoder layers, the first the embedding, the last the final norm and LM head.
+With the defaults it is the whole model on one process.
 Layers carry the residual stream separately (vLLM's layout), so that "add the residual, then
 normalize" is one step (`RMSNorm.forward_with_residual`); the sums are those of Hugging Face's
 `h = h + f(norm(h))`.

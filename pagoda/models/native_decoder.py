@@ -6,8 +6,8 @@ a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention a
 on the same buffers, so its output is bit for bit the layer path's (tested).
 `NativeDecoder.build` returns None unless the whole model fits: one process (no tensor or
 pipeline parallelism), bf16, every linear on the small-M GEMM's packed weights (bf16, int8 or
-int4 panels), no per-head q/k norm (Qwen3), no mixture of experts, a bf16 or fp8 KV pool bound. It takes steps of at
-most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
+int4 panels), no per-head q/k norm (Qwen3), no mixture-of-experts layer, a bf16 or fp8 KV
+pool bound. It takes steps of at most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
 builds it when it binds the KV pool; the model calls it in place of its layer loop for steps
 the paged-attention kernel attends whole (on the native path every step: decodes and prefill
 chunks alike) of at most `max_rows` rows (`takes`), and runs its layers otherwise.
