@@ -147,3 +147,22 @@ def test_tensor_parallel_2_equals_one_process(engine, tiny_model_factory):
         assert [o.outputs[0].token_ids for o in llm.generate(_prompts(3), params, use_tqdm=False)] == want
     finally:
         llm.engine.shutdown()
+
+
+def test_sparse_layers_and_routing_follow_the_configs():
+    """Which layers are sparse, as transformers builds them (decoder_sparse_step, mlp_only_layers)."""
+    from transformers import MixtralConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from pagoda.models.moe import MoeDims
+
+    small = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1)
+    config = Qwen3MoeConfig(**small, num_hidden_layers=6, num_experts=4, moe_intermediate_size=8,
+                            decoder_sparse_step=2, mlp_only_layers=[3], norm_topk_prob=True)
+    hf_sparse = [type(layer.mlp).__name__ == "Qwen3MoeSparseMoeBlock" for layer in Qwen3MoeForCausalLM(config).model.layers]
+    moe = MoeDims.from_hf(config)
+    assert [moe.is_sparse(i) for i in range(6)] == hf_sparse == [False, True, False, False, False, True]
+    assert (moe.intermediate_size, moe.renormalize, moe.weights_in_model_dtype) == (8, True, True)
+    mixtral = MoeDims.from_hf(MixtralConfig(**small, num_hidden_layers=2, num_local_experts=4))
+    assert [mixtral.is_sparse(i) for i in range(2)] == [True, True]
+    assert (mixtral.num_experts, mixtral.intermediate_size, mixtral.renormalize, mixtral.weights_in_model_dtype) == (
+        4, 32, True, False)
