@@ -25,6 +25,7 @@ from pagoda.kv_cache import (
     num_blocks_for,
     resolve_kv_cache_dtype,
 )
+from pagoda.layers.fused_moe import pack_experts_for_cpu
 from pagoda.layers.kernel_plan import KernelPlan
 from pagoda.layers.linear import prepack_for_cpu
 from pagoda.model_runner import ModelRunner, step_threads
@@ -128,6 +129,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
         embedding = getattr(model.embed_tokens, "weight", None)
         plan = plan_linears(model)
         prepack_for_cpu(model, keep={id(embedding)} if embedding is not None else set(), plan=plan)
+        pack_experts_for_cpu(model)
     d = model.dims
     layers = model.attention_layers()
     spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, d.head_dim,

@@ -217,6 +217,8 @@ def check_parallel_sizes(hf_config: object, tp_size: int, pp_size: int) -> None:
     sizes = {"num_attention_heads": c.num_attention_heads,
              "num_key_value_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
              "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size}
+    if getattr(c, "moe_intermediate_size", None):  # NOTE: Qwen3-MoE's experts (Mixtral's: intermediate_size)
+        sizes["moe_intermediate_size"] = c.moe_intermediate_size
     valid = [t for t in range(1, sizes["num_attention_heads"] + 1)
              if all(v % t == 0 for v in sizes.values())]
     if tp_size not in valid:

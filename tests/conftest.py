@@ -60,6 +60,13 @@ TINY_ARCHS = {
     "gemma3_hd64": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=4, head_dim=64, sliding_window=12, query_pre_attn_scalar=48,
         sliding_window_pattern=2, final_logit_softcapping=3.0)),
+    # NOTE: top-2 of 8 experts in every layer, renormalized (Mixtral's routing).
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64)),
+    # NOTE: layer 0 dense (`mlp_only_layers`), layer 1 top-2 of 8 not renormalized; q/k norms.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        tie_word_embeddings=False, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[0])),
 }
 
 

@@ -108,4 +108,4 @@ def test_random_model_of_a_shape_loads_and_serves(tmp_path: Path) -> None:
     assert list(got) == want.tolist()
     with pytest.raises(ValueError, match="unknown shape 'llama-2b'"):
         random_model.build("llama-2b", tmp_path / "x")
-    assert set(random_model.SHAPES) == {"smollm2-135m", "llama-1b", "llama-8b"}
+    assert set(random_model.SHAPES) == {"smollm2-135m", "llama-1b", "llama-8b", "mixtral-8x1024", "dense-2048"}

@@ -1,4 +1,4 @@
-"""`pagoda bench random-model`: a random-weight Llama of a named shape, for speed only.
+"""`pagoda bench random-model`: a random-weight Llama (or Mixtral) of a named shape, for speed only.
 
 Weights far larger than any cache are where kernels and rooflines are told apart, and nothing
 can be downloaded here; so this writes a Hugging Face directory (config, bf16 safetensors) of
@@ -24,12 +24,19 @@ SHAPES: dict[str, dict[str, int]] = {
                      num_key_value_heads=8, head_dim=64),
     "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128),
+    # NOTE: a Mixtral of top-2 of 8 experts of 1024, and the dense model of its active size (an
+    # MLP of 2048), the rest alike: what a token's experts cost against one MLP (docs/performance.md).
+    "mixtral-8x1024": dict(hidden_size=1024, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=16,
+                           num_key_value_heads=4, head_dim=64, num_local_experts=8, num_experts_per_tok=2),
+    "dense-2048": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=16,
+                       num_key_value_heads=4, head_dim=64),
 }
 
 
 def add_random_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b",
-                        help="Llama-3.2-1B's, Llama-3.1-8B's or SmolLM2-135M's decoder shape")
+                        help="Llama-3.2-1B's, Llama-3.1-8B's or SmolLM2-135M's decoder shape; a small Mixtral "
+                             "(mixtral-8x1024) and the dense model of its active size (dense-2048)")
     parser.add_argument("--out", default=None, help="directory to write (default: the cache's models/<shape>)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -46,7 +53,13 @@ def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = No
         ValueError: an unknown shape.
     """
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import (
+        AutoTokenizer,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
+    )
 
     from pagoda.models.loader import gguf_metadata_dir, resolve_model_path
 
@@ -58,12 +71,12 @@ def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = No
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, initializer_range=0.02,
         hidden_act="silu", **(dims or SHAPES[shape]))
-    config = LlamaConfig(**kwargs)
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        model = LlamaForCausalLM(config)
+        model: Any = (MixtralForCausalLM(MixtralConfig(**kwargs)) if "num_local_experts" in kwargs
+                      else LlamaForCausalLM(LlamaConfig(**kwargs)))
     finally:
         torch.set_default_dtype(previous)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,13 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) as one model with flags.
 
 Flags come from the architecture and its config: q/k/v bias (Qwen2), per-head q/k RMSNorm
-(Qwen3), a sliding window (Mistral), tied embeddings. The model is free of quantization and
-cache-management code: it reads the `AttentionMetadata` it is given. Tensor parallelism
-hides in its layers (layers/tensor_parallel.py: each holds its rank's shard, given an explicit
-`ParallelGroup`); a pipeline stage (`PipelineStage`) builds only its own decoder layers, the
-first the embedding, the last the final norm and LM head. With the defaults it is the whole
-model on one process.
+(Qwen3), a sliding window (Mistral), tied embeddings; a subclass may give a layer another
+feed-forward block (`make_mlp`: Mixtral's and Qwen3-MoE's experts, models/moe.py). The model
+is free of quantization and cache-management code: it reads the `AttentionMetadata` it is
+given. Tensor parallelism hides in its layers (layers/tensor_parallel.py: each holds its
+rank's shard, given an explicit `ParallelGroup`); a pipeline stage (`PipelineStage`) builds
+only its own decoder layers, the first the embedding, the last the final norm and LM head.
+With the defaults it is the whole model on one process.
 Layers carry the residual stream separately (vLLM's layout), so that "add the residual, then
 normalize" is one step (`RMSNorm.forward_with_residual`); the sums are those of Hugging Face's
 `h = h + f(norm(h))`.
@@ -127,12 +128,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, d: LlamaDims, flags: LlamaFlags, tp: ParallelGroup) -> None:
+    """Attention, then the feed-forward block: `mlp`, a dense `LlamaMLP` unless the model gives
+    another (a sparse mixture of experts, models/moe.py)."""
+
+    def __init__(self, d: LlamaDims, flags: LlamaFlags, tp: ParallelGroup, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
         self.self_attn = LlamaAttention(d, flags, tp)
         self.post_attention_layernorm = RMSNorm(d.hidden_size, d.rms_norm_eps)
-        self.mlp = LlamaMLP(d, flags, tp)
+        self.mlp = LlamaMLP(d, flags, tp) if mlp is None else mlp
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: RotaryInputs,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,10 +217,15 @@ class LlamaForCausalLM(DecoderOnlyLM):
         d = LlamaDims.from_hf(config, flags)
         self.dims = d
         self.build_stage(d.vocab_size, d.hidden_size, d.tie_word_embeddings, d.num_layers,
-                         lambda i: LlamaDecoderLayer(d, flags, tp), lambda: RMSNorm(d.hidden_size, d.rms_norm_eps),
-                         tp, stage)
+                         lambda i: LlamaDecoderLayer(d, flags, tp, self.make_mlp(config, d, flags, tp, i)),
+                         lambda: RMSNorm(d.hidden_size, d.rms_norm_eps), tp, stage)
         inv_freq, scaling = inv_freq_for(config, d.head_dim)
         self.rotary = RotaryEmbedding(inv_freq, scaling, max_positions)
+
+    def make_mlp(self, config: object, d: LlamaDims, flags: LlamaFlags, tp: ParallelGroup,
+                 layer: int) -> nn.Module | None:
+        """Layer `layer`'s feed-forward block; None: the dense `LlamaMLP` (a subclass's seat)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 intermediate: Intermediate | None = None,

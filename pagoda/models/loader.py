@@ -143,9 +143,14 @@ def iter_weights(path: str, packed: Mapping[str, RecordFormat] | None = None) ->
 
 
 def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copies checkpoint tensors into `model` through each parameter's weight_loader."""
+    """Copies checkpoint tensors into `model` through each parameter's weight_loader.
+
+    A tensor's parameter: the model's own mapping first (`checkpoint_target`, where it has one:
+    mixture-of-experts models map each expert's tensors into stacked weights), else its name
+    with fused parts (`packed_modules`) renamed."""
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
+    own_target = getattr(model, "checkpoint_target", lambda name: None)
     loaded: set[str] = set()
     holds = getattr(model, "has_checkpoint_tensor", lambda name: True)
     tied = getattr(getattr(model, "dims", None), "tie_word_embeddings", False)
@@ -153,7 +158,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
         name = name.removeprefix("model.")
         if "rotary_emb" in name or not holds(name):
             continue
-        target, shard = _packed_target(name, packed)
+        target, shard = own_target(name) or _packed_target(name, packed)
         if target.startswith("embed_tokens.weight") and target not in params and tied:
             # NOTE: a last pipeline stage without the embedding, or a GGUF-packed tied head's
             # scales (embed_tokens.weight_scale), which only the head has.
@@ -175,7 +180,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
     _check_all_loaded(model, params, loaded)
 
 
-def _packed_target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+def _packed_target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, Any]:
     for part, (fused, shard) in packed.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard

@@ -6,8 +6,8 @@ a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention a
 on the same buffers, so its output is bit for bit the layer path's (tested).
 `NativeDecoder.build` returns None unless the whole model fits: one process (no tensor or
 pipeline parallelism), bf16, every linear on the small-M GEMM's packed weights (bf16, int8 or
-int4 panels), no per-head q/k norm (Qwen3), a bf16 or fp8 KV pool bound. It takes steps of at
-most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
+int4 panels), no per-head q/k norm (Qwen3), no mixture-of-experts layer, a bf16 or fp8 KV
+pool bound. It takes steps of at most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
 builds it when it binds the KV pool; the model calls it in place of its layer loop for steps
 the paged-attention kernel attends whole (on the native path every step: decodes and prefill
 chunks alike) of at most `max_rows` rows (`takes`), and runs its layers otherwise.
@@ -25,7 +25,7 @@ from pagoda.layers import cpu_kernels
 from pagoda.layers.attention_backend import AttentionMetadata, NativeAttentionMetadata
 from pagoda.layers.cpu_kernels import checks
 from pagoda.layers.linear import Linear
-from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 CACHE_KINDS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -138,7 +138,9 @@ class NativeDecoder:
     def _gemm_rows(layer: LlamaDecoderLayer) -> int:
         """Up to how many rows the layer's kernel plans all take the GEMM (no plan: any), and
         its quantized records the GEMV (`Records.max_rows`)."""
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        mlp = layer.mlp
+        assert isinstance(mlp, LlamaMLP)  # NOTE: `_layer` took only dense layers
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         planned = [m.plan.max_rows("gemm") for m in linears if m.plan is not None]
         records = [getattr(native_packed(m), "max_rows", 1 << 62) for m in linears if m.plan is None]
         return min(planned + records, default=1 << 62)
@@ -146,8 +148,8 @@ class NativeDecoder:
     @staticmethod
     def _layer(layer: LlamaDecoderLayer) -> _DecoderLayer | None:
         attn = layer.self_attn
-        if attn.q_norm is not None:
-            return None
+        if attn.q_norm is not None or not isinstance(layer.mlp, LlamaMLP):
+            return None  # NOTE: the stack computes neither q/k norms nor sparse experts
         weights = [linear_weight(m) for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
                                               layer.mlp.down_proj)]
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pagoda.models.gemma3 import Gemma3ForCausalLM
 from pagoda.models.llama import LlamaFlags, LlamaForCausalLM
+from pagoda.models.moe import MoeForCausalLM
 
 # NOTE: the model classes the engine runs; they share one interface (constructor, forward,
 # compute_logits, attention_layers, has_checkpoint_tensor, dims, packed_modules).
-CausalLM = LlamaForCausalLM | Gemma3ForCausalLM
+CausalLM = LlamaForCausalLM | MoeForCausalLM | Gemma3ForCausalLM
 
 _REGISTRY: dict[str, tuple[type[CausalLM], LlamaFlags]] = {
     "LlamaForCausalLM": (LlamaForCausalLM, LlamaFlags()),
@@ -15,6 +16,8 @@ _REGISTRY: dict[str, tuple[type[CausalLM], LlamaFlags]] = {
     "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaFlags(qkv_bias=True)),
     "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaFlags(qk_norm=True)),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, LlamaFlags()),
+    "MixtralForCausalLM": (MoeForCausalLM, LlamaFlags(use_sliding_window=True)),
+    "Qwen3MoeForCausalLM": (MoeForCausalLM, LlamaFlags(qk_norm=True)),
 }
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

@@ -8,7 +8,9 @@
 
 `quantize_model` applies int8/int4/fp8 from the outside after loading (gpt-fast style): each
 `Linear` (tensor-parallel shards included, each rank its own shard) gets a packed method and
-drops its float weight; models/llama.py knows nothing of it. The LM head is quantized too;
+drops its float weight, and so does each projection of each mixture-of-experts expert
+(`FusedMoE.expert_methods`; the routers stay in the model's dtype); the model files know
+nothing of it. The LM head is quantized too;
 with tied embeddings the embedding then reads the head's packed rows (`QuantizedEmbedding`),
 so the table is stored once. With int4 the head is int8 (per channel): the most sensitive
 layer gets 8 bits, as in llama.cpp's 4-bit files. Untied embeddings and norms stay in the
@@ -24,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagoda.distributed.group import ParallelGroup
+from pagoda.layers.fused_moe import FusedMoE
 from pagoda.layers.linear import UNQUANTIZED, Linear
 from pagoda.layers.quantization import packing
 from pagoda.layers.quantization.embedding import QuantizedEmbedding
@@ -65,7 +69,8 @@ def weight_bytes(model: nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     methods: dict[int, Any] = {id(m.method): m.method for m in model.modules() if hasattr(m, "method")}
-    return total + sum(m.weight_bytes() for m in methods.values())
+    experts = sum(m.weight_bytes() for m in model.modules() if isinstance(m, FusedMoE))
+    return total + experts + sum(m.weight_bytes() for m in methods.values())
 
 
 def make_method(scheme: str, weight: torch.Tensor, group_size: int,
@@ -86,11 +91,16 @@ def make_method(scheme: str, weight: torch.Tensor, group_size: int,
 def _why_not(layer: Linear, scheme: str, group_size: int) -> str | None:
     if not layer.weight.numel():
         return "no weight"
-    if scheme == "int4" and packing.int4_group_size(layer.in_features, group_size) is None:
-        return f"in_features {layer.in_features} is not a multiple of 64"
-    if scheme == "int8" and layer.in_features % 32:
-        return f"in_features {layer.in_features} is not a multiple of 32"
-    if scheme == "fp8" and (layer.in_features % 16 or layer.out_features % 16):
+    return _why_not_shape(layer.out_features, layer.in_features, scheme, group_size)
+
+
+def _why_not_shape(out_features: int, in_features: int, scheme: str, group_size: int) -> str | None:
+    """Why a weight [out_features, in_features] cannot be packed in `scheme` (None: it can)."""
+    if scheme == "int4" and packing.int4_group_size(in_features, group_size) is None:
+        return f"in_features {in_features} is not a multiple of 64"
+    if scheme == "int8" and in_features % 32:
+        return f"in_features {in_features} is not a multiple of 32"
+    if scheme == "fp8" and (in_features % 16 or out_features % 16):
         return "fp8 products need sizes that are multiples of 16"
     return None
 
@@ -132,6 +142,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
     if smaller:
         logger.info("Quantization int4: layers whose inputs are not a multiple of %d use groups of %s",
                     group_size, sorted(smaller))
+    experts_done, experts_kept = _quantize_experts(model, scheme, group_size)
+    done, kept = done + experts_done, kept + experts_kept
     share_quantized_embedding(model)
     _free_float_weights(model)
     label = scheme if scheme != "int4" else f"int4 (group {group_size})"
@@ -146,11 +158,46 @@ def _row_amax(layer: Linear, scheme: str) -> torch.Tensor | None:
 
     if scheme != "int8" or not isinstance(layer, RowParallelLinear) or layer.tp.size == 1:
         return None
+    return _group_amax(layer.weight.data, layer.tp)
+
+
+def _group_amax(weight: torch.Tensor, tp: ParallelGroup) -> torch.Tensor:
+    """max|w| along the last dimension, over the group's shards of it."""
     import torch.distributed as dist
 
-    amax = layer.weight.data.abs().amax(dim=1).float()
-    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=layer.tp.group)
+    amax = weight.abs().amax(dim=-1).float()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp.group)
     return amax
+
+
+def _quantize_experts(model: nn.Module, scheme: str, group_size: int) -> tuple[int, int]:
+    """Each `FusedMoE` expert's gate_up and down projections packed like a `Linear`'s weight
+    (`expert_methods`), the stacked float weights freed; int8 down scales per output channel
+    over the group's shards, as a row-parallel layer's. Returns (projections packed, layers
+    whose experts stay unquantized)."""
+    done = kept = 0
+    for name, moe in model.named_modules():
+        if not isinstance(moe, FusedMoE) or moe.expert_methods is not None:
+            continue
+        w13, w2 = moe.w13_weight.data, moe.w2_weight.data
+        why = (_why_not_shape(w13.shape[1], w13.shape[2], scheme, group_size)
+               or _why_not_shape(w2.shape[1], w2.shape[2], scheme, group_size))
+        if why:
+            logger.info("Quantization %s: %s's experts stay unquantized (%s)", scheme, name, why)
+            kept += 1
+            continue
+        group13, group2 = (packing.int4_group_size(w.shape[2], group_size) or group_size for w in (w13, w2))
+        amax = _group_amax(w2, moe.tp) if scheme == "int8" and moe.tp.size > 1 else None
+        moe.expert_methods = [
+            (make_method(scheme, w13[e], group13),
+             make_method(scheme, w2[e], group2, None if amax is None else amax[e]))
+            for e in range(moe.num_experts)]
+        for w in (moe.w13_weight, moe.w2_weight):
+            w.data = torch.empty(0, dtype=w.dtype, device=w.device)
+        done += 2 * moe.num_experts
+    if done:
+        logger.info("Quantization %s: %d expert projections packed (the routers stay unquantized)", scheme, done)
+    return done, kept
 
 
 def share_quantized_embedding(model: nn.Module) -> bool:
