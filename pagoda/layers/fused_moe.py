@@ -75,9 +75,9 @@ def group_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.T
     return order, order // expert_ids.shape[1], counts
 
 
-def _product(native: bool, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x W^T: the bf16 GEMV kernel for a few rows where the kernels run (as `Linear`'s), else torch."""
-    if native and x.shape[0] <= GEMV_MAX_ROWS and weight.dtype == torch.bfloat16 == x.dtype:
+    if x.shape[0] <= GEMV_MAX_ROWS and weight.dtype == torch.bfloat16 == x.dtype and cpu_kernels.takes(x):
         return cpu_kernels.ops.gemv(x, weight)
     return F.linear(x, weight)
 
@@ -90,10 +90,9 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
-        self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _product(self.native, x, self.weight)
+        return _product(x, self.weight)
 
 
 class FusedMoE(nn.Module):
@@ -121,7 +120,6 @@ class FusedMoE(nn.Module):
         # NOTE: set by `pack_experts_for_cpu`: each expert's bf16 (gate_up, down) GEMM panels.
         self.gemm_weights: list[tuple[cpu_kernels.ops.PackedWeight, cpu_kernels.ops.PackedWeight]] | None = None
         self.act = SiluAndMul()
-        self.native = False
 
     def _local_rows(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of a checkpoint tensor's intermediate dimension `dim`."""
@@ -161,8 +159,8 @@ class FusedMoE(nn.Module):
         if self.expert_methods is not None:
             method13, method2 = self.expert_methods[expert]
             return method2.apply(self, self.act(method13.apply(self, rows, None)), None)  # type: ignore[arg-type]
-        gate_up = _product(self.native, rows, self.w13_weight[expert])
-        return _product(self.native, self.act(gate_up), self.w2_weight[expert])
+        gate_up = _product(rows, self.w13_weight[expert])
+        return _product(self.act(gate_up), self.w2_weight[expert])
 
     def weight_bytes(self) -> int:
         """Bytes of the quantized experts' packed weights (0 while the stacks hold them)."""
