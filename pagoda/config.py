@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pagoda.generation_config import check_generation_values, check_source
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "int4", "gguf", "fp8")
+QUANTIZATIONS = ("int8", "int4", "gguf", "fp8", "gptq", "awq")
 INT4_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -69,7 +69,8 @@ class ModelConfig:
         device: 'auto', 'cpu' or 'cuda'.
         quantization: None (weights in `dtype`; a quantized GGUF is dequantized), 'int8'
             (per-channel), 'int4' (group-wise), 'gguf' (a GGUF's Q4_0/Q4_1/Q8_0 blocks kept
-            packed) or 'fp8' (e4m3, where the hardware has fp8 products).
+            packed), 'fp8' (e4m3, where the hardware has fp8 products), or 'gptq' / 'awq' (a
+            4-bit checkpoint's own, found from its config when None).
         quantization_group_size: inputs per int4 scale/offset group (32, 64 or 128).
         tokenizer: where the tokenizer comes from (a directory, .gguf file or alias), when not
             from `model` (vLLM's --tokenizer).

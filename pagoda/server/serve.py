@@ -198,7 +198,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             "max_new_tokens)")
     model.add_argument("-q", "--quantization", choices=QUANTIZATIONS, default=None,
                        help="weight quantization: int8 (per channel), int4 (group-wise), gguf "
-                            "(a quantized GGUF's blocks kept packed), fp8 (needs fp8 hardware); "
+                            "(a quantized GGUF's blocks kept packed), fp8 (needs fp8 hardware), "
+                            "gptq, awq (4-bit checkpoints, found from their config); "
                             "default: weights in --dtype (a quantized GGUF is dequantized)")
     model.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=None,
                        help="inputs per int4 scale (default 32)")
