@@ -272,3 +272,22 @@ def test_cli_names() -> None:
 
     assert EngineConfig.from_kwargs("m", quantization="gptq").model.quantization == "gptq"
     assert EngineConfig.from_kwargs("m", quantization="awq").model.quantization == "awq"
+
+
+# NOTE: two worker processes: about 30 s on a loaded 2-core machine. `pytest -m slow` runs it.
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gptq-sym-g32", "awq-g64"])
+def test_tensor_parallel_shards_equal_one_process(name: str, written, torch_path) -> None:
+    """Codes, scales and offsets narrowed by the column- and row-parallel loaders (as GGUF's)."""
+    from pagoda import LLM, SamplingParams
+
+    packed_dir, _, _ = written(name)
+    engine = dict(dtype="float32", num_kv_blocks=16, max_model_len=64)
+    prompt = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = LLM(str(packed_dir), **engine).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(str(packed_dir), tensor_parallel_size=2, **engine)
+    try:
+        assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    finally:
+        llm.engine.shutdown()
