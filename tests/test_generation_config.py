@@ -196,3 +196,18 @@ def test_offline_llm_default_sampling_params(model_dir: Path):
             default.repetition_penalty, default.max_tokens) == (0.6, 0.9, 20, 0.05, 1.1, 24)
     out = llm.generate([[5, 6, 7]], use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 24 or out.finish_reason == "stop"
+
+
+def test_beam_search_takes_the_default_temperature_and_max_tokens():
+    from pagoda.server.protocol import CompletionRequest
+    from pagoda.server.serving import Prompt, beam_search_params
+
+    defaults = GenerationDefaults({"temperature": 0.7, "max_tokens": 9}, None, "model")
+    ctx = ServerContext(engine=None, served_model_names=["m"], model_path="m", max_model_len=64,  # type: ignore[arg-type]
+                        generation_defaults=defaults)
+    req = CompletionRequest(prompt="x", use_beam_search=True, max_tokens=None)
+    params = beam_search_params(ctx, req, [Prompt([5, 6])], None, 1.0)
+    assert (params.temperature, params.max_tokens) == (0.7, 9)
+    explicit = CompletionRequest(prompt="x", use_beam_search=True, temperature=0.0, max_tokens=4)
+    params = beam_search_params(ctx, explicit, [Prompt([5, 6])], 4, 1.0)
+    assert (params.temperature, params.max_tokens) == (0.0, 4)

@@ -415,9 +415,13 @@ def beam_search_params(ctx: ServerContext, req: SamplingFields, prompts: list[Pr
     error = context_length_error(ctx.max_model_len, longest, max_tokens)
     if error is not None:
         raise error
+    defaults = ctx.generation_defaults
+    # NOTE: as vLLM's to_beam_search_params, an omitted temperature is the generation config's.
+    temperature = req.temperature if req.temperature is not None else defaults.params.get("temperature", 0.0)
     try:
-        return BeamSearchParams(beam_width=req.n or 1, max_tokens=max_tokens or ctx.max_model_len - longest,
-                                ignore_eos=bool(req.ignore_eos), temperature=req.temperature or 0.0,
+        return BeamSearchParams(beam_width=req.n or 1,
+                                max_tokens=defaults.max_tokens(max_tokens or None, ctx.max_model_len - longest),
+                                ignore_eos=bool(req.ignore_eos), temperature=float(temperature),
                                 length_penalty=length_penalty)
     except ValueError as e:
         raise invalid_input(e) from e

@@ -52,10 +52,11 @@ class QuantizationReport:
 
     def describe(self) -> str:
         mib = 1024**2
+        which = ("the checkpoint's quantized ones" if self.scheme in ("gptq", "awq") else
+                 "LM head included, int8 under int4; a tied embedding reads its packed rows")
         return (f"Quantization {self.scheme}: weights {self.bytes_before / mib:.1f} MiB -> "
                 f"{self.bytes_after / mib:.1f} MiB ({self.bytes_after / max(self.bytes_before, 1):.2f}x); "
-                f"{self.num_quantized} linear layers packed (LM head included, int8 under int4; a tied "
-                f"embedding reads its packed rows), {self.num_kept} left unquantized")
+                f"{self.num_quantized} linear layers packed ({which}), {self.num_kept} left unquantized")
 
 
 def weight_bytes(model: nn.Module) -> int:
