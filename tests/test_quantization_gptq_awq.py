@@ -291,3 +291,15 @@ def test_tensor_parallel_shards_equal_one_process(name: str, written, torch_path
         assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == want
     finally:
         llm.engine.shutdown()
+
+
+def test_an_older_checkpoints_own_config_file_is_read(written, tmp_path: Path) -> None:
+    """AutoGPTQ's quantize_config.json beside a config.json without quantization_config."""
+    from pagoda.models.loader import load_hf_config
+
+    packed_dir, _, _ = written("gptq-sym-g32")
+    config = json.loads((packed_dir / "config.json").read_text())
+    (tmp_path / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    quant = checkpoint_quantization(load_hf_config(str(tmp_path)))
+    assert quant is not None and (quant.method, quant.group_size, quant.zero_offset) == ("gptq", 32, 1)

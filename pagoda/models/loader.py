@@ -24,6 +24,7 @@ from torch import nn
 from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
 from pagoda.layers.quantization.gguf import RecordFormat, finish_gguf_load, prepare_gguf_load
 from pagoda.layers.quantization.gptq_awq import (
+    attach_legacy_config,
     checkpoint_quantization,
     checkpoint_tensor_names,
     iter_checkpoint_weights,
@@ -108,9 +109,15 @@ def gguf_metadata_dir(path: str) -> Path:
 
 
 def load_hf_config(path: str) -> object:
+    """The model's transformers config (with an older GPTQ/AWQ checkpoint's own
+    quantize_config.json or quant_config.json as its `quantization_config`)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(gguf_metadata_dir(path) if is_gguf(path) else path)
+    if is_gguf(path):
+        return AutoConfig.from_pretrained(gguf_metadata_dir(path))
+    config = AutoConfig.from_pretrained(path)
+    attach_legacy_config(config, path)
+    return config
 
 
 def load_tokenizer(path: str, chat_template: str | None = None, tokenizer: str | None = None) -> Any:

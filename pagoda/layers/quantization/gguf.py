@@ -81,7 +81,7 @@ def int8_form(kinds: set[str]) -> RecordFormat:
     return RecordFormat("int8", min(_GROUP[k] for k in kinds), bool(kinds & _WITH_OFFSETS))
 
 
-def _sources(module_name: str, packed_modules: dict[str, tuple[str, int]], tied: bool,
+def linear_sources(module_name: str, packed_modules: dict[str, tuple[str, int]], tied: bool,
              types: dict[str, str]) -> list[str]:
     """The checkpoint tensors (HF names without 'model.') that load into one Linear."""
     if module_name == "lm_head":
@@ -115,7 +115,7 @@ def prepare_gguf_load(model: nn.Module, types: dict[str, str]) -> dict[str, Reco
     for module_name, layer in model.named_modules():
         if not isinstance(layer, Linear) or layer.method is not UNQUANTIZED:
             continue
-        sources = _sources(module_name, packed_modules, tied, types)
+        sources = linear_sources(module_name, packed_modules, tied, types)
         fmt = format_for(layer, {types.get(s) for s in sources})
         if fmt is None:
             continue

@@ -15,6 +15,9 @@ within half an f16 ulp of z * s (2^-11 of it). The codes, scales and offsets loa
 the GGUF path's weight loaders (gguf.py: `prepare_linear`, `finish_gguf_load`), so fused
 layers and tensor-parallel shards work as there.
 
+The settings come from config.json's `quantization_config` (as vLLM detects them), or from
+an older checkpoint's quantize_config.json (GPTQ) or quant_config.json (AWQ) beside it.
+
 Refused with a clear error: bits other than 4, group sizes other than 32/64/128 (the int4
 records'), act-order checkpoints whose `g_idx` is not k // group_size (a permuted K; desc_act
 with a trivial g_idx loads), AWQ other than "gemm" or without zero points, other
@@ -23,6 +26,8 @@ with a trivial g_idx loads), AWQ other than "gemm" or without zero points, other
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -31,7 +36,7 @@ from torch import nn
 
 from pagoda.layers.linear import UNQUANTIZED, Linear
 from pagoda.layers.quantization import packing
-from pagoda.layers.quantization.gguf import RecordFormat, _sources, prepare_linear
+from pagoda.layers.quantization.gguf import RecordFormat, linear_sources, prepare_linear
 
 CHECKPOINT_METHODS = ("gptq", "awq")
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -90,6 +95,24 @@ def checkpoint_quantization(hf_config: object) -> CheckpointQuant | None:
         return CheckpointQuant("awq", group_size)
     v2 = str(config.get("checkpoint_format", "gptq")).lower() == "gptq_v2"
     return CheckpointQuant("gptq", group_size, 0 if v2 else 1)
+
+
+# NOTE: older AutoGPTQ and AutoAWQ checkpoints keep their settings beside config.json.
+LEGACY_CONFIG_FILES = (("quantize_config.json", "gptq"), ("quant_config.json", "awq"))
+
+
+def attach_legacy_config(hf_config: object, folder: str) -> None:
+    """Gives `hf_config` the `quantization_config` of an older checkpoint's
+    quantize_config.json (GPTQ) or quant_config.json (AWQ), when it has none of its own."""
+    if getattr(hf_config, "quantization_config", None) is not None:
+        return
+    for name, method in LEGACY_CONFIG_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+            hf_config.quantization_config = {"quant_method": method, **values}  # type: ignore[attr-defined]
+            return
 
 
 def resolve_quantization(requested: str | None, hf_config: object) -> str | None:
@@ -173,7 +196,7 @@ def prepare_checkpoint_load(model: nn.Module, quant: CheckpointQuant, names: Ite
     for module_name, layer in model.named_modules():
         if not isinstance(layer, Linear) or layer.method is not UNQUANTIZED:
             continue
-        sources = _sources(module_name, packed_modules, tied, quantized)
+        sources = linear_sources(module_name, packed_modules, tied, quantized)
         found = [s in quantized for s in sources]
         if not any(found):
             continue
