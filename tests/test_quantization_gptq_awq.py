@@ -178,7 +178,7 @@ def test_packed_layers_dequantize_to_the_reference(name: str, written) -> None:
         method = layer.method
         assert isinstance(method, PackedLinearMethod)
         assert (method.scheme, method.group_size, method.offsets) == ("int4", config["group_size"], None)
-        assert not layer.weight.numel()  # no float copy kept
+        assert not layer.weight.numel() and layer.weight.dtype == torch.uint8  # codes loaded as bytes, freed
         got, (want, zs) = method.dequantize(torch.float32), fused_reference(reference, layer_name)
         exact = zs.to(torch.float16).float() == zs
         assert torch.equal(got[exact], want[exact]), layer_name

@@ -13,7 +13,8 @@ Each becomes int4 records (packing.py) with d = s (f16, exact) and m = -z * s ro
 exact where z * s fits f16's 11 significant bits (always for symmetric GPTQ, z = 8), else
 within half an f16 ulp of z * s (2^-11 of it). The codes, scales and offsets load through
 the GGUF path's weight loaders (gguf.py: `prepare_linear`, `finish_gguf_load`), so fused
-layers and tensor-parallel shards work as there.
+layers and tensor-parallel shards work as there; the codes load into a byte buffer, so the
+load's peak is near the packed size, not the float model's.
 
 The settings come from config.json's `quantization_config` (as vLLM detects them), or from
 an older checkpoint's quantize_config.json (GPTQ) or quant_config.json (AWQ) beside it.
@@ -207,6 +208,12 @@ def prepare_checkpoint_load(model: nn.Module, quant: CheckpointQuant, names: Ite
         if why:
             raise ValueError(f"{quant.method} checkpoint: {module_name} cannot be held as int4 records: {why}.")
         prepare_linear(layer, quant.fmt)
+        if not (tied and module_name == "lm_head"):
+            # NOTE: the codes load into bytes: the float buffer the layer was built with, never
+            # written, is never committed, so loading peaks near the packed size, not the float
+            # model's. (A tied head's weight is the embedding's, whose dtype the model reads.)
+            w = layer.weight
+            w.data = torch.empty(w.shape, dtype=torch.uint8, device=w.device)
         count += 1
     return count
 
