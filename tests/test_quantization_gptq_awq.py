@@ -113,7 +113,7 @@ def checkpoints(root: Path, name: str) -> tuple[Path, Path, dict[str, tuple[torc
             floats[f"model.layers.{layer}.{norm}.weight"] = 1 + 0.1 * torch.randn(HIDDEN, generator=gen)
             quantized[f"model.layers.{layer}.{norm}.weight"] = floats[f"model.layers.{layer}.{norm}.weight"]
         for linear in LINEARS:
-            rows, cols = {"self_attn.k_proj": (64, HIDDEN), "self_attn.v_proj": (64, HIDDEN),
+            rows, cols = {"self_attn.k_proj": (HIDDEN // 2, HIDDEN), "self_attn.v_proj": (HIDDEN // 2, HIDDEN),
                           "mlp.gate_proj": (INTERMEDIATE, HIDDEN), "mlp.up_proj": (INTERMEDIATE, HIDDEN),
                           "mlp.down_proj": (HIDDEN, INTERMEDIATE)}.get(linear, (HIDDEN, HIDDEN))
             w = torch.randn(rows, cols, generator=gen) * 0.15
