@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_quantization_gptq_awq import checkpoints
 from test_server_api import FakeEngine
 
 from pagoda.config import EngineConfig, ModelConfig
@@ -43,13 +44,11 @@ def write_config(folder: Path, values: dict) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama with a generation_config.json recommending sampling values."""
-    out = tmp_path_factory.mktemp("genconf_model")
-    for f in tiny_llama.iterdir():
-        (out / f.name).symlink_to(f)
-    (out / "generation_config.json").unlink()
-    return write_config(out, FILE)
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny word-level Llama (test_quantization_gptq_awq's float checkpoint: made in a
+    fraction of a second) with a generation_config.json recommending sampling values."""
+    _, float_dir, _ = checkpoints(tmp_path_factory.mktemp("genconf_model"), "gptq-sym-g32")
+    return write_config(float_dir, FILE)
 
 
 def test_auto_reads_the_models_file_and_logs_it(model_dir: Path, caplog: pytest.LogCaptureFixture):
@@ -145,16 +144,17 @@ class RecordingEngine(FakeEngine):
 
 
 @pytest.fixture(scope="module")
-def tokenizer(smollm2_tokenizer_dir: Path) -> object:
+def tokenizer(model_dir: Path) -> object:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def received_params(tokenizer: object, defaults: GenerationDefaults, path: str, body: dict
                     ) -> SamplingParams:
     engine = RecordingEngine(tokenizer)
     ctx = ServerContext(engine=engine, served_model_names=["m"], model_path="m", max_model_len=64,
+                        chat_template="{% for m in messages %}{{ m.content }} {% endfor %}",
                         generation_defaults=defaults)
 
     async def go() -> httpx.Response:
