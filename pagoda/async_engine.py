@@ -27,6 +27,7 @@ from typing import Any
 
 from pagoda import heap
 from pagoda.engine import LLMEngine
+from pagoda.generation_config import GenerationDefaults
 from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.metrics.base import StatLoggerBase
 from pagoda.outputs import RequestOutput
@@ -87,6 +88,10 @@ class AsyncLLM:
     @property
     def eos_token_ids(self) -> set[int]:
         return self.engine.eos_token_ids
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return self.engine.generation_defaults
 
     # ---- the API side --------------------------------------------------------------------
     @property

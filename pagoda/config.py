@@ -12,8 +12,10 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from pagoda.generation_config import check_generation_values, check_source
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("int8", "int4", "gguf", "fp8")
+QUANTIZATIONS = ("int8", "int4", "gguf", "fp8", "gptq", "awq")
 INT4_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -38,6 +40,22 @@ def parse_bytes(text: str | int, name: str = "kv_cache_memory") -> int:
     return int(number * base ** " KMGT".index(unit or " "))
 
 
+def json_object(value: dict | str, name: str) -> dict:
+    """A dict, or a JSON object's text (the CLI's form), as a dict.
+
+    Raises:
+        ValueError: naming `name`, when the text is not JSON or not an object.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} must be JSON, got {value!r}: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}.")
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to load and how.
@@ -51,10 +69,15 @@ class ModelConfig:
         device: 'auto', 'cpu' or 'cuda'.
         quantization: None (weights in `dtype`; a quantized GGUF is dequantized), 'int8'
             (per-channel), 'int4' (group-wise), 'gguf' (a GGUF's Q4_0/Q4_1/Q8_0 blocks kept
-            packed) or 'fp8' (e4m3, where the hardware has fp8 products).
+            packed), 'fp8' (e4m3, where the hardware has fp8 products), or 'gptq' / 'awq' (a
+            4-bit checkpoint's own, found from its config when None).
         quantization_group_size: inputs per int4 scale/offset group (32, 64 or 128).
         tokenizer: where the tokenizer comes from (a directory, .gguf file or alias), when not
             from `model` (vLLM's --tokenizer).
+        generation_config: where requests' sampling defaults come from (vLLM's
+            --generation-config, generation_config.py): 'auto' (the model's
+            generation_config.json), 'vllm' (none) or a folder holding one.
+        override_generation_config: generation-config keys laid over it (a dict, or its JSON).
     """
 
     model: str = DEFAULT_MODEL
@@ -66,8 +89,14 @@ class ModelConfig:
     quantization: str | None = None
     quantization_group_size: int = 32
     tokenizer: str | None = None
+    generation_config: str = "auto"
+    override_generation_config: dict[str, float | int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_source(self.generation_config)
+        override = json_object(self.override_generation_config, "override_generation_config")
+        object.__setattr__(self, "override_generation_config",
+                           check_generation_values(override, "override_generation_config"))
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
                self.quantization, f"must be None or one of {QUANTIZATIONS}")
@@ -260,13 +289,7 @@ class SpeculativeConfig:
         """From a dict, a JSON string (the CLI's form) or None; unknown keys are an error."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config must be JSON, got {value!r}: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be an object, got {value!r}.")
+        value = json_object(value, "speculative_config")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:

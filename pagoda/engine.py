@@ -18,13 +18,15 @@ import time
 from collections.abc import Sequence
 
 from pagoda.block_manager import BlockManager
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, ModelConfig
 from pagoda.core_client import CoreProcessClient
 from pagoda.engine_core import EngineCore, EngineCoreOutput, EngineStuckError
 from pagoda.engine_setup import EngineParts
 from pagoda.executor import build_engine_parts
+from pagoda.generation_config import GenerationDefaults, load_generation_defaults
 from pagoda.input_processor import EngineRequest, InputProcessor, PromptTooLongError
 from pagoda.metrics.base import StatLoggerBase
+from pagoda.models.loader import is_gguf, resolve_model_path
 from pagoda.output_processor import RequestState
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -38,6 +40,8 @@ __all__ = ["LLMEngine", "PromptTooLongError", "EngineStuckError"]
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, stat_loggers: Sequence[StatLoggerBase] = ()) -> None:
+        # NOTE: read first, so that a bad generation config fails before the weights load.
+        self.generation_defaults = model_generation_defaults(config.model)
         self.core: EngineCore | CoreProcessClient
         if config.parallel.core_process:
             self.core = CoreProcessClient(config)
@@ -226,3 +230,10 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """Asserts the block pool's invariants (tests and idle engines call it)."""
         self.core.check_integrity()
+
+
+def model_generation_defaults(model: ModelConfig) -> GenerationDefaults:
+    """The requests' sampling defaults from the model's generation config (a GGUF has none)."""
+    path = resolve_model_path(model.model) if model.generation_config == "auto" else None
+    folder = path if path is not None and not is_gguf(path) else None
+    return load_generation_defaults(model.generation_config, model.override_generation_config, folder)

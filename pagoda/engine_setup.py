@@ -28,6 +28,7 @@ from pagoda.kv_cache import (
 from pagoda.layers.fused_moe import pack_experts_for_cpu
 from pagoda.layers.kernel_plan import KernelPlan
 from pagoda.layers.linear import prepack_for_cpu
+from pagoda.layers.quantization.gptq_awq import CHECKPOINT_METHODS, resolve_quantization
 from pagoda.model_runner import ModelRunner, step_threads
 from pagoda.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from pagoda.pooling import PoolerConfig
@@ -113,7 +114,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device, hf_config)
     torch.manual_seed(config.model.seed)
-    quantization = config.model.quantization
+    quantization = resolve_quantization(config.model.quantization, hf_config)
     if quantization == "fp8":
         from pagoda.layers.quantization.methods import fp8_unsupported_reason
 
@@ -173,11 +174,13 @@ def plan_linears(model: torch.nn.Module, retune: bool = False) -> KernelPlan | N
 
 
 def quantize(model: torch.nn.Module, scheme: str, group_size: int, device: torch.device) -> None:
-    """Applies `scheme` to the loaded model (GGUF-packed weights were packed while loading)
+    """Applies `scheme` to the loaded model (GGUF-packed weights and GPTQ/AWQ checkpoints were
+    packed while loading)
     and logs the weight memory before and after."""
     from pagoda.layers.quantization import finish_gguf, quantize_model
 
-    report = finish_gguf(model) if scheme == "gguf" else quantize_model(model, scheme, group_size, device)
+    packed_on_load = scheme in ("gguf", *CHECKPOINT_METHODS)
+    report = finish_gguf(model, scheme) if packed_on_load else quantize_model(model, scheme, group_size, device)
     logger.info("%s", report.describe())
 
 

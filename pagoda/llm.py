@@ -68,14 +68,22 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(model, (), **engine_args)
         self.tokenizer = self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the params of a prompt given none, with the model's generation-config
+        defaults (generation_config.py; plain SamplingParams under generation_config='vllm')."""
+        return self.engine.generation_defaults.sampling_params()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
         """Generates for every prompt; returns outputs in the prompts' order.
 
-        `priority` (one per prompt, lower is sooner) needs `scheduling_policy="priority"`."""
+        Without `sampling_params`, `get_default_sampling_params()`. `priority` (one per
+        prompt, lower is sooner) needs `scheduling_policy="priority"`."""
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_list(sampling_params, SamplingParams, len(prompt_list))
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):

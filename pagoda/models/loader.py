@@ -16,16 +16,21 @@ import importlib.util
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
+from pagoda.layers.quantization.gguf import RecordFormat, finish_gguf_load, prepare_gguf_load
+from pagoda.layers.quantization.gptq_awq import (
+    attach_legacy_config,
+    checkpoint_quantization,
+    checkpoint_tensor_names,
+    iter_checkpoint_weights,
+    prepare_checkpoint_load,
+)
 from pagoda.models.registry import CausalLM, resolve_architecture
-
-if TYPE_CHECKING:
-    from pagoda.layers.quantization.gguf import RecordFormat
 
 SMOLLM2_ALIASES = {"smollm2", "smollm2-135m-instruct", "smollm2-135m"}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -104,9 +109,15 @@ def gguf_metadata_dir(path: str) -> Path:
 
 
 def load_hf_config(path: str) -> object:
+    """The model's transformers config (with an older GPTQ/AWQ checkpoint's own
+    quantize_config.json or quant_config.json as its `quantization_config`)."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(gguf_metadata_dir(path) if is_gguf(path) else path)
+    if is_gguf(path):
+        return AutoConfig.from_pretrained(gguf_metadata_dir(path))
+    config = AutoConfig.from_pretrained(path)
+    attach_legacy_config(config, path)
+    return config
 
 
 def load_tokenizer(path: str, chat_template: str | None = None, tokenizer: str | None = None) -> Any:
@@ -142,12 +153,18 @@ def iter_weights(path: str, packed: Mapping[str, RecordFormat] | None = None) ->
                 yield name, st.get_tensor(name)
 
 
-def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]],
+                 skip_extra_bias: bool = False) -> None:
     """Copies checkpoint tensors into `model` through each parameter's weight_loader.
 
     A tensor's parameter: the model's own mapping first (`checkpoint_target`, where it has one:
     mixture-of-experts models map each expert's tensors into stacked weights), else its name
-    with fused parts (`packed_modules`) renamed."""
+    with fused parts (`packed_modules`) renamed.
+
+    Args:
+        skip_extra_bias: drop a `.bias` the model has no parameter for (vLLM's rule for GPTQ
+            checkpoints, whose bias-free layers AutoGPTQ saves with a zero bias).
+    """
     params = dict(model.named_parameters(remove_duplicate=False))
     packed = getattr(model, "packed_modules", {})
     own_target = getattr(model, "checkpoint_target", lambda name: None)
@@ -165,7 +182,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) 
             target = target.replace("embed_tokens.", "lm_head.", 1)
         param = params.get(target)
         if param is None:
-            if name == "lm_head.weight" and tied:
+            if (name == "lm_head.weight" and tied) or (skip_extra_bias and name.endswith(".bias")):
                 continue
             raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter.")
         loader = getattr(param, "weight_loader", None)
@@ -199,6 +216,10 @@ def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.d
                stage: PipelineStage = WHOLE, gguf_packed: bool = False) -> CausalLM:
     """Builds the registered model (this rank's shard and stage) and loads its weights.
 
+    A GPTQ or AWQ checkpoint (its config's `quantization_config`) always loads packed onto
+    int4 records (layers/quantization/gptq_awq.py); the caller finishes with
+    `layers.quantization.finish_gguf`, as for a packed GGUF.
+
     Args:
         gguf_packed: keep a GGUF's quantized tensors packed (quantization='gguf': Q4_0, Q4_1,
             Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the caller finishes with
@@ -217,14 +238,18 @@ def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.d
         torch.set_default_dtype(previous)
     model.rotary.to(torch.float32)
     packed = None
+    quant = None if is_gguf(path) else checkpoint_quantization(hf_config)
     if gguf_packed:
-        from pagoda.layers.quantization.gguf import finish_gguf_load, prepare_gguf_load
         from pagoda.models.gguf import gguf_tensor_types
 
         packed = prepare_gguf_load(model, gguf_tensor_types(path))
-    load_weights(model, iter_weights(path, packed))
-    if packed is not None:
-        finish_gguf_load(model)
+    weights = iter_weights(path, packed)
+    if quant is not None:
+        prepare_checkpoint_load(model, quant, checkpoint_tensor_names(path))
+        weights = iter_checkpoint_weights(weights, quant)
+    load_weights(model, weights, skip_extra_bias=quant is not None)
+    if packed is not None or quant is not None:
+        finish_gguf_load(model, quant.method.upper() if quant is not None else "GGUF")
     return model.eval()
 
 

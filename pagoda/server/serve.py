@@ -73,6 +73,8 @@ ENGINE_FLAGS = {
     "speculative_config": "speculative_config", "quantization": "quantization",
     "quantization_group_size": "quantization_group_size", "kv_cache_dtype": "kv_cache_dtype",
     "max_logprobs": "max_logprobs", "tokenizer": "tokenizer",
+    "generation_config": "generation_config",
+    "override_generation_config": "override_generation_config",
 }
 
 
@@ -212,9 +214,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="load the tokenizer from this directory, .gguf file or alias "
                             "(default: the model's own)")
     model.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
+    model.add_argument("--generation-config", default=None, metavar="auto|vllm|FOLDER",
+                       help="where omitted sampling fields get their defaults: 'auto' (the "
+                            "default: the model's generation_config.json), 'vllm' (none) or a "
+                            "folder holding a generation_config.json")
+    model.add_argument("--override-generation-config", default=None, metavar="JSON",
+                       help="generation-config keys over it, e.g. '{\"temperature\": 0.5}' "
+                            "(temperature, top_p, top_k, min_p, repetition_penalty, "
+                            "max_new_tokens)")
     model.add_argument("-q", "--quantization", choices=QUANTIZATIONS, default=None,
                        help="weight quantization: int8 (per channel), int4 (group-wise), gguf "
-                            "(a quantized GGUF's blocks kept packed), fp8 (needs fp8 hardware); "
+                            "(a quantized GGUF's blocks kept packed), fp8 (needs fp8 hardware), "
+                            "gptq, awq (4-bit checkpoints, found from their config); "
                             "default: weights in --dtype (a quantized GGUF is dequantized)")
     model.add_argument("--quantization-group-size", type=int, choices=INT4_GROUP_SIZES, default=None,
                        help="inputs per int4 scale (default 32)")
@@ -538,7 +549,11 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                             api_keys=api_keys(args),
                             max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
                             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                            response_store=ResponseStore(args.responses_store_size))
+                            response_store=ResponseStore(args.responses_store_size),
+                            generation_defaults=engine.generation_defaults)
+        if ctx.generation_defaults.params:
+            logger.info("Using default sampling params from %s: %s",
+                        ctx.generation_defaults.source, ctx.generation_defaults.params)
         logger.info("engine ready in %.1f s (max_model_len %d)", time.perf_counter() - started,
                     ctx.max_model_len)
         logger.info("%s", format_kv_memory_report(engine.kv_report()))

@@ -24,6 +24,7 @@ from pagoda.beam_search import (
     advance_all,
     live_beams,
 )
+from pagoda.generation_config import GenerationDefaults
 from pagoda.input_processor import EngineRequest, InputProcessor
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.pooling import PoolingParams
@@ -81,8 +82,9 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 class ServerContext:
     """Everything a route needs: the engine, the names it answers to, the limits, the
     tool-call parser of "auto" (`--enable-auto-tool-choice --tool-call-parser`), whether
-    logprobs name their tokens as "token_id:N" (`--return-tokens-as-token-ids`), and the
-    stored responses (`--responses-store-size`)."""
+    logprobs name their tokens as "token_id:N" (`--return-tokens-as-token-ids`), the
+    stored responses (`--responses-store-size`), and the sampling defaults of fields a request
+    leaves out (`--generation-config`)."""
 
     engine: EngineClient
     served_model_names: list[str]
@@ -99,6 +101,7 @@ class ServerContext:
     num_active_requests: int = 0
     return_tokens_as_token_ids: bool = False
     response_store: ResponseStore = field(default_factory=ResponseStore)
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     @property
     def model_name(self) -> str:
@@ -182,15 +185,16 @@ def build_sampling_params(ctx: ServerContext, fields: dict[str, Any], num_prompt
                           max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """Checks the context length, then builds SamplingParams; both fail with a 400.
 
-    An omitted max_tokens takes whatever the context leaves after the prompt.
+    Omitted fields take the generation config's defaults; an omitted max_tokens its
+    max_new_tokens, else whatever the context leaves after the prompt.
     """
     error = context_length_error(ctx.max_model_len, num_prompt_tokens, max_tokens)
     if error is not None:
         raise error
-    if max_tokens is None:
-        max_tokens = ctx.max_model_len - num_prompt_tokens
+    defaults = ctx.generation_defaults
+    max_tokens = defaults.max_tokens(max_tokens, ctx.max_model_len - num_prompt_tokens)
     try:
-        return SamplingParams(**fields, max_tokens=max_tokens, logprobs=logprobs)
+        return SamplingParams(**defaults.fill(fields), max_tokens=max_tokens, logprobs=logprobs)
     except (TypeError, ValueError) as e:
         raise invalid_input(e) from e
 
@@ -419,9 +423,13 @@ def beam_search_params(ctx: ServerContext, req: SamplingFields, prompts: list[Pr
     error = context_length_error(ctx.max_model_len, longest, max_tokens)
     if error is not None:
         raise error
+    defaults = ctx.generation_defaults
+    # NOTE: as vLLM's to_beam_search_params, an omitted temperature is the generation config's.
+    temperature = req.temperature if req.temperature is not None else defaults.params.get("temperature", 0.0)
     try:
-        return BeamSearchParams(beam_width=req.n or 1, max_tokens=max_tokens or ctx.max_model_len - longest,
-                                ignore_eos=bool(req.ignore_eos), temperature=req.temperature or 0.0,
+        return BeamSearchParams(beam_width=req.n or 1,
+                                max_tokens=defaults.max_tokens(max_tokens or None, ctx.max_model_len - longest),
+                                ignore_eos=bool(req.ignore_eos), temperature=float(temperature),
                                 length_penalty=length_penalty)
     except ValueError as e:
         raise invalid_input(e) from e

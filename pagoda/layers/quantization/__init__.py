@@ -5,6 +5,8 @@
 - `gguf`: a quantized GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) kept as
   integer codes and group scales in int4/int8 records (gguf.py), no float copy.
 - `fp8`: e4m3 weights with per-channel scales, where the hardware multiplies fp8 (CUDA 8.9+).
+- `gptq`, `awq`: a 4-bit GPTQ or AWQ checkpoint (found from its config, as vLLM) loaded onto
+  the int4 records (gptq_awq.py), no float copy.
 
 `quantize_model` applies int8/int4/fp8 from the outside after loading (gpt-fast style): each
 `Linear` (tensor-parallel shards included, each rank its own shard) gets a packed method and
@@ -39,7 +41,7 @@ from pagoda.layers.quantization.methods import (
 
 logger = logging.getLogger("pagoda")
 
-QUANTIZATION_METHODS = ("int8", "int4", "gguf", "fp8")
+QUANTIZATION_METHODS = ("int8", "int4", "gguf", "fp8", "gptq", "awq")
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,11 @@ class QuantizationReport:
 
     def describe(self) -> str:
         mib = 1024**2
+        which = ("the checkpoint's quantized ones" if self.scheme in ("gptq", "awq") else
+                 "LM head included, int8 under int4; a tied embedding reads its packed rows")
         return (f"Quantization {self.scheme}: weights {self.bytes_before / mib:.1f} MiB -> "
                 f"{self.bytes_after / mib:.1f} MiB ({self.bytes_after / max(self.bytes_before, 1):.2f}x); "
-                f"{self.num_quantized} linear layers packed (LM head included, int8 under int4; a tied "
-                f"embedding reads its packed rows), {self.num_kept} left unquantized")
+                f"{self.num_quantized} linear layers packed ({which}), {self.num_kept} left unquantized")
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -219,15 +222,16 @@ def _free_float_weights(model: nn.Module) -> None:
             w.data = torch.empty(0, dtype=w.dtype, device=w.device)
 
 
-def finish_gguf(model: nn.Module) -> QuantizationReport:
-    """After a GGUF-packed load: the tied embedding shared, float copies freed, the report
-    (before: the model's weights had every tensor been dequantized to its dtype)."""
+def finish_gguf(model: nn.Module, scheme: str = "gguf") -> QuantizationReport:
+    """After a packed load (a GGUF's blocks, or a GPTQ/AWQ checkpoint: `scheme`): the tied
+    embedding shared, float copies freed, the report (before: the model's weights had every
+    tensor been dequantized to its dtype)."""
     before = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
     share_quantized_embedding(model)
     _free_float_weights(model)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     done = sum(1 for m in layers if m.method is not UNQUANTIZED)
-    return QuantizationReport("gguf", before, weight_bytes(model), done, len(layers) - done)
+    return QuantizationReport(scheme, before, weight_bytes(model), done, len(layers) - done)
 
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizationReport", "QuantizedEmbedding", "make_method",

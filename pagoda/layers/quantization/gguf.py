@@ -81,7 +81,7 @@ def int8_form(kinds: set[str]) -> RecordFormat:
     return RecordFormat("int8", min(_GROUP[k] for k in kinds), bool(kinds & _WITH_OFFSETS))
 
 
-def _sources(module_name: str, packed_modules: dict[str, tuple[str, int]], tied: bool,
+def linear_sources(module_name: str, packed_modules: dict[str, tuple[str, int]], tied: bool,
              types: dict[str, str]) -> list[str]:
     """The checkpoint tensors (HF names without 'model.') that load into one Linear."""
     if module_name == "lm_head":
@@ -115,7 +115,7 @@ def prepare_gguf_load(model: nn.Module, types: dict[str, str]) -> dict[str, Reco
     for module_name, layer in model.named_modules():
         if not isinstance(layer, Linear) or layer.method is not UNQUANTIZED:
             continue
-        sources = _sources(module_name, packed_modules, tied, types)
+        sources = linear_sources(module_name, packed_modules, tied, types)
         fmt = format_for(layer, {types.get(s) for s in sources})
         if fmt is None:
             continue
@@ -177,9 +177,10 @@ def _group_loader(layer: Linear, group_size: int, param: nn.Parameter, loaded: t
     param.data[rows] = scratch.data[rows, ::group_size] if columns else scratch.data[rows]
 
 
-def finish_gguf_load(model: nn.Module) -> None:
+def finish_gguf_load(model: nn.Module, source: str = "GGUF") -> None:
     """Packs every prepared Linear's codes, scales and offsets and drops those parameters (the
-    float weight, holding codes, goes in `quantization.finish_gguf`); logs the formats used."""
+    float weight, holding codes, goes in `quantization.finish_gguf`); logs the formats used
+    (`source`: what the codes came from, GGUF or a GPTQ/AWQ checkpoint)."""
     used: Counter[str] = Counter()
     for layer in model.modules():
         fmt = getattr(layer, "gguf_format", None)
@@ -193,7 +194,8 @@ def finish_gguf_load(model: nn.Module) -> None:
         layer.method = packed_method(fmt, layer.weight.data, d, m)
         used[fmt.describe()] += 1
     if used:
-        logger.info("GGUF-packed layers by record format: %s", ", ".join(f"{n} {f}" for f, n in used.items()))
+        logger.info("%s-packed layers by record format: %s", source,
+                    ", ".join(f"{n} {f}" for f, n in used.items()))
 
 
 def packed_method(fmt: RecordFormat, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None
