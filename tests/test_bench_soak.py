@@ -31,7 +31,7 @@ def test_verdict_rules():
 def test_short_soak_passes_on_the_tiny_model(tiny_llama: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]):
     out = tmp_path / "soak.json"
-    main(["soak", "--model", str(tiny_llama), "--duration", "9s", "--interval", "3s",
+    main(["soak", "--model", str(tiny_llama), "--duration", "6s", "--interval", "2s",
           "--concurrency", "4", "--max-tokens", "8", "--port", str(free_port()),
           "--output-json", str(out), "--max-rss-growth", "0.5", "--hostile-ratio", "0.15",
           "--server-arg=--dtype=float32", "--server-arg=--max-model-len=256"])

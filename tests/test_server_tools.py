@@ -139,7 +139,8 @@ def test_streamed_arguments_arrive_in_pieces(engine: AsyncLLM):
 def test_a_plain_answer_stays_content(engine: AsyncLLM):
     r = post(ScriptedText(engine, ["It is ", "sunny."]), "/v1/chat/completions", chat())
     choice = r.json()["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": "It is sunny.", "tool_calls": []}
+    assert choice["message"] == {"role": "assistant", "content": "It is sunny.", "tool_calls": [],
+                                 "reasoning": None, "reasoning_content": None}
     assert choice["finish_reason"] == "stop"
 
 
