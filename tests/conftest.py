@@ -60,6 +60,10 @@ TINY_ARCHS = {
     "gemma3_hd64": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
         num_hidden_layers=4, head_dim=64, sliding_window=12, query_pre_attn_scalar=48,
         sliding_window_pattern=2, final_logit_softcapping=3.0)),
+    # NOTE: a 32-token window over 16-token blocks (tests/test_sliding_window_kv.py).
+    "gemma3_w32": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=64, sliding_window=32, query_pre_attn_scalar=64,
+        sliding_window_pattern=2)),
 }
 
 
