@@ -12,6 +12,14 @@ Invariants (see `check`): every block is either referenced (ref_cnt > 0) or in t
 never both; a block has a hash exactly when `cached` maps that hash to it. A block freed by
 its last user keeps its hash and stays in the free queue in LRU order until it is reused:
 reviving it is O(1). Blocks with nothing cached are reused first.
+
+A manager given a `sliding_window` serves layers that attend only to the last `window`
+positions (Gemma 3's local layers; vLLM's `SlidingWindowManager`): once a request has computed
+`c` tokens, no query of it will read a key before `c - window + 1`, so the blocks wholly before
+that are released and replaced in its table by `NULL_BLOCK` (block 0, reserved, never
+allocated: the native kernel never reads it, the torch path masks it). A long request then
+holds about window / block_size + 1 blocks. `group` names the request's table this manager
+fills: 0 `block_ids`, 1 `sliding_block_ids` (kv_cache_manager.py).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from collections.abc import Sequence
 from pagoda.request import Request
 
 ExtraKeys = bytes | tuple[int | str | bytes, ...]
+
+NULL_BLOCK = 0  # NOTE: a sliding-window manager's placeholder for released blocks
 
 
 def hash_block(parent: bytes | None, token_ids: Sequence[int], extra: ExtraKeys = ()) -> bytes:
@@ -67,13 +77,21 @@ class Block:
 class BlockManager:
     """Allocates KV blocks to requests; shares full blocks by content when caching is on."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None, group: int = 0) -> None:
+        if sliding_window is not None and num_blocks < 2:
+            raise ValueError(f"a sliding-window pool needs at least 2 blocks, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
+        self.group = group
         self.blocks = [Block(i) for i in range(num_blocks)]
         # NOTE: an OrderedDict is the LRU free queue: O(1) append, pop-oldest and removal.
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        if sliding_window is not None:
+            del self.free_queue[NULL_BLOCK]
+            self.blocks[NULL_BLOCK].ref_cnt = 1  # NOTE: held by no request, never freed
         self.cached: dict[bytes, Block] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -94,8 +112,23 @@ class BlockManager:
         return sum(1 for b in self.free_queue.values() if b.block_hash is not None)
 
     @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but a sliding-window pool's null block."""
+        return self.num_blocks - (self.sliding_window is not None)
+
+    @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
+
+    def block_ids_of(self, request: Request) -> list[int]:
+        """The request's table in this manager's group."""
+        return request.block_ids if self.group == 0 else request.sliding_block_ids
+
+    def _set_block_ids(self, request: Request, block_ids: list[int]) -> None:
+        if self.group == 0:
+            request.block_ids = block_ids
+        else:
+            request.sliding_block_ids = block_ids
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -147,22 +180,61 @@ class BlockManager:
         `computed` (from `get_computed_blocks`) may only be given to a request holding no
         blocks. Returns False, changing nothing, when the pool cannot supply them.
         """
-        computed = computed or []
-        assert not (computed and request.block_ids), "prefix hits for a request that holds blocks"
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
-        needed = self.blocks_needed(num_computed + num_new_tokens) - len(request.block_ids) - len(computed)
-        revived = sum(1 for b in computed if b.ref_cnt == 0)
-        if needed + revived > self.num_free_blocks:
+        if not self.can_allocate(request, num_new_tokens, computed):
             return False
-        for block in computed:
+        self.commit_slots(request, num_new_tokens, computed)
+        return True
+
+    def can_allocate(self, request: Request, num_new_tokens: int,
+                     computed: list[Block] | None = None) -> bool:
+        """Whether `allocate_slots` would succeed (it changes nothing)."""
+        computed = computed or []
+        block_ids = self.block_ids_of(request)
+        assert not (computed and block_ids), "prefix hits for a request that holds blocks"
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(block_ids) - len(computed)
+        num_skipped = self._num_skipped_blocks(num_computed, len(computed) or len(block_ids))
+        revived = sum(1 for b in computed[num_skipped:] if b.ref_cnt == 0)
+        # NOTE: blocks leaving the window now are released before new ones are taken.
+        released = sum(1 for i in block_ids[:num_skipped] if i != NULL_BLOCK and self.blocks[i].ref_cnt == 1)
+        return needed + revived <= self.num_free_blocks + released
+
+    def commit_slots(self, request: Request, num_new_tokens: int, computed: list[Block] | None = None) -> None:
+        """`allocate_slots` once `can_allocate` said yes."""
+        computed = computed or []
+        block_ids = self.block_ids_of(request)
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        self._release_skipped(block_ids, num_computed)
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(block_ids) - len(computed)
+        num_skipped = self._num_skipped_blocks(num_computed, len(computed))
+        block_ids.extend([NULL_BLOCK] * num_skipped)
+        for block in computed[num_skipped:]:
             self._touch(block)
-            request.block_ids.append(block.block_id)
+            block_ids.append(block.block_id)
         for _ in range(max(needed, 0)):
-            request.block_ids.append(self._pop_free().block_id)
+            block_ids.append(self._pop_free().block_id)
         if computed:
             request.num_computed_tokens = num_computed
+            # NOTE: hit blocks are named already; naming resumes after the last of them.
+            self._num_named_blocks[request.key] = len(computed)
         self._cache_full_blocks(request, num_computed + num_new_tokens)
-        return True
+
+    def _num_skipped_blocks(self, num_computed: int, num_blocks: int) -> int:
+        """How many of a table's first `num_blocks` blocks no query after `num_computed` reads
+        (0 without a sliding window); a table's last block is always kept."""
+        if self.sliding_window is None or num_blocks == 0:
+            return 0
+        first_seen = max(num_computed - self.sliding_window + 1, 0)
+        return min(first_seen // self.block_size, num_blocks - 1)
+
+    def _release_skipped(self, block_ids: list[int], num_computed: int) -> None:
+        """Releases the blocks that left the window, latest first (so that the earliest are
+        evicted last, as in `free`); the released ones form a prefix of NULL_BLOCKs."""
+        for i in reversed(range(self._num_skipped_blocks(num_computed, len(block_ids)))):
+            if block_ids[i] == NULL_BLOCK:
+                break
+            self._release(self.blocks[block_ids[i]])
+            block_ids[i] = NULL_BLOCK
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks; cached ones stay revivable until evicted.
@@ -170,20 +242,24 @@ class BlockManager:
         NOTE: tail blocks go first into the queue, so a prefix's later blocks are evicted
         before its earlier ones (a child is never cached without its parent being reachable).
         """
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue[block_id] = block
-                if block.block_hash is None:
-                    # NOTE: blocks with nothing worth keeping are reused first.
-                    self.free_queue.move_to_end(block_id, last=False)
-        request.block_ids = []
+        for block_id in reversed(self.block_ids_of(request)):
+            if block_id == NULL_BLOCK and self.sliding_window is not None:
+                break  # NOTE: released already, as every table entry before it
+            self._release(self.blocks[block_id])
+        self._set_block_ids(request, [])
         self._num_named_blocks.pop(request.key, None)
+
+    def _release(self, block: Block) -> None:
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue[block.block_id] = block
+            if block.block_hash is None:
+                # NOTE: blocks with nothing worth keeping are reused first.
+                self.free_queue.move_to_end(block.block_id, last=False)
 
     def uncache(self, request: Request, from_block: int = 0) -> None:
         """Forgets the hashes of the request's blocks from `from_block` on (content untrusted)."""
-        for block_id in request.block_ids[from_block:]:
+        for block_id in self.block_ids_of(request)[from_block:]:
             block = self.blocks[block_id]
             if block.block_hash is not None and self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
@@ -221,13 +297,16 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         hashes = self.block_hashes(request)
+        block_ids = self.block_ids_of(request)
         start = self._num_named_blocks.get(request.key, 0)
         end = min(num_tokens // self.block_size, len(hashes))
-        parent_id = self.blocks[request.block_ids[start - 1]].prefix_id if start else 0
+        parent_id = self.blocks[block_ids[start - 1]].prefix_id if start else 0
         for i in range(start, end):
             if i > 0 and parent_id == 0:
-                break  # NOTE: the parent was uncached under us; its successors stay unnamed.
-            block = self.blocks[request.block_ids[i]]
+                break  # NOTE: the parent was uncached (or left the window) under us; its successors stay unnamed.
+            block = self.blocks[block_ids[i]]
+            if self.sliding_window is not None and block.block_id == NULL_BLOCK:
+                break
             if block.prefix_id == 0:
                 self._name_block(block, hashes[i], self._block_tokens(request, i), parent_id)
             parent_id = block.prefix_id
@@ -257,6 +336,9 @@ class BlockManager:
     def check(self) -> None:
         """Asserts the pool's invariants; tests and idle engines call it."""
         used = [b for b in self.blocks if b.ref_cnt > 0]
+        if self.sliding_window is not None:
+            null = self.blocks[NULL_BLOCK]
+            assert null.ref_cnt == 1 and null.block_hash is None, "the null block was handed out"
         assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count"
         assert len(used) + len(self.free_queue) == self.num_blocks, (
             f"free ({len(self.free_queue)}) + used ({len(used)}) != total ({self.num_blocks})")

@@ -121,6 +121,9 @@ class CacheConfig:
         cache_dtype: K/V storage: 'auto' (the model's dtype), or one byte a value with a
             per-tensor scale: 'fp8' / 'fp8_e4m3' (e4m3fn) or 'fp8_e5m2' (engine argument
             `kv_cache_dtype`, as vLLM).
+        disable_hybrid_kv_cache_manager: keep one pool for every layer of a model mixing
+            global and sliding-window layers, each holding every token (vLLM's name); by
+            default the sliding-window layers hold only the blocks their window sees.
     """
 
     block_size: int = 16
@@ -129,6 +132,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         _check(self.cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.cache_dtype,

@@ -25,6 +25,8 @@ from pagoda.engine_setup import EngineParts
 from pagoda.executor import build_engine_parts
 from pagoda.generation_config import GenerationDefaults, load_generation_defaults
 from pagoda.input_processor import EngineRequest, InputProcessor, PromptTooLongError
+from pagoda.kv_cache import max_concurrency
+from pagoda.kv_cache_manager import HybridBlockManager
 from pagoda.metrics.base import StatLoggerBase
 from pagoda.models.loader import is_gguf, resolve_model_path
 from pagoda.output_processor import RequestState
@@ -54,6 +56,8 @@ class LLMEngine:
         self.eos_token_ids = parts.eos_token_ids
         self.max_model_len = parts.config.scheduler.max_model_len
         self.block_bytes = parts.block_bytes
+        self.kv_pool_bytes = parts.kv_pool_bytes
+        self.kv_specs, self.kv_num_blocks = parts.kv_specs, parts.kv_num_blocks
         self.processor = InputProcessor(parts.tokenizer, parts.vocab_size, self.max_model_len,
                                         parts.config.limits, config.scheduler.scheduling_policy,
                                         parts.pooler)
@@ -81,7 +85,7 @@ class LLMEngine:
         return self._local_core().scheduler
 
     @property
-    def block_manager(self) -> BlockManager:
+    def block_manager(self) -> BlockManager | HybridBlockManager:
         return self._local_core().block_manager
 
     @property
@@ -211,8 +215,8 @@ class LLMEngine:
         s = snapshot or self.scheduler_stats()
         block_bytes, block_size = self.block_bytes, self.config.cache.block_size
         contiguous_tokens = s.num_running_reqs * self.max_model_len
-        return {
-            "pool_bytes": s.num_blocks_total * block_bytes, "num_blocks": s.num_blocks_total,
+        report: dict[str, float] = {
+            "pool_bytes": self.kv_pool_bytes, "num_blocks": s.num_blocks_total,
             "num_running_requests": s.num_running_reqs,
             "block_size": block_size, "num_blocks_free": s.num_blocks_free,
             "num_blocks_cached": s.num_blocks_cached, "tokens_held": s.num_tokens_held,
@@ -221,6 +225,20 @@ class LLMEngine:
             "contiguous_reservation_bytes": contiguous_tokens * block_bytes // block_size,
             "pool_bytes_touched": s.num_blocks_touched * block_bytes,
         }
+        if self.kv_specs:
+            full, local = self.kv_specs
+            report.update({
+                "max_concurrency": max_concurrency(self.kv_specs, self.kv_num_blocks, block_size,
+                                                   self.max_model_len),
+                "full_pool_bytes": self.kv_num_blocks[0] * full.block_bytes(block_size),
+                "sliding_window": local.sliding_window or 0, "sliding_num_blocks": s.num_sliding_blocks_total,
+                "sliding_num_blocks_free": s.num_sliding_blocks_free,
+                "sliding_pool_bytes": self.kv_num_blocks[1] * local.block_bytes(block_size),
+                # NOTE: what running requests hold in both groups (the sliding null block aside)
+                "reserved_bytes": s.num_slots_reserved * full.block_bytes(block_size) // block_size
+                + (s.num_sliding_blocks_total - s.num_sliding_blocks_free - 1) * local.block_bytes(block_size),
+            })
+        return report
 
     def shutdown(self) -> None:
         """Stops what runs beside the engine (parallel workers, grammar compilers); idempotent."""

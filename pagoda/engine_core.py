@@ -26,6 +26,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine_setup import EngineParts
 from pagoda.input_processor import EngineRequest
 from pagoda.isolation import StepResult, execute_isolating, untrusted_blocks, uses_any
+from pagoda.kv_cache_manager import HybridBlockManager
 from pagoda.output_processor import finished_stats, record_token_timing
 from pagoda.outputs import RequestMetrics
 from pagoda.pooling import PooledPart, finish_vector
@@ -76,6 +77,18 @@ class CoreStep:
     stats: IterationStats
 
 
+def kv_cache_manager_for(parts: EngineParts) -> BlockManager | HybridBlockManager:
+    """One block manager, or a mixed model's two KV cache groups' (kv_cache_manager.py)."""
+    cache = parts.config.cache
+    if len(parts.kv_specs) < 2:
+        return BlockManager(parts.num_blocks, cache.block_size, cache.enable_prefix_caching)
+    full, local = parts.kv_specs
+    return HybridBlockManager(
+        BlockManager(parts.kv_num_blocks[0], cache.block_size, cache.enable_prefix_caching),
+        BlockManager(parts.kv_num_blocks[1], cache.block_size, False,
+                     sliding_window=local.sliding_window, group=1))
+
+
 class EngineCore:
     """Runs steps over the requests it was given; see the module docstring."""
 
@@ -85,8 +98,7 @@ class EngineCore:
         self.runner = parts.runner
         self.eos_token_ids = eos_token_ids
         self.max_model_len = config.scheduler.max_model_len
-        self.block_manager = BlockManager(parts.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+        self.block_manager = kv_cache_manager_for(parts)
         self.scheduler = Scheduler(config.scheduler, self.block_manager)
         self.proposer = build_proposer(config.speculative, config, parts.vocab_size)
         self._requests: dict[str, list[Request]] = {}
@@ -355,22 +367,31 @@ class EngineCore:
 
     # ---- state ---------------------------------------------------------------------------
     def scheduler_stats(self) -> SchedulerStats:
-        bm = self.block_manager
+        """The scheduler and the pool now; with two KV cache groups the block counts are the
+        full-attention group's (it holds every token), plus the sliding group's total and free."""
+        kv = self.block_manager
+        hybrid = kv if isinstance(kv, HybridBlockManager) else None
+        bm = kv.full if isinstance(kv, HybridBlockManager) else kv
         running = self.scheduler.running
         return SchedulerStats(
             num_running_reqs=len(running), num_waiting_reqs=len(self.scheduler.waiting),
-            kv_cache_usage=bm.usage, num_blocks_total=bm.num_blocks, num_blocks_free=bm.num_free_blocks,
-            num_blocks_cached=len(bm.cached), num_tokens_held=sum(r.num_computed_tokens for r in running),
+            kv_cache_usage=kv.usage, num_blocks_total=bm.num_blocks,
+            num_blocks_free=bm.num_free_blocks, num_blocks_cached=len(bm.cached),
+            num_tokens_held=sum(r.num_computed_tokens for r in running),
             num_slots_reserved=sum(len(r.block_ids) for r in running) * bm.block_size,
             prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
             num_blocks_touched=bm.num_blocks_touched,
+            num_sliding_blocks_total=hybrid.sliding.num_blocks if hybrid is not None else 0,
+            num_sliding_blocks_free=hybrid.sliding.num_free_blocks if hybrid is not None else 0,
         )
 
     def check_integrity(self) -> None:
         """Asserts the block pool's invariants (tests and idle engines call it)."""
-        self.block_manager.check()
+        bm = self.block_manager
+        bm.check()
         if not self.has_unfinished_requests():
-            assert self.block_manager.num_free_blocks == self.block_manager.num_blocks, "leaked KV blocks"
+            for group in bm.groups if isinstance(bm, HybridBlockManager) else (bm,):
+                assert group.num_free_blocks == group.num_usable_blocks, "leaked KV blocks"
 
     def shutdown(self) -> None:
         """Stops what runs beside the core (parallel workers); idempotent."""

@@ -10,7 +10,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,8 +21,9 @@ from pagoda.kv_cache import (
     KVCacheSpec,
     allocate_kv_cache,
     check_capacity,
+    kv_cache_groups,
     log_capacity,
-    num_blocks_for,
+    num_blocks_for_groups,
     resolve_kv_cache_dtype,
 )
 from pagoda.layers.fused_moe import pack_experts_for_cpu
@@ -42,7 +43,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class EngineParts:
     """What the engine is built from. `runner` executes steps: the in-process `ModelRunner`,
-    or a `MultiprocExecutor` driving parallel workers; `block_bytes` is one rank's."""
+    or a `MultiprocExecutor` driving parallel workers; `block_bytes` is one rank's (a block of
+    every layer). `kv_specs` and `kv_num_blocks` describe the KV cache groups when a model
+    mixing global and sliding-window layers has two (kv_cache.py); empty for one group."""
 
     config: EngineConfig
     tokenizer: Any
@@ -53,6 +56,16 @@ class EngineParts:
     vocab_size: int
     info: EngineInfo = EngineInfo("", "", "")
     pooler: PoolerConfig = PoolerConfig(0)
+    kv_specs: list[KVCacheSpec] = field(default_factory=list)
+    kv_num_blocks: list[int] = field(default_factory=list)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """The whole pool's bytes (one rank's)."""
+        if not self.kv_specs:
+            return self.num_blocks * self.block_bytes
+        bs = self.config.cache.block_size
+        return sum(n * spec.block_bytes(bs) for spec, n in zip(self.kv_specs, self.kv_num_blocks, strict=True))
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -135,18 +148,37 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     layers = model.attention_layers()
     spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, d.head_dim,
                        resolve_kv_cache_dtype(config.cache.cache_dtype, dtype))
+    # NOTE: parallel ranks (`agree`) keep one group: their workers carry one table a request.
+    groups = kv_cache_groups([attn.sliding_window for attn in layers], spec,
+                             enable=agree is None and not config.cache.disable_hybrid_kv_cache_manager)
+    specs = [group_spec for group_spec, _ in groups]
     runner = ModelRunner(model, config.cache.block_size, device)
-    num_blocks = num_blocks_for(spec, config.cache, device, _available_cuda_bytes(config, runner, spec, device))
+    num_blocks = num_blocks_for_groups(specs, config.cache, device, max_model_len, config.scheduler,
+                                       _available_cuda_bytes(config, runner, spec, device))
     if agree is not None:
-        num_blocks = agree(num_blocks)
-    check_capacity(num_blocks, config.cache.block_size, max_model_len)
-    runner.bind_kv_cache(allocate_kv_cache(spec, num_blocks, config.cache.block_size, device,
-                                           zero=runner.attention_backend.zeroed_pool))
-    log_capacity(spec, num_blocks, config.cache.block_size, max_model_len)
+        num_blocks = [agree(num_blocks[0])]
+    check_capacity(num_blocks[0], config.cache.block_size, max_model_len)
+    runner.bind_kv_cache(*allocate_groups(groups, num_blocks, config.cache.block_size, device,
+                                          runner.attention_backend.zeroed_pool))
+    log_capacity(specs, num_blocks, config.cache.block_size, max_model_len)
     logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
-    return EngineParts(config, tokenizer, runner, num_blocks, spec.block_bytes(config.cache.block_size),
+    hybrid = len(groups) > 1
+    return EngineParts(config, tokenizer, runner, num_blocks[0], spec.block_bytes(config.cache.block_size),
                        eos_token_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, plan),
-                       PoolerConfig.from_hf_config(hf_config))
+                       PoolerConfig.from_hf_config(hf_config), specs if hybrid else [],
+                       num_blocks if hybrid else [])
+
+
+def allocate_groups(groups: list[tuple[KVCacheSpec, list[int]]], num_blocks: list[int], block_size: int,
+                    device: torch.device, zero: bool) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+    """Every layer's K/V pools (each from its group's pool of `num_blocks`) and its group."""
+    num_layers = sum(len(layer_ids) for _, layer_ids in groups)
+    caches: list[tuple[torch.Tensor, torch.Tensor]] = [(torch.empty(0), torch.empty(0))] * num_layers
+    layer_groups = [0] * num_layers
+    for g, ((group_spec, layer_ids), n) in enumerate(zip(groups, num_blocks, strict=True)):
+        for layer, kv in zip(layer_ids, allocate_kv_cache(group_spec, n, block_size, device, zero=zero), strict=True):
+            caches[layer], layer_groups[layer] = kv, g
+    return caches, layer_groups
 
 
 def engine_info(device: torch.device, plan: KernelPlan | None) -> EngineInfo:

@@ -77,18 +77,23 @@ def execute_isolating(runner: StepRunner, out: SchedulerOutput) -> StepResult:
     return result
 
 
-def untrusted_blocks(failed: list[tuple[Request, Exception]], block_size: int) -> set[int]:
-    """Blocks the failed requests were to fill in this step (call before freeing them).
+def untrusted_blocks(failed: list[tuple[Request, Exception]], block_size: int) -> set[tuple[int, int]]:
+    """Blocks the failed requests were to fill in this step (call before freeing them), as
+    (KV cache group, block id): group 0 `block_ids`, group 1 a mixed model's `sliding_block_ids`.
 
     NOTE: a block is named for prefix caching when scheduled, so another request of the same
     step may have hit it and read K/V its writer never wrote; such readers must recompute.
     """
-    blocks: set[int] = set()
+    blocks: set[tuple[int, int]] = set()
     for request, _ in failed:
-        blocks.update(request.block_ids[request.num_computed_tokens // block_size:])
+        first = request.num_computed_tokens // block_size
+        blocks.update((0, b) for b in request.block_ids[first:])
+        blocks.update((1, b) for b in request.sliding_block_ids[first:])
     return blocks
 
 
-def uses_any(request: Request, blocks: set[int]) -> bool:
-    return bool(blocks) and not blocks.isdisjoint(request.block_ids)
-
+def uses_any(request: Request, blocks: set[tuple[int, int]]) -> bool:
+    if not blocks:
+        return False
+    return (any((0, b) in blocks for b in request.block_ids)
+            or any((1, b) in blocks for b in request.sliding_block_ids))

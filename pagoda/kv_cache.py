@@ -8,17 +8,23 @@ K/V are stored in the model's dtype, or with `kv_cache_dtype` fp8 in one byte a 
 (`float8_e4m3fn` or `float8_e5m2`) with a per-tensor scale per layer (`PagedAttention.k_scale`,
 `v_scale`, vLLM's static scales): a block then takes half the bytes of bf16, so the same
 memory holds twice the tokens.
+
+A model mixing global and sliding-window layers (Gemma 3) gets two KV cache groups
+(`kv_cache_groups`), each with its own pool: the global layers' holds every token, the
+windowed layers' only the blocks their window still sees (kv_cache_manager.py). The memory is
+split between them by what one `max_model_len` sequence needs of each (`num_blocks_for_groups`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
-from pagoda.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig
+from pagoda.config import DEFAULT_KV_CACHE_MEMORY, CacheConfig, SchedulerConfig
 from pagoda.layers.cpu_kernels import memory
 
 logger = logging.getLogger("pagoda")
@@ -35,10 +41,22 @@ def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.
 
 @dataclass(frozen=True)
 class KVCacheSpec:
+    """A group of layers sharing block ids: their count, K/V shape and dtype, and their
+    sliding window (None: global attention, or a group whose blocks hold every token)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    sliding_window: int | None = None
+
+    def blocks_per_sequence(self, num_tokens: int, block_size: int) -> int:
+        """Blocks one sequence of `num_tokens` holds while decoding: all of them, or for a
+        sliding window those covering its last `window` positions (plus a partial one)."""
+        blocks = -(-num_tokens // block_size)
+        if self.sliding_window is None:
+            return blocks
+        return min(blocks, -(-self.sliding_window // block_size) + 1)
 
     def block_bytes(self, block_size: int) -> int:
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -57,6 +75,53 @@ def num_blocks_for(spec: KVCacheSpec, cache: CacheConfig, device: torch.device,
     return max(budget // spec.block_bytes(cache.block_size), 0)
 
 
+def kv_cache_groups(windows: list[int | None], spec: KVCacheSpec,
+                    enable: bool = True) -> list[tuple[KVCacheSpec, list[int]]]:
+    """The layers' KV cache groups: each group's spec and layer indices.
+
+    One group for every layer (as `spec` says, its window ignored) unless `enable` and the
+    layers mix global attention with one sliding window: then the global layers (group 0)
+    and the windowed ones (group 1)."""
+    window_set = {w for w in windows if w is not None}
+    if not enable or len(window_set) != 1 or None not in windows:
+        return [(spec, list(range(len(windows))))]
+    window = window_set.pop()
+    full = [i for i, w in enumerate(windows) if w is None]
+    local = [i for i, w in enumerate(windows) if w is not None]
+    return [(dataclasses.replace(spec, num_layers=len(full), sliding_window=None), full),
+            (dataclasses.replace(spec, num_layers=len(local), sliding_window=window), local)]
+
+
+def num_blocks_for_groups(specs: list[KVCacheSpec], cache: CacheConfig, device: torch.device,
+                          max_model_len: int, scheduler: SchedulerConfig,
+                          available_cuda_bytes: int | None = None) -> list[int]:
+    """Each group's block count (one group: `num_blocks_for`).
+
+    With a sliding-window group (group 1): it gets what every seat (`max_num_seqs`) holding
+    one window, plus a step's chunk, can use, but never more memory than its layers had in
+    one shared pool (so no workload, short or long, fits fewer requests than before), and
+    never less than one sequence's window and chunk plus the null block; the full-attention
+    group gets the rest. `num_kv_blocks` fixes group 0's count (the old pool's in tokens)."""
+    if len(specs) == 1:
+        return [num_blocks_for(specs[0], cache, device, available_cuda_bytes)]
+    assert len(specs) == 2 and specs[1].sliding_window is not None
+    bs = cache.block_size
+    full, local = specs
+    chunk_blocks = -(-scheduler.max_num_batched_tokens // bs)
+    min_local = min(-(-max_model_len // bs), local.blocks_per_sequence(max_model_len, bs) + chunk_blocks) + 1
+    seats_local = scheduler.max_num_seqs * local.blocks_per_sequence(max_model_len, bs) + chunk_blocks + 1
+    if cache.num_kv_blocks is not None:
+        return [cache.num_kv_blocks, max(min_local, min(seats_local, cache.num_kv_blocks + 1))]
+    if device.type == "cuda" and cache.kv_cache_memory_bytes is None:
+        budget = available_cuda_bytes or 0
+    else:
+        budget = cache.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY
+    full_bytes, local_bytes = full.block_bytes(bs), local.block_bytes(bs)
+    shared_local = budget // (full_bytes + local_bytes)  # NOTE: its blocks in one shared pool
+    num_local = max(min_local, min(seats_local, shared_local + 1))
+    return [max(budget - num_local * local_bytes, 0) // full_bytes, num_local]
+
+
 def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None:
     """Raises if one sequence of max_model_len cannot fit, naming the settings to change."""
     needed = -(-max_model_len // block_size)
@@ -69,12 +134,31 @@ def check_capacity(num_blocks: int, block_size: int, max_model_len: int) -> None
             "(--num-kv-blocks), or decrease max_model_len (--max-model-len).")
 
 
-def log_capacity(spec: KVCacheSpec, num_blocks: int, block_size: int, max_model_len: int) -> None:
-    tokens = num_blocks * block_size
-    gib = num_blocks * spec.block_bytes(block_size) / 1024**3
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, %d bytes a token)", num_blocks,
-                block_size, tokens, gib, str(spec.dtype).removeprefix("torch."), spec.block_bytes(block_size) // block_size)
-    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
+def log_capacity(specs: list[KVCacheSpec], num_blocks: list[int], block_size: int, max_model_len: int) -> None:
+    """Logs the pool (per group when there are several) and vLLM's maximum-concurrency line."""
+    if len(specs) == 1:
+        spec, n = specs[0], num_blocks[0]
+        tokens = n * block_size
+        gib = n * spec.block_bytes(block_size) / 1024**3
+        logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GiB, %s, %d bytes a token)", n,
+                    block_size, tokens, gib, str(spec.dtype).removeprefix("torch."),
+                    spec.block_bytes(block_size) // block_size)
+        logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
+        return
+    for spec, n in zip(specs, num_blocks, strict=True):
+        kind = f"sliding-window layers (window {spec.sliding_window})" if spec.sliding_window else "full-attention layers"
+        logger.info("KV cache, %d %s: %d blocks of %d tokens (%.2f GiB, %s, %d bytes a token)", spec.num_layers,
+                    kind, n, block_size, n * spec.block_bytes(block_size) / 1024**3,
+                    str(spec.dtype).removeprefix("torch."), spec.block_bytes(block_size) // block_size)
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len,
+                max_concurrency(specs, num_blocks, block_size, max_model_len))
+
+
+def max_concurrency(specs: list[KVCacheSpec], num_blocks: list[int], block_size: int, max_model_len: int) -> float:
+    """How many sequences of `max_model_len` the groups' pools hold at once (the scarcest
+    group's count; a sliding-window pool's null block is no one's)."""
+    return min((n - (spec.sliding_window is not None)) / spec.blocks_per_sequence(max_model_len, block_size)
+               for spec, n in zip(specs, num_blocks, strict=True))
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int, device: torch.device,

@@ -18,7 +18,13 @@ from typing import TypeVar
 
 import torch
 
-from pagoda.layers.attention_backend import AttentionBackend, AttentionMetadata
+from pagoda.layers.attention_backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    GroupedAttentionMetadata,
+    NativeAttentionMetadata,
+    TorchAttentionMetadata,
+)
 from pagoda.pooling import PoolRows, positions_to_pool
 from pagoda.prompt_logprobs import PromptRows, positions_to_score
 from pagoda.request import Request
@@ -59,6 +65,7 @@ class InputPreparer:
         self.block_size = block_size
         self.device = device
         self.backend = backend
+        self.num_kv_groups = 1  # NOTE: 2 for a mixed model's sliding-window group (kv_cache_manager.py)
 
     def prepare(self, out: SchedulerOutput) -> tuple[list[Request], ModelInputs]:
         """The requests that sample (in row order) and the step's inputs."""
@@ -97,6 +104,18 @@ class InputPreparer:
     def _slot(self, request: Request, pos: int) -> int:
         return request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _group_meta(self, reqs: list[Request], counts: list[int],
+                    meta: NativeAttentionMetadata | TorchAttentionMetadata) -> AttentionMetadata:
+        """With a sliding-window group, both groups' metadata (`GroupedAttentionMetadata`)."""
+        if self.num_kv_groups == 1:
+            return meta
+        bs = self.block_size
+        slots = [r.sliding_block_ids[p // bs] * bs + p % bs
+                 for r, n in zip(reqs, counts, strict=True)
+                 for p in range(r.num_computed_tokens, r.num_computed_tokens + n)]
+        sliding = self.backend.build(reqs, counts, self._tensor(slots), group=1)
+        return GroupedAttentionMetadata([meta, sliding])
+
     def _prepare(self, reqs: list[Request], counts: list[int], drafts: list[list[int]]):
         input_ids: list[int] = []
         positions: list[int] = []
@@ -113,7 +132,7 @@ class InputPreparer:
             if c + n >= r.num_tokens and r.pooling_params is None:
                 last = len(input_ids) - 1
                 sample_rows.append((i, last - len(draft), last))
-        meta = self.backend.build(reqs, counts, self._tensor(slots))
+        meta = self._group_meta(reqs, counts, self.backend.build(reqs, counts, self._tensor(slots)))
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows
 
     def _tensor(self, values: list[int]) -> torch.Tensor:

@@ -76,9 +76,14 @@ class ModelRunner:
         if self.use_cpu_kernel:
             cpu_kernels.ops.set_num_threads(self.max_threads)
 
-    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for attn, (k, v) in zip(self.model.attention_layers(), kv_caches, strict=True):
-            attn.k_cache, attn.v_cache = k, v
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                      kv_groups: list[int] | None = None) -> None:
+        """Binds each layer's K/V pools; `kv_groups` gives each layer's KV cache group (whose
+        block table it reads: kv_cache_manager.py), all 0 when not given."""
+        groups = kv_groups or [0] * len(kv_caches)
+        for attn, (k, v), group in zip(self.model.attention_layers(), kv_caches, groups, strict=True):
+            attn.k_cache, attn.v_cache, attn.kv_group = k, v, group
+        self.preparer.num_kv_groups = max(groups, default=0) + 1
         if self.use_cpu_kernel:
             self.native_decoder = NativeDecoder.build(self.model)
 

@@ -1,7 +1,8 @@
 """Request: the engine's state of one sequence being generated.
 
 Invariants: `num_computed_tokens <= num_tokens`; the KV of the first `num_computed_tokens`
-tokens lives in the blocks `block_ids` (owned by the block manager); a token is sampled only
+tokens lives in the blocks `block_ids` (owned by the block manager; a mixed model's
+sliding-window layers keep theirs in `sliding_block_ids`); a token is sampled only
 in a step after which every token is computed.
 """
 
@@ -62,6 +63,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0
         self.block_ids: list[int] = []
+        # NOTE: a mixed model's sliding-window layers' table (kv_cache_manager.py); blocks that
+        # left the window are NULL_BLOCK.
+        self.sliding_block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None

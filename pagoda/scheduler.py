@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from pagoda.block_manager import BlockManager
 from pagoda.config import SchedulerConfig
+from pagoda.kv_cache_manager import HybridBlockManager
 from pagoda.request import Request, RequestStatus
 from pagoda.request_queue import RequestQueue
 from pagoda.step_cost import StepCost
@@ -73,7 +74,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | HybridBlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
         self.waiting = RequestQueue(config.scheduling_policy)

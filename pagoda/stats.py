@@ -24,6 +24,10 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_blocks_touched: int = 0
+    # NOTE: a mixed model's sliding-window group (kv_cache_manager.py); the fields above are
+    # then its full-attention group's.
+    num_sliding_blocks_total: int = 0
+    num_sliding_blocks_free: int = 0
 
 
 @dataclass

@@ -67,6 +67,10 @@ TINY_ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         tie_word_embeddings=False, head_dim=32, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[0])),
+    # NOTE: a 32-token window over 16-token blocks (tests/test_sliding_window_kv.py).
+    "gemma3_w32": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_hidden_layers=4, head_dim=64, sliding_window=32, query_pre_attn_scalar=64,
+        sliding_window_pattern=2)),
 }
 
 

@@ -25,7 +25,11 @@ def hf_greedy(model_dir, prompts: list[list[int]], max_tokens: int) -> list[list
 
 
 def pagoda_greedy(model_dir, prompts, max_tokens, **engine_args) -> list[list[int]]:
-    llm = LLM(str(model_dir), dtype="float32", **engine_args)
+    return llm_greedy(LLM(str(model_dir), dtype="float32", **engine_args), prompts, max_tokens)
+
+
+def llm_greedy(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """`llm`'s greedy tokens for `prompts`; the pool's invariants checked after."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.check_integrity()

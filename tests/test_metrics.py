@@ -267,7 +267,8 @@ def test_cache_config_info_learns_the_pool_size() -> None:
     logger, registry = make_logger()
     info = {"engine": "0", "block_size": "16", "enable_prefix_caching": "True", "cache_dtype": "auto",
             "gpu_memory_utilization": "0.9", "kv_cache_memory_bytes": "None",
-            "num_kv_blocks": "None", "tensor_parallel_size": "1", "pipeline_parallel_size": "1"}
+            "num_kv_blocks": "None", "tensor_parallel_size": "1", "pipeline_parallel_size": "1",
+            "disable_hybrid_kv_cache_manager": "False"}
     assert registry.get_sample_value("vllm:cache_config_info",
                                      {**info, "num_gpu_blocks": "None"}) == 1
     logger.record(SchedulerStats(num_blocks_total=512), None)

@@ -115,8 +115,9 @@ def evaluate(model: str, schemes: list[str], dtype: str = "bfloat16", num_window
     prompts: list[list[int]] = []
     for scheme in [REFERENCE, *[s for s in schemes if s != REFERENCE]]:
         started = time.perf_counter()
-        llm = LLM(model, dtype=dtype, enable_prefix_caching=False, **(engine_args or {}),
-                  **SCHEME_ARGS[scheme])
+        # NOTE: `perplexity` fills one block table itself: one KV cache group.
+        llm = LLM(model, dtype=dtype, enable_prefix_caching=False, disable_hybrid_kv_cache_manager=True,
+                  **(engine_args or {}), **SCHEME_ARGS[scheme])
         if not ids:
             ids = held_out_ids(llm.tokenizer)
             prompts = prompt_set(ids, num_prompts, prompt_len, num_windows * window)

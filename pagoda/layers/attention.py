@@ -45,6 +45,7 @@ class PagedAttention(nn.Module):
         self.v_cache = torch.empty(0)
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.kv_group = 0  # NOTE: whose block table the layer reads (set when the pool is bound)
         # NOTE: per-tensor scales of an fp8 pool (vLLM's static k_scale/v_scale, 1.0 unless
         # set at start-up); unused for a pool in the model's dtype.
         self.k_scale = 1.0

@@ -49,15 +49,17 @@ class AttentionBackend(Protocol):
         rows the preparer puts first)."""
         ...
 
-    def build(self, reqs: list[Request], counts: list[int],
-              slot_mapping: torch.Tensor) -> AttentionMetadata:
-        """The step's metadata for `reqs` (batched ones first) scheduled for `counts` rows."""
+    def build(self, reqs: list[Request], counts: list[int], slot_mapping: torch.Tensor,
+              group: int = 0) -> NativeAttentionMetadata | TorchAttentionMetadata:
+        """The step's metadata for `reqs` (batched ones first) scheduled for `counts` rows,
+        over KV cache group `group`'s block tables."""
         ...
 
 
-def block_table(reqs: list[Request], num_blocks: int) -> torch.Tensor:
-    """[len(reqs), num_blocks] block ids (0-padded)."""
-    rows = [r.block_ids[:num_blocks] + [0] * (num_blocks - len(r.block_ids[:num_blocks])) for r in reqs]
+def block_table(reqs: list[Request], num_blocks: int, group: int = 0) -> torch.Tensor:
+    """[len(reqs), num_blocks] block ids of KV cache group `group` (0-padded)."""
+    tables = [r.block_ids if group == 0 else r.sliding_block_ids for r in reqs]
+    rows = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
     return torch.tensor(rows, dtype=torch.long)
 
 
@@ -99,10 +101,10 @@ class NativeAttentionBackend:
     def batched(self, num_tokens: int) -> bool:
         return True
 
-    def build(self, reqs: list[Request], counts: list[int],
-              slot_mapping: torch.Tensor) -> NativeAttentionMetadata:
+    def build(self, reqs: list[Request], counts: list[int], slot_mapping: torch.Tensor,
+              group: int = 0) -> NativeAttentionMetadata:
         lens = [r.num_computed_tokens + n for r, n in zip(reqs, counts, strict=True)]
-        table = block_table(reqs, -(-max(lens, default=0) // self.block_size))
+        table = block_table(reqs, -(-max(lens, default=0) // self.block_size), group)
         return NativeAttentionMetadata(slot_mapping, table, torch.tensor(lens, dtype=torch.long),
                                        torch.tensor([0, *itertools.accumulate(counts)]))
 
@@ -265,15 +267,15 @@ class TorchAttentionBackend:
     def batched(self, num_tokens: int) -> bool:
         return num_tokens == 1
 
-    def build(self, reqs: list[Request], counts: list[int],
-              slot_mapping: torch.Tensor) -> TorchAttentionMetadata:
+    def build(self, reqs: list[Request], counts: list[int], slot_mapping: torch.Tensor,
+              group: int = 0) -> TorchAttentionMetadata:
         num_decodes = sum(1 for n in counts if self.batched(n))  # NOTE: the batched rows come first
         meta = TorchAttentionMetadata(slot_mapping, num_decodes)
         if num_decodes:
-            meta.decode_slots, meta.decode_mask, meta.decode_seq_lens = self._decode_tables(reqs[:num_decodes])
+            meta.decode_slots, meta.decode_mask, meta.decode_seq_lens = self._decode_tables(reqs[:num_decodes], group)
         start = num_decodes
         for r, n in zip(reqs[num_decodes:], counts[num_decodes:], strict=True):
-            meta.prefills.append(self._prefill_chunk(r, start, n))
+            meta.prefills.append(self._prefill_chunk(r, start, n, group))
             start += n
         return meta
 
@@ -281,22 +283,22 @@ class TorchAttentionBackend:
         pos = torch.arange(length)
         return table[:, pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def _decode_tables(self, reqs: list[Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _decode_tables(self, reqs: list[Request], group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The gather index, causal mask and context lengths of one-token decodes."""
         ctx = torch.tensor([r.num_computed_tokens + 1 for r in reqs])
         length = int(ctx.max())
-        table = block_table(reqs, -(-length // self.block_size))
+        table = block_table(reqs, -(-length // self.block_size), group)
         index = self._gather_index(table, length)
         mask = torch.arange(length)[None, :] < ctx[:, None]
         return index.to(self.device), mask[:, None, None, :].to(self.device), ctx.to(self.device)
 
-    def _prefill_chunk(self, r: Request, start: int, n: int) -> PrefillChunk:
+    def _prefill_chunk(self, r: Request, start: int, n: int, group: int) -> PrefillChunk:
         c = r.num_computed_tokens
         if c == 0:
             return PrefillChunk(query_start=start, query_len=n)
         length = c + n
         mask = torch.arange(length)[None, :] <= torch.arange(c, length)[:, None]
-        table = block_table([r], -(-length // self.block_size))
+        table = block_table([r], -(-length // self.block_size), group)
         return PrefillChunk(query_start=start, query_len=n, mask=mask.to(self.device),
                             slots=self._gather_index(table, length)[0].to(self.device),
                             num_computed_tokens=c)
@@ -318,4 +320,25 @@ def rotate_heads(x: torch.Tensor) -> torch.Tensor:
     return (y * (1.0 / math.sqrt(d))).to(x.dtype)
 
 
-AttentionMetadata = NativeAttentionMetadata | TorchAttentionMetadata
+@dataclass
+class GroupedAttentionMetadata:
+    """A step's metadata per KV cache group (kv_cache_manager.py): a layer attends through
+    its own group's (`PagedAttention.kv_group`). In a sliding-window group the blocks that
+    left the window are NULL_BLOCK in the tables: the native kernel starts each query's keys
+    at its window (attention.cpp), the torch path masks them (block 0 stays zero)."""
+
+    groups: list[NativeAttentionMetadata | TorchAttentionMetadata]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.groups[0].num_tokens
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.groups[0].rotate(x)
+
+    def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+        return self.groups[layer.kv_group].attend(layer, q, k, v)
+
+
+AttentionMetadata = NativeAttentionMetadata | TorchAttentionMetadata | GroupedAttentionMetadata

@@ -35,6 +35,10 @@ def format_kv_memory_report(report: Mapping[str, Any]) -> str:
             `contiguous_reservation_*` is what reserving `max_model_len` contiguous slots per
             running request (the pre-paging way) would take. An optional `kv_cache_dtype`
             (e.g. 'fp8_e4m3') is named beside the bytes per slot, which it halves against bf16.
+            A mixed model's KV cache groups add `reserved_bytes` (both groups' blocks held by
+            running requests), `full_pool_bytes`, `sliding_*` and `max_concurrency`: the block
+            counts are then the full-attention layers', the bytes per slot the whole pool's
+            over their slots.
 
     Raises:
         ValueError: naming the keys that are missing.
@@ -48,14 +52,37 @@ def format_kv_memory_report(report: Mapping[str, Any]) -> str:
     contiguous, reserved = n["contiguous_reservation_tokens"], n["slots_reserved"]
     ratio = f"{contiguous / reserved:.1f}x" if reserved else "n/a"
     dtype = f", {report['kv_cache_dtype']}" if report.get("kv_cache_dtype") else ""
-    return "\n".join([
+    reserved_bytes = float(report.get("reserved_bytes", reserved * slot_bytes))
+    return "\n".join([*_lines(n, num_slots, slot_bytes, contiguous, reserved, reserved_bytes, ratio, dtype),
+                      *_group_lines(report)])
+
+
+def _lines(n: dict[str, int], num_slots: int, slot_bytes: float, contiguous: int, reserved: int,
+           reserved_bytes: float, ratio: str, dtype: str) -> list[str]:
+    return [
         f"KV cache pool: {format_bytes(n['pool_bytes'])}, {n['num_blocks']} blocks x "
         f"{n['block_size']} tokens = {num_slots} token slots ({format_bytes(slot_bytes)} per slot{dtype})",
         f"  blocks: {n['num_blocks'] - n['num_blocks_free']} in use, {n['num_blocks_free']} free, "
         f"{n['num_blocks_cached']} holding cached prefixes",
         f"  running requests: {n['tokens_held']} tokens held in {reserved} reserved slots "
-        f"({format_bytes(reserved * slot_bytes)}); {n['slots_unused']} slots unused "
+        f"({format_bytes(reserved_bytes)}); {n['slots_unused']} slots unused "
         f"({_percent(n['slots_unused'], reserved)} of reserved)",
         f"  contiguous max-length reservation for the same requests: {contiguous} slots "
         f"({format_bytes(n['contiguous_reservation_bytes'])}), {ratio} what paging reserves",
-    ])
+    ]
+
+
+def _group_lines(report: Mapping[str, Any]) -> list[str]:
+    """A mixed model's KV cache groups (optional keys `sliding_*`, `full_pool_bytes`,
+    `max_concurrency`): the block counts above are the full-attention layers', whose blocks
+    hold every token; the sliding-window layers' hold only their window's."""
+    if "sliding_window" not in report:
+        return []
+    window, total, free = (int(report[k]) for k in ("sliding_window", "sliding_num_blocks",
+                                                    "sliding_num_blocks_free"))
+    return [
+        f"  full-attention layers: {format_bytes(report['full_pool_bytes'])}; sliding-window layers "
+        f"(window {window}): {format_bytes(report['sliding_pool_bytes'])}, {total} blocks, "
+        f"{total - free - 1} in use, {free} free",
+        f"  maximum concurrency at max_model_len: {report['max_concurrency']:.2f}x",
+    ]

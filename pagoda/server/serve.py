@@ -57,6 +57,7 @@ ENGINE_FLAGS = {
     "chat_template": "chat_template", "device": "device", "block_size": "block_size",
     "kv_cache_memory": "kv_cache_memory", "gpu_memory_utilization": "gpu_memory_utilization",
     "num_kv_blocks": "num_kv_blocks", "enable_prefix_caching": "enable_prefix_caching",
+    "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "scheduling_policy": "scheduling_policy", "step_time_target_ms": "step_time_target_ms",
     "tensor_parallel_size": "tensor_parallel_size",
@@ -256,6 +257,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                             "throughput; off by default")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None)
+    cache.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
+                       help="a model mixing global and sliding-window layers (Gemma 3): keep every "
+                            "block of every layer in one pool, as vLLM's flag")
     cache.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='speculative decoding, as vLLM: \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or \'{"model": "PATH", '

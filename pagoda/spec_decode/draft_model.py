@@ -47,7 +47,9 @@ class DraftModelProposer:
         quantization = spec.quantization if spec.quantization is not None else config.model.quantization
         draft_config = dataclasses.replace(
             config, model=dataclasses.replace(config.model, model=spec.model, quantization=quantization),
-            cache=dataclasses.replace(config.cache, enable_prefix_caching=False),
+            # NOTE: the draft's shadow sequences hold one table (one KV cache group).
+            cache=dataclasses.replace(config.cache, enable_prefix_caching=False,
+                                      disable_hybrid_kv_cache_manager=True),
             speculative=None)
         parts = build_engine_parts(draft_config)
         self.runner = parts.runner
