@@ -212,6 +212,37 @@ def test_rms_norm_and_fused_add(dtype: torch.dtype, rows: int, n: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 640), (3, 256), (9, 100)])
+def test_gemma_rms_norm_and_fused_add_equal_the_module(dtype: torch.dtype, rows: int, n: int) -> None:
+    """Gemma's (1 + w) norm: the kernel against the module's torch path (Hugging Face's), on
+    strided rows and q/k heads [T, H, D] too; the fused form updates the residual in place."""
+    from pagoda.layers.norm import GemmaRMSNorm
+
+    gen = torch.Generator().manual_seed(rows)
+    norm = GemmaRMSNorm(n, 1e-6)
+    norm.weight.data = 0.3 * torch.randn(n, generator=gen)
+    x = torch.randn(rows, 2 * n, generator=gen).to(dtype)[:, :n]  # NOTE: strided rows
+    heads = torch.randn(rows, 3, n, generator=gen).to(dtype)
+    residual = torch.randn(rows, n, generator=gen).to(dtype)
+
+    def torch_path(t: torch.Tensor) -> torch.Tensor:
+        h = t.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * (1.0 + norm.weight.float())).to(t.dtype)
+
+    assert_close(ops.gemma_rms_norm(x, norm.scale(), 1e-6), torch_path(x), dtype)
+    assert_close(norm(heads), torch_path(heads), dtype)
+    y = x.contiguous()
+    want_residual = y + residual
+    want = torch_path(want_residual)
+    got, got_residual = norm.forward_with_residual(y, residual)
+    assert got is y and got_residual is residual and torch.equal(residual, want_residual)
+    assert_close(got, want, dtype)
+    norm.weight.data = torch.zeros(n)  # NOTE: a new weight remakes the scale
+    assert torch.equal(norm.scale(), torch.ones(n))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = (3 * torch.randn(5, 2 * 1536, generator=torch.Generator().manual_seed(4))).to(dtype)
     gate, up = x.chunk(2, -1)

@@ -29,6 +29,8 @@ _DTYPED: dict[str, ArgTypes] = {
     "hadamard": [_P, _L, _I, _I, _L, _L],
     "rms_norm": [_P] * 3 + [_L, _I, _L, _L, _F],
     "fused_add_rms_norm": [_P] * 3 + [_L, _I, _F],
+    "gemma_rms_norm": [_P] * 3 + [_L, _I, _L, _L, _F],
+    "fused_add_gemma_rms_norm": [_P] * 3 + [_L, _I, _F],
     "silu_and_mul": [_P] * 2 + [_L, _I],
     "qgemv": [_I, _P, _L, _P, _L, _L, _P, _P, _L, _L, _L, _L, _I],
     "dequantize": [_I, _P, _L, _L, _P, _L, _L],

@@ -107,19 +107,37 @@ def hadamard_inplace(x: torch.Tensor) -> None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's RMSNorm over the last dimension of a 2-D x (rows may be strided)."""
-    _check_rows(x, x.shape[-1])
-    out = torch.empty_like(x)
-    _lib().fn("rms_norm", x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
-                                   x.stride(0), out.stride(0), eps)
-    return out
+    return _norm("rms_norm", x, weight, eps)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: residual = x + residual, then x = RMSNorm(residual). Both contiguous [rows, n]."""
+    _fused_add_norm("fused_add_rms_norm", x, residual, weight, eps)
+
+
+def gemma_rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dimension of a 2-D x (rows may be strided): x normalized,
+    times `scale` (fp32 1 + weight), rounded once to x's dtype."""
+    return _norm("gemma_rms_norm", x, scale, eps)
+
+
+def fused_add_gemma_rms_norm(x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor, eps: float) -> None:
+    """In place: residual = x + residual, then x = Gemma's RMSNorm(residual). Both contiguous."""
+    _fused_add_norm("fused_add_gemma_rms_norm", x, residual, scale, eps)
+
+
+def _norm(name: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check_rows(x, x.shape[-1])
+    out = torch.empty_like(x)
+    _lib().fn(name, x.dtype)(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                             x.stride(0), out.stride(0), eps)
+    return out
+
+
+def _fused_add_norm(name: str, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     if not (x.is_contiguous() and residual.is_contiguous()):
         raise ValueError("x and residual must be contiguous")
-    _lib().fn("fused_add_rms_norm", x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
-                                             x.shape[0], x.shape[1], eps)
+    _lib().fn(name, x.dtype)(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), x.shape[0], x.shape[1], eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
