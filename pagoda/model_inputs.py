@@ -101,18 +101,18 @@ class InputPreparer:
             base += n
         return spans, rows
 
-    def _slots(self, table: list[int], start: int, count: int) -> list[int]:
-        """The pool slots of positions [start, start + count) under block table `table`."""
-        bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, start + count)]
+    def _slot(self, request: Request, pos: int) -> int:
+        return request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def _group_meta(self, reqs: list[Request], counts: list[int],
                     meta: NativeAttentionMetadata | TorchAttentionMetadata) -> AttentionMetadata:
         """With a sliding-window group, both groups' metadata (`GroupedAttentionMetadata`)."""
         if self.num_kv_groups == 1:
             return meta
-        slots = [s for r, n in zip(reqs, counts, strict=True)
-                 for s in self._slots(r.sliding_block_ids, r.num_computed_tokens, n)]
+        bs = self.block_size
+        slots = [r.sliding_block_ids[p // bs] * bs + p % bs
+                 for r, n in zip(reqs, counts, strict=True)
+                 for p in range(r.num_computed_tokens, r.num_computed_tokens + n)]
         sliding = self.backend.build(reqs, counts, self._tensor(slots), group=1)
         return GroupedAttentionMetadata([meta, sliding])
 
@@ -128,7 +128,7 @@ class InputPreparer:
                 tokens = tokens + draft[:n - len(tokens)]
             input_ids.extend(tokens)
             positions.extend(range(c, c + n))
-            slots.extend(self._slots(r.block_ids, c, n))
+            slots.extend(self._slot(r, p) for p in range(c, c + n))
             if c + n >= r.num_tokens and r.pooling_params is None:
                 last = len(input_ids) - 1
                 sample_rows.append((i, last - len(draft), last))
