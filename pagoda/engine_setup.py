@@ -197,8 +197,9 @@ def plan_linears(model: torch.nn.Module, retune: bool = False) -> KernelPlan | N
     lib = cpu_kernels.library()
     max_threads = torch.get_num_threads()
     # NOTE: the build (its name carries a digest of the kernel sources), not only the variant: a
-    # changed kernel makes the old timings stale.
-    plan = plan_for_model(model, lib.path.stem if lib is not None else "none",
+    # changed kernel makes the old timings stale; so does the GEMM's tile choice (gemm_tiles.py).
+    build = f"{lib.path.stem}+fma{cpu_kernels.ops.GEMM_FMA_ROWS}" if lib is not None else "none"
+    plan = plan_for_model(model, build,
                           lambda rows: step_threads(rows, max_threads), retune=retune)
     if plan is not None:
         logger.info("%s", plan.describe())

@@ -305,6 +305,27 @@ def test_gemm_over_x_too_big_to_widen_at_once() -> None:
     assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
 
 
+@pytest.fixture
+def fma_tiles():
+    """The bf16 GEMM on its FMA tiles from one row (the avx512bf16 build), the load-time choice
+    restored after."""
+    before = ops.GEMM_FMA_ROWS
+    if not cpu_kernels.available() or cpu_kernels.library().variant != "avx512bf16":
+        pytest.skip("only the avx512bf16 build has two tile kinds")
+    ops.set_gemm_fma_rows(1)
+    yield
+    ops.set_gemm_fma_rows(before)
+
+
+def test_gemm_on_fma_tiles_matches_fp32_linear(fma_tiles: None) -> None:
+    # NOTE: one tile (1-12 rows, with and without prefetch), several tiles over K chunks, wide
+    # tiles (96+), odd K, partial panels, NaN past each row's K (gemm_case), strided rows.
+    for m, n, k, bias in [(1, 960, 576, False), (5, 77, 129, True), (6, 576, 1536, True), (12, 40, 70, False),
+                          (13, 33, 1, True), (64, 960, 576, True), (101, 77, 129, False), (800, 48, 40, True)]:
+        x, w, b, want = gemm_case(m, n, k, bias, seed=m * 7 + n + k)
+        assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
+
+
 def test_gemm_refuses_mismatched_inputs() -> None:
     w = ops.PackedWeight(torch.randn(32, 64).to(torch.bfloat16))
     with pytest.raises(ValueError):

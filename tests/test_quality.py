@@ -54,8 +54,11 @@ BOUNDS = {  # scheme: (max perplexity ratio, min mean first divergence of 32)
     # GEMV's records) this set's passages part at near-ties from the first tokens (mean 1.25
     # of 32 with the portable kernels, 13.75 with the avx2 build against an F.linear
     # reference, 2026-12-01), at +0.3-0.5% perplexity: the perplexity bound is what catches a
-    # broken scheme.
-    "int8": (1.01, 1),
+    # broken scheme. Perplexity within 2%, not 1%: on an Intel Xeon (AVX-512, avx512bf16 build,
+    # 2026-12-02) this set scores int8 at 1.0126-1.0133x since prefill attention moved to the
+    # paged kernel (fa84c9c; 1.0068x before it, with SDPA; the kernel's error is the ideal
+    # rounding's, and the same change moved bf16 by 0.1%), int4 0.998 -> 1.006x.
+    "int8": (1.02, 1),
     "kv-fp8": (1.02, 1),
 }
 

@@ -338,7 +338,7 @@ def test_smollm2_json_schemas_all_validate(smollm2: LLM):
 
 def test_smollm2_json_object_regex_and_choice(smollm2: LLM):
     cases = [
-        (chat(smollm2, "Describe a cat as a JSON object."),
+        (chat(smollm2, "Describe a cat as a JSON object with the keys name and age."),
          StructuredOutputsParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
         (chat(smollm2, "Give a US phone number."),
          StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}"),

@@ -49,6 +49,7 @@
 // one bf16 rounding (tests/test_quantization_kernels.py).
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -79,6 +80,7 @@ constexpr int64_t kWideFrom = 96;       // rows from which wide tiles are used
 constexpr int kPrefetchRows = 6;        // one tile of fewer rows is bound by memory alone
 constexpr int64_t kChunkPairs = 64;     // 8 KB of a panel
 constexpr int64_t kMaxRowsPerPass = 768;  // rows sharing one pass over the weight
+constexpr int64_t kMaxWidenedFma = int64_t{1} << 22;  // floats of x the FMA tiles widen at once (16 MB)
 
 // NOTE: one chunk ahead, so that the first tile over a chunk fetches the next. Measured on the
 // 30 layers' distinct weights, one thread (docs/performance.md, Small-M GEMM): a prefetch
@@ -112,6 +114,20 @@ struct Rows {
   const float* xf = nullptr;  // AVX2: the same rows widened to fp32 once per call (all K), or null
   int64_t xf_stride = 0;
 };
+
+// x's rows [0, R) over k-pairs [p0, p1) as fp32 pairs (x[K] read as 0 for an odd K), so that
+// the tiles broadcast straight from memory.
+inline const float* widen_rows(const Rows& rows, int R, int64_t p0, int64_t p1) {
+  static thread_local std::vector<float> xf;
+  const int64_t n = 2 * (p1 - p0);
+  xf.resize(R * n);
+  for (int r = 0; r < R; ++r) {
+    const bf16* x = rows.x + r * rows.stride + 2 * p0;
+    const int64_t valid = std::min(n, rows.K - 2 * p0);
+    for (int64_t i = 0; i < n; i += kLanes) store(xf.data() + r * n + i, load(x + i, tail_mask(static_cast<int>(std::clamp<int64_t>(valid - i, 0, kLanes)))), tail_mask(static_cast<int>(std::min<int64_t>(n - i, kLanes))));
+  }
+  return xf.data();
+}
 
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
 
@@ -159,23 +175,49 @@ void tile(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, S
     for (int b = 0; b < NB; ++b) _mm512_storeu_ps(sums + m * kSumsRow + b * kBlock, acc[m][b]);
 }
 
+// The same contract on fp32 FMAs: each 64-byte weight vector (16 columns at a k-pair) widened
+// to fp32 in registers, the k-pair's even k by a shift, its odd k by a mask, two FMAs per row
+// against x widened once per call (`Rows::xf`). Products are exact either way (bf16 x bf16
+// fits fp32); only the order of the fp32 additions differs from vdpbf16ps's.
+// NOTE: on some AVX512_BF16 CPUs vdpbf16ps issues at a quarter of the FMA rate (an Intel Xeon
+// with avx512_fp16, no AMX exposed: 84 vs 170 GFLOP/s a thread, 2026-12-02), so once a tile's
+// arithmetic binds, two FMAs beat one dot product; on Zen 4 it is the other way round. Which
+// one runs from how many rows is measured at load (`pagoda_gemm_set_fma_rows`).
+template <int MR, bool PF, int NP = 1>
+void tile_fma(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool first, Sums sums, int64_t panel_stride = 0) {
+  constexpr int NB = 2 * NP;
+  const int64_t n = rows.xf_stride;
+  const float* xp = rows.xf + 2 * p0;
+  __m512 acc[MR][NB];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) acc[m][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kSumsRow + b * kBlock);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = p0; p < p1; ++p, xp += 2) {
+    const bf16* wp = w + p * kPanelPair;
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) {
+      const bf16* src = wp + (b / 2) * panel_stride + (b % 2) * 2 * kBlock;
+      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+      const __m512i u = _mm512_loadu_si512(src);
+      const __m512 we = _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+      const __m512 wo = _mm512_castsi512_ps(_mm512_and_si512(u, high));
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m)
+        acc[m][b] = _mm512_fmadd_ps(wo, _mm512_set1_ps(xp[m * n + 1]), _mm512_fmadd_ps(we, _mm512_set1_ps(xp[m * n]), acc[m][b]));
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(sums + m * kSumsRow + b * kBlock, acc[m][b]);
+}
+
 #elif defined(PAGODA_AVX2)
 
 constexpr int kAvx2Rows = 4;  // 4 rows x 2 vectors of sums + 4 weight vectors + 2 broadcasts
 
-// x's rows [0, R) over k-pairs [p0, p1) as fp32 pairs (x[K] read as 0 for an odd K), so that
-// the tiles broadcast straight from memory.
-inline const float* widen_rows(const Rows& rows, int R, int64_t p0, int64_t p1) {
-  static thread_local std::vector<float> xf;
-  const int64_t n = 2 * (p1 - p0);
-  xf.resize(R * n);
-  for (int r = 0; r < R; ++r) {
-    const bf16* x = rows.x + r * rows.stride + 2 * p0;
-    const int64_t valid = std::min(n, rows.K - 2 * p0);
-    for (int64_t i = 0; i < n; i += kLanes) store(xf.data() + r * n + i, load(x + i, tail_mask(static_cast<int>(std::clamp<int64_t>(valid - i, 0, kLanes)))), tail_mask(static_cast<int>(std::min<int64_t>(n - i, kLanes))));
-  }
-  return xf.data();
-}
 
 // R rows x one block of 16 columns over k-pairs [p0, p1): a 256-bit load holds 8 columns at
 // both k's of a pair (bf16 k0 in each 32-bit lane's low half, k1 in its high half), widened to
@@ -314,8 +356,38 @@ constexpr std::array<std::array<TileFn, kTileRows>, 2> kTiles{
 constexpr std::array<std::array<TileFn, kTileRows>, 2> kWideTiles{
     make_tiles<false, 2>(std::make_integer_sequence<int, kWideRows>()),
     make_tiles<true, 2>(std::make_integer_sequence<int, kWideRows>())};
-TileFn tile_fn(int rows, bool prefetch) { return kTiles[prefetch][rows - 1]; }
-TileFn wide_tile_fn(int rows, bool prefetch) { return kWideTiles[prefetch][rows - 1]; }
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+template <bool PF, int NP, int... I>
+constexpr std::array<TileFn, kTileRows> make_fma_tiles(std::integer_sequence<int, I...>) {
+  return {tile_fma<I + 1, PF, NP>...};
+}
+constexpr std::array<std::array<TileFn, kTileRows>, 2> kFmaTiles{
+    make_fma_tiles<false, 1>(std::make_integer_sequence<int, kTileRows>()),
+    make_fma_tiles<true, 1>(std::make_integer_sequence<int, kTileRows>())};
+constexpr std::array<std::array<TileFn, kTileRows>, 2> kFmaWideTiles{
+    make_fma_tiles<false, 2>(std::make_integer_sequence<int, kWideRows>()),
+    make_fma_tiles<true, 2>(std::make_integer_sequence<int, kWideRows>())};
+#endif
+// Steps of at least this many rows take the FMA tiles (AVX-512 build; set at load by
+// measurement, `pagoda_gemm_set_fma_rows`); never by default.
+std::atomic<int64_t> g_fma_rows{int64_t{1} << 62};
+
+// The tiles for a pass of M rows (fma: the FMA tiles, which read x widened once per call).
+struct Tiles {
+  bool fma;
+  TileFn tile(int rows, bool prefetch) const {
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+    if (fma) return kFmaTiles[prefetch][rows - 1];
+#endif
+    return kTiles[prefetch][rows - 1];
+  }
+  TileFn wide(int rows, bool prefetch) const {
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+    if (fma) return kFmaWideTiles[prefetch][rows - 1];
+#endif
+    return kWideTiles[prefetch][rows - 1];
+  }
+};
 
 struct Problem {
   const bf16* x;
@@ -326,6 +398,7 @@ struct Problem {
   int64_t ys, M, N, K;
   const float* xf = nullptr;  // see Rows
   int64_t xf_stride = 0;
+  bool fma = false;  // the FMA tiles (`Tiles`), over xf
 
   Rows rows(int64_t m0) const { return {x + m0 * xs, xs, K, xf ? xf + m0 * xf_stride : nullptr, xf_stride}; }
 };
@@ -405,7 +478,7 @@ void panel(const Problem& P, const Source& src, const Tiling& tiling, int64_t in
     const View v = src.chunk(index, 1, p0, p1, !single || tiling.rows(0) >= kPrefetchRows);
     for (int t = 0; t < tiling.count; ++t) {
       const bool prefetch = Source::kInPlace && (single ? tiling.rows(0) >= kPrefetchRows : t == 0);
-      tile_fn(tiling.rows(t), prefetch)(P.rows(tiling.start[t]), v.w, p0, p1, p0 == 0,
+      Tiles{P.fma}.tile(tiling.rows(t), prefetch)(P.rows(tiling.start[t]), v.w, p0, p1, p0 == 0,
                                         sums + tiling.start[t] * kSumsRow, 0);
     }
   }
@@ -421,7 +494,7 @@ void panel_pair(const Problem& P, const Source& src, const Tiling& tiling, int64
     const int64_t p1 = std::min(pairs, p0 + kChunkPairs);
     const View v = src.chunk(2 * index, 2, p0, p1, true);
     for (int t = 0; t < tiling.count; ++t)
-      wide_tile_fn(tiling.rows(t), Source::kInPlace && t == 0)(P.rows(tiling.start[t]), v.w, p0,
+      Tiles{P.fma}.wide(tiling.rows(t), Source::kInPlace && t == 0)(P.rows(tiling.start[t]), v.w, p0,
                                                                p1, p0 == 0, sums + tiling.start[t] * kSumsRow,
                                                                v.panel_stride);
   }
@@ -440,6 +513,15 @@ void gemm_pass(const Problem& problem, MakeSource make_source) {
   if (P.M * 2 * num_pairs(P.K) <= kMaxWidened) {
     P.xf_stride = 2 * num_pairs(P.K);
     P.xf = widen_rows(Rows{P.x, P.xs, P.K}, static_cast<int>(P.M), 0, num_pairs(P.K));
+  }
+#elif defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+  Problem P = problem;
+  using Source = decltype(make_source(static_cast<bf16*>(nullptr)));
+  if (Source::kInPlace && P.M >= g_fma_rows.load(std::memory_order_relaxed) &&
+      P.M * 2 * num_pairs(P.K) <= kMaxWidenedFma) {
+    P.xf_stride = 2 * num_pairs(P.K);
+    P.xf = widen_rows(Rows{P.x, P.xs, P.K}, static_cast<int>(P.M), 0, num_pairs(P.K));
+    P.fma = true;
   }
 #else
   const Problem& P = problem;
@@ -857,6 +939,18 @@ void gemm_pack(const bf16* w, int64_t w_stride, bf16* packed, int64_t N, int64_t
 }  // namespace pagoda
 
 extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }
+
+// Steps of at least `rows` rows multiply bf16 panels on the FMA tiles (the AVX-512 build; other
+// builds ignore it); returns whether this build has them.
+extern "C" int64_t pagoda_gemm_set_fma_rows(int64_t rows) {
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+  pagoda::g_fma_rows.store(rows, std::memory_order_relaxed);
+  return 1;
+#else
+  (void)rows;
+  return 0;
+#endif
+}
 
 extern "C" int64_t pagoda_gemm_packed_size_bf16(int64_t N, int64_t K) { return pagoda::gemm_packed_size(N, K); }
 

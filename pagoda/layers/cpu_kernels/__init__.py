@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.layers.cpu_kernels import ops
+from pagoda.layers.cpu_kernels import gemm_tiles, ops
 from pagoda.layers.cpu_kernels.loader import KernelLibrary, load
 
 _library: KernelLibrary | None = None
@@ -32,6 +32,9 @@ def _adopt(lib: KernelLibrary | None) -> KernelLibrary | None:
     if lib is not None:
         lib.check_abi({"GemmWeight": ops.GemmWeight})
     ops.LIB = lib
+    if lib is not None and lib.variant == "avx512bf16":
+        probe = ops.PackedWeight((torch.randn(512, gemm_tiles.PROBE_K) * 0.05).to(torch.bfloat16))
+        gemm_tiles.choose(ops.set_gemm_fma_rows, lambda x: ops.gemm(x, probe), gemm_tiles.PROBE_K)
     return lib
 
 

@@ -378,6 +378,20 @@ def dequantize(packed: torch.Tensor, fmt: int, in_features: int, group_size: int
     return out
 
 
+# NOTE: the row count from which the bf16 GEMM runs its FMA tiles (gemm_tiles.py; set at load),
+# part of the kernel plan's cache key: the GEMM's timings depend on it.
+GEMM_FMA_ROWS = 1 << 62
+
+
+def set_gemm_fma_rows(rows: int) -> int:
+    """Steps of at least `rows` rows multiply bf16 panels on fp32 FMAs (the avx512bf16 build; the
+    others have one tile kind and ignore it); returns `rows`."""
+    global GEMM_FMA_ROWS
+    if _lib().fn("gemm_set_fma_rows")(rows):
+        GEMM_FMA_ROWS = rows
+    return rows
+
+
 def set_num_threads(n: int) -> None:
     """Threads the kernels split their work over (independent of torch's current setting)."""
     _lib().fn("set_num_threads")(n)

@@ -1,0 +1,46 @@
+"""The GEMM's tile choice (cpu_kernels/gemm_tiles.py) from injected timings, and its override."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda.layers.cpu_kernels import gemm_tiles
+from pagoda.layers.cpu_kernels.gemm_tiles import NEVER, decide, parse_forced
+
+# rows -> (vdpbf16ps seconds, FMA seconds), shaped like the CPUs seen
+INTEL_AVX512 = {2: (1.0, 1.42), 4: (1.0, 0.96), 8: (1.0, 1.01), 16: (1.0, 0.94), 64: (1.0, 0.86)}
+ZEN4 = {2: (1.0, 1.6), 4: (1.0, 1.5), 8: (1.0, 1.3), 16: (1.0, 1.4), 64: (1.0, 1.7)}
+
+
+def test_fma_from_the_smallest_count_that_wins_onwards() -> None:
+    assert decide(INTEL_AVX512) == 16  # 16 and 64 win, 8 does not: 4 rows winning is not enough
+    assert decide({**INTEL_AVX512, 8: (1.0, 0.9)}) == 8  # 4 rows within the margin
+    assert decide({r: (1.0, 0.5) for r in INTEL_AVX512}) == 2
+
+
+def test_vdpbf16ps_kept_where_fma_does_not_win_clearly() -> None:
+    assert decide(ZEN4) == NEVER
+    assert decide({**INTEL_AVX512, 64: (1.0, 0.97)}) == NEVER  # within the margin at the top
+
+
+def test_forced_forms_and_a_clear_error() -> None:
+    assert parse_forced("dpbf16") == NEVER and parse_forced("FMA") == 1 and parse_forced("fma:24") == 24
+    for bad in ("amx", "fma:0", "fma:x", ""):
+        with pytest.raises(ValueError, match="dpbf16, fma or fma:ROWS"):
+            parse_forced(bad)
+
+
+def test_forced_choice_skips_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(gemm_tiles.ENV, "fma:8")
+    got: list[int] = []
+
+    def run(_x: object) -> None:
+        raise AssertionError("measured despite the override")
+
+    assert gemm_tiles.choose(got.append, run, 64) == 8 and got == [8]  # type: ignore[arg-type]
+
+
+def test_measure_times_both_kinds_and_leaves_fma_off() -> None:
+    calls: list[int] = []
+    timings = gemm_tiles.measure(calls.append, lambda x: None, 16, repeats=1)  # type: ignore[arg-type]
+    assert set(timings) == set(gemm_tiles.PROBE_ROWS) and calls[-1] == NEVER and {1, NEVER} <= set(calls)
