@@ -53,7 +53,9 @@ def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
         description="Times every linear path this CPU has (own GEMV/GEMM, oneDNN, torch) on the model's "
                     "bf16 weight shapes at each row bucket, prints the timings and the plan, and replaces "
                     "the cached plan that `pagoda serve` reads at start. PAGODA_LINEAR_COPIES=2 allows a "
-                    "second copy of a weight where it is faster; PAGODA_LINEAR_PLAN forces a plan.")
+                    "second copy of a weight where it is faster; PAGODA_LINEAR_PLAN forces a plan. On the "
+                    "avx512bf16 build it first times the GEMM's two tile kinds again (PAGODA_GEMM_TILE "
+                    "forces them).")
     p.add_argument("model", nargs="?", default="smollm2")
     p.set_defaults(func=_run_tune)
 
@@ -62,11 +64,16 @@ def _run_tune(args: argparse.Namespace) -> int:
     import torch
 
     from pagoda.engine_setup import plan_linears
+    from pagoda.layers import cpu_kernels
     from pagoda.models.loader import load_hf_config, load_model, resolve_model_path
 
     path = resolve_model_path(args.model)
     hf_config = load_hf_config(path)
     model = load_model(path, hf_config, torch.bfloat16, torch.device("cpu"), 16)
+    lib = cpu_kernels.library()
+    if lib is not None and lib.variant == "avx512bf16":
+        cpu_kernels.choose_gemm_tiles(lib, retune=True)
+        print(f"GEMM tiles: {cpu_kernels.gemm_tiles.describe(cpu_kernels.ops.GEMM_FMA_ROWS)}")
     plan = plan_linears(model, retune=True)
     if plan is None:
         print("no bf16 linear to plan (PAGODA_DISABLE_CPU_KERNELS set, or no such layer)", file=sys.stderr)

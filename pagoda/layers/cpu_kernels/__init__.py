@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pagoda.layers.cpu_kernels import gemm_tiles, ops
+from pagoda.layers.cpu_kernels import gemm_tiles, loader, ops
 from pagoda.layers.cpu_kernels.loader import KernelLibrary, load
 
 _library: KernelLibrary | None = None
@@ -32,10 +32,19 @@ def _adopt(lib: KernelLibrary | None) -> KernelLibrary | None:
     if lib is not None:
         lib.check_abi({"GemmWeight": ops.GemmWeight})
     ops.LIB = lib
-    if lib is not None and lib.variant == "avx512bf16":
-        probe = ops.PackedWeight((torch.randn(512, gemm_tiles.PROBE_K) * 0.05).to(torch.bfloat16))
-        gemm_tiles.choose(ops.set_gemm_fma_rows, lambda x: ops.gemm(x, probe), gemm_tiles.PROBE_K)
+    if lib is not None:
+        choose_gemm_tiles(lib)
     return lib
+
+
+def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
+    """The avx512bf16 build's GEMM tile kind by row count (gemm_tiles.py): cached, else measured."""
+    if lib.variant != "avx512bf16":
+        return
+    probe = ops.PackedWeight((torch.randn(512, gemm_tiles.PROBE_K) * 0.05).to(torch.bfloat16))
+    cache = gemm_tiles.cache_path([loader.cpu_model(), " ".join(sorted(loader.cpu_flags())), lib.path.stem,
+                                   str(torch.get_num_threads())])
+    gemm_tiles.choose(ops.set_gemm_fma_rows, lambda x: ops.gemm(x, probe), gemm_tiles.PROBE_K, cache, retune)
 
 
 def available() -> bool:
@@ -61,4 +70,4 @@ def takes(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and library() is not None
 
 
-__all__ = ["available", "computes_bf16", "library", "ops", "takes", "use_variant"]
+__all__ = ["available", "choose_gemm_tiles", "computes_bf16", "library", "ops", "takes", "use_variant"]
