@@ -65,3 +65,17 @@ def test_choice_cached_reused_and_remeasured_on_request(tmp_path, monkeypatch: p
     runs.clear()
     gemm_tiles.choose(set_rows.append, run, 16, cache, retune=True)  # type: ignore[arg-type]
     assert runs
+
+
+def test_loading_the_kernels_leaves_torchs_random_state_alone(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from pagoda.layers import cpu_kernels
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path))  # nothing cached: the probe measures
+    monkeypatch.delenv(gemm_tiles.ENV, raising=False)
+    torch.manual_seed(1)
+    want = torch.rand(4)
+    torch.manual_seed(1)
+    cpu_kernels.use_variant(None)
+    assert torch.equal(torch.rand(4), want)

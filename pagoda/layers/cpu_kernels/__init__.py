@@ -40,11 +40,19 @@ def _adopt(lib: KernelLibrary | None) -> KernelLibrary | None:
 def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
     """The avx512bf16 build's GEMM tile kind by row count (gemm_tiles.py): cached, else measured."""
     if lib.variant != "avx512bf16":
+        ops.GEMM_FMA_ROWS = gemm_tiles.NEVER  # one tile kind: nothing to choose, nothing in the plan's key
         return
-    probe = ops.PackedWeight((torch.randn(512, gemm_tiles.PROBE_K) * 0.05).to(torch.bfloat16))
+    probe: list[ops.PackedWeight] = []
+
+    def run(x: torch.Tensor) -> None:
+        if not probe:  # NOTE: its own generator: loading the kernels leaves torch's RNG alone
+            gen = torch.Generator().manual_seed(0)
+            probe.append(ops.PackedWeight((torch.randn(512, gemm_tiles.PROBE_K, generator=gen) * 0.05).to(torch.bfloat16)))
+        ops.gemm(x, probe[0])
+
     cache = gemm_tiles.cache_path([loader.cpu_model(), " ".join(sorted(loader.cpu_flags())), lib.path.stem,
                                    str(torch.get_num_threads())])
-    gemm_tiles.choose(ops.set_gemm_fma_rows, lambda x: ops.gemm(x, probe), gemm_tiles.PROBE_K, cache, retune)
+    gemm_tiles.choose(ops.set_gemm_fma_rows, run, gemm_tiles.PROBE_K, cache, retune)
 
 
 def available() -> bool:
