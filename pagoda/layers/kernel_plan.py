@@ -282,19 +282,17 @@ def plan_key(shapes: Iterable[tuple[Shape, int]], build: str, threads: int, copi
     threads, the shapes and how many weights of each, the storages allowed."""
     import torch
 
-    cpu = _cpu_identity()
+    from pagoda.layers.cpu_kernels import loader
+
+    cpu = loader.cpu_identity()
     text = json.dumps([FORMAT_VERSION, cpu, torch.__version__, build, threads, sorted(shapes), copies])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _cpu_identity() -> list[str]:
+def cache_dir() -> Path:
     from pagoda.layers.cpu_kernels import loader
 
-    return [loader.cpu_model(), " ".join(sorted(loader.cpu_flags()))]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "kernel_plans"
+    return loader.cache_root() / "kernel_plans"
 
 
 def load_cached(key: str) -> KernelPlan | None:

@@ -50,8 +50,7 @@ def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
             probe.append(ops.PackedWeight((torch.randn(512, gemm_tiles.PROBE_K, generator=gen) * 0.05).to(torch.bfloat16)))
         ops.gemm(x, probe[0])
 
-    cache = gemm_tiles.cache_path([loader.cpu_model(), " ".join(sorted(loader.cpu_flags())), lib.path.stem,
-                                   str(torch.get_num_threads())])
+    cache = gemm_tiles.cache_path([*loader.cpu_identity(), lib.path.stem, str(torch.get_num_threads())])
     gemm_tiles.choose(ops.set_gemm_fma_rows, run, gemm_tiles.PROBE_K, cache, retune)
 
 

@@ -109,8 +109,10 @@ def choose(set_rows: Callable[[int], int], run: Callable[[torch.Tensor], object]
 
 def cache_path(identity: list[str]) -> Path:
     """Where the choice for `identity` (CPU model and flags, kernel build, threads) is kept."""
+    from pagoda.layers.cpu_kernels import loader
+
     digest = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
-    return Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "gemm_tiles" / f"{digest}.json"
+    return loader.cache_root() / "gemm_tiles" / f"{digest}.json"
 
 
 def _read(path: Path) -> int | None:

@@ -159,8 +159,18 @@ class KernelLibrary:
         return self._cache_typed[(name, dtype, cache_dtype)]
 
 
+def cache_root() -> Path:
+    """pagoda's cache folder ($PAGODA_CACHE_DIR, else ~/.cache/pagoda): kernel builds, plans, choices."""
+    return Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda"))
+
+
+def cpu_identity() -> list[str]:
+    """The CPU model and all its flags: what a measured kernel choice is keyed by."""
+    return [cpu_model(), " ".join(sorted(cpu_flags()))]
+
+
 def _search_dirs() -> list[Path]:
-    cache = Path(os.environ.get("PAGODA_CACHE_DIR", Path.home() / ".cache" / "pagoda")) / "kernels"
+    cache = cache_root() / "kernels"
     return [build.default_build_dir(), cache]
 
 
