@@ -220,6 +220,41 @@ def test_chat_streams_and_the_panel_shows_the_running_request(
     assert not errors, errors
 
 
+# Delays every key-less /stats answer, so one is always in flight when the dialog is answered.
+SLOW_KEYLESS_STATS = """
+const realFetch = window.fetch.bind(window);
+window.fetch = async (path, options = {}) => {
+  const response = await realFetch(path, options);
+  const keyless = !(options.headers && options.headers.Authorization);
+  if (String(path).endsWith("/stats") && keyless) await new Promise((r) => setTimeout(r, 600));
+  return response;
+};
+"""
+
+
+def test_a_refusal_of_a_request_sent_before_the_key_does_not_ask_again(
+        driver: Any, keyed_server: ServerProcess) -> None:
+    """The panel refreshes while the dialog is open; a refusal that arrives after the key was
+    given belongs to the key-less request and must not reopen the (modal) dialog."""
+    from selenium.webdriver.common.by import By
+
+    script = driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument",
+                                    {"source": SLOW_KEYLESS_STATS})
+    try:
+        driver.get(f"{keyed_server.base_url}/?refresh=100")
+        driver.execute_script("sessionStorage.clear()")
+        driver.refresh()
+        unlock(driver, KEY)
+        wait_for(lambda: text_of(driver, "model") == "tiny-web", what="the model name")
+        time.sleep(1.5)  # the delayed key-less refusals land meanwhile
+        assert driver.find_element(By.ID, "key-dialog").get_attribute("open") is None
+        assert text_of(driver, "status") == "connected"
+    finally:
+        driver.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument",
+                               {"identifier": script["identifier"]})
+        driver.execute_script("sessionStorage.clear()")
+
+
 def screenshot(model: str, out: Path, prompts: list[str], max_tokens: int) -> None:
     """Serves `model`, asks `prompts` from the page and saves a screenshot to `out` while the
     last reply streams (so the panel shows it running)."""

@@ -29,10 +29,15 @@
   async function api(path, options = {}) {
     const headers = {};
     if (options.body !== undefined) headers["Content-Type"] = "application/json";
-    if (state.apiKey) headers["Authorization"] = "Bearer " + state.apiKey;
+    const sentKey = state.apiKey;
+    if (sentKey) headers["Authorization"] = "Bearer " + sentKey;
     const response = await fetch(path, { ...options, headers });
     if (response.status === 401) {
-      askForKey(state.apiKey ? "The server refused this key. Enter another:" : null);
+      // A request sent before the key changed (e.g. a panel refresh in flight while the
+      // dialog was answered) says nothing about the new key: ask again only if it used it.
+      if (sentKey === state.apiKey) {
+        askForKey(sentKey ? "The server refused this key. Enter another:" : null);
+      }
       throw new AuthError("an API key is needed");
     }
     return response;
