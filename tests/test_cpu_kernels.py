@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -118,14 +119,29 @@ def test_several_query_rows_causal_and_window(dtype: torch.dtype, window: int) -
     run_attention([9, 30, 17, 100], [1, 4, 17, 40], 16, 6, 2, 64, dtype, window)
 
 
+@pytest.fixture(params=["dpbf16", "fma"])
+def tile_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The GEMM's measured tile choice, which bf16 prefill attention follows: vdpbf16ps on bf16
+    pairs (Q.K and P.V) or fp32 FMAs; restored after. Other builds have FMAs only."""
+    before = ops.GEMM_FMA_ROWS
+    if request.param == "fma" and cpu_kernels.library().variant != "avx512bf16":
+        pytest.skip("only the avx512bf16 build has two tile kinds")
+    ops.set_gemm_fma_rows(1 if request.param == "fma" else 1 << 62)
+    yield request.param
+    ops.set_gemm_fma_rows(before)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 80), (16, 2, 128),
-                                                     (2, 2, 256)])
+                                                     (4, 2, 96), (2, 2, 256), (4, 4, 72)])
 @pytest.mark.parametrize("window", [0, 21])
-def test_prefill_chunks_over_cached_prefixes(heads: int, kv_heads: int, head_dim: int, window: int) -> None:
+def test_prefill_chunks_over_cached_prefixes(heads: int, kv_heads: int, head_dim: int, window: int,
+                                             tile_kind: str) -> None:
     # NOTE: tiles of 16+ query vectors (rows x GQA group) take the prefill path (scores as a
     # small GEMM, softmax down the lanes); decodes in the same call keep the decode path.
-    # Cached prefixes of 0-50 tokens end on, before and after block edges (block 16); chunks
-    # of 5-70 rows end mid-tile; head_dim 80 is not whole 16-lane chunks.
+    # Cached prefixes of 0-50 tokens end on, before and after block edges (block 16), so key
+    # tiles of odd length (a zero key pads the last bf16 pair); chunks of 5-70 rows end
+    # mid-tile; head_dim 80 and 96 are 4 + 1 and 4 + 2 chunks of 16 lanes, 72 not whole chunks
+    # (FMAs throughout).
     cached, chunk = [0, 15, 16, 17, 50, 9], [16, 70, 33, 5, 40, 1]
     lens = [c + n for c, n in zip(cached, chunk, strict=True)]
     run_attention(lens, chunk, 16, heads, kv_heads, head_dim, torch.bfloat16, window, seed=head_dim + window)

@@ -12,9 +12,11 @@
 // takes one KV head per item, so two cores share even a single sequence; a large batch takes
 // all KV heads per item, so that each item reads whole pool blocks.
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "gemm.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -87,19 +89,49 @@ inline float dot(const float* a, const float* b, int d) {
 }
 
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
-// bf16 q.k straight from storage: vdpbf16ps multiplies bf16 pairs exactly, sums in fp32.
-inline float dot_bf16(const bf16* a, const bf16* b, int d) {
-  __m512 acc = _mm512_setzero_ps();
+constexpr bool kNativeBf16Dot = true;
+
+// Lane j of the result = the sum of v[j]'s 16 lanes: four levels of shuffles and adds (45
+// instructions for 16 sums, against ~8 for each sum reduced alone).
+inline __m512 sum_each16(__m512 v[16]) {
+  __m512 t[8], u[4], x[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+#pragma GCC unroll 2
+  for (int i = 0; i < 2; ++i)
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+}
+
+// scale * (q . k[j]) for the n (<= 16) keys k[j] (row stride k_stride) into s[0..16): 16 bf16
+// dot products reduced together; lanes past n repeat key n - 1 (the caller masks them).
+// NOTE: always 16 keys, so that the sums stay in registers (a run-time count kept them on
+// the stack).
+inline void score_keys_bf16_row(const bf16* q, const bf16* k, int64_t k_stride, int n, int d, float scale,
+                                float* s) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   for (int i = 0; i < d; i += 32) {
     const __mmask32 m = d - i >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (d - i)) - 1u);
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, a + i),
-                           (__m512bh)_mm512_maskz_loadu_epi16(m, b + i));
+    const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      const bf16* kj = k + std::min(j, n - 1) * k_stride + i;
+      acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)_mm512_maskz_loadu_epi16(m, kj));
+    }
   }
-  return _mm512_reduce_add_ps(acc);
+  _mm512_storeu_ps(s, _mm512_mul_ps(sum_each16(acc), _mm512_set1_ps(scale)));
 }
-constexpr bool kNativeBf16Dot = true;
 #else
-inline float dot_bf16(const bf16*, const bf16*, int) { return 0.f; }
+inline void score_keys_bf16_row(const bf16*, const bf16*, int64_t, int, int, float, float*) { std::abort(); }
 constexpr bool kNativeBf16Dot = false;
 #endif
 
@@ -117,9 +149,10 @@ template <typename T, typename C>
 void score_tile(const Tile<T, C>& t, const AttnArgs& a, Scratch& w) {
   const int d = a.head_dim;
   if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && kNativeBf16Dot) {
+    static_assert(kKeyTile == 16);
     for (int r = 0; r < t.rows * t.group; ++r) {
       const bf16* qr = t.q + (r / t.group) * a.q_stride + (r % t.group) * d;
-      for (int j = 0; j < t.n; ++j) w.s[r * kKeyTile + j] = dot_bf16(qr, t.k + j * t.kv_stride, d) * a.scale;
+      score_keys_bf16_row(qr, t.k, t.kv_stride, t.n, d, a.scale, &w.s[r * kKeyTile]);
     }
   } else {
     for (int j = 0; j < t.n; ++j) widen_row(t.k + j * t.kv_stride, &w.kf[j * d], d);
@@ -154,22 +187,36 @@ inline void softmax_step(Scratch& w, int r, int d, int lo, int hi) {
 // registers (DC = 0: head_dim known only at run time). V rows come from `v` (row stride
 // v_stride): the tile widened to fp32 (w.vf), or, when one pass covers every row, the pool
 // itself, widened in registers as it is read.
-template <int DC, int RB, typename V>
-void accumulate_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int rows, int n, int d) {
+// NOTE: ROWS (<= RB) is a template argument: with a run-time row count the compiler kept x
+// on the stack, a store and a reload around every FMA (~2x a warm decode call on Zen 4).
+template <int DC, int ROWS, typename V>
+void accumulate_exact_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int n, int d) {
   constexpr int kMax = DC > 0 ? DC : kMaxHeadDim / kLanes;
   const int dc = DC > 0 ? DC : (d + kLanes - 1) / kLanes;
-  Vf x[RB][kMax];
-  for (int r = 0; r < rows; ++r)
+  Vf x[ROWS][kMax];
+  for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < dc; ++c) x[r][c] = load(&w.acc[(r0 + r) * d + c * kLanes], tail_mask(d - c * kLanes));
   for (int j = 0; j < n; ++j) {
     const V* vj = v + j * v_stride;
     for (int c = 0; c < dc; ++c) {
       const Vf vv = load(vj + c * kLanes, tail_mask(d - c * kLanes));
-      for (int r = 0; r < rows; ++r) x[r][c] = vfma(vset1(w.s[(r0 + r) * kKeyTile + j]), vv, x[r][c]);
+      for (int r = 0; r < ROWS; ++r) x[r][c] = vfma(vset1(w.s[(r0 + r) * kKeyTile + j]), vv, x[r][c]);
     }
   }
-  for (int r = 0; r < rows; ++r)
+  for (int r = 0; r < ROWS; ++r)
     for (int c = 0; c < dc; ++c) store(&w.acc[(r0 + r) * d + c * kLanes], x[r][c], tail_mask(d - c * kLanes));
+}
+
+template <int DC, int RB, typename V>
+void accumulate_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int rows, int n, int d) {
+  static_assert(RB >= 1 && RB <= 4);
+  switch (rows) {
+    case 1: accumulate_exact_rows<DC, 1>(w, v, v_stride, r0, n, d); break;
+    case 2: if constexpr (RB >= 2) accumulate_exact_rows<DC, 2>(w, v, v_stride, r0, n, d); break;
+    case 3: if constexpr (RB >= 3) accumulate_exact_rows<DC, 3>(w, v, v_stride, r0, n, d); break;
+    case 4: if constexpr (RB >= 4) accumulate_exact_rows<DC, 4>(w, v, v_stride, r0, n, d); break;
+    default: std::abort();
+  }
 }
 
 template <int DC>
@@ -289,6 +336,10 @@ void attend_item(const T* q, const C* k_cache, const C* v_cache, T* out, const A
 // (kKeyBlock keys x one 16-vector chunk in registers), with no horizontal reduction anywhere.
 // The running max starts finite (kFloor), so a row whose keys are all masked so far gets
 // exp(-inf - kFloor) = 0, never NaN. A decode tile (few vectors) keeps attend_item.
+// bf16 (q and pool) on the avx512bf16 build, where vdpbf16ps wins the GEMM's measured tile
+// choice: Q.K on bf16 pairs read from the pool (exact products), P rounded to bf16 as torch's
+// CPU flash attention does and P.V on key pairs; twice the products an instruction
+// (1.2-1.3x on a 2,000-token prompt's attention on Zen 4, docs/performance.md).
 constexpr int kBlockMinVectors = 16;
 constexpr int kKeyBlock = 4;
 constexpr int kAccRows = 4;
@@ -296,10 +347,19 @@ constexpr float kFloor = -1e30f;
 
 struct BlockScratch {
   std::vector<float> qt, kf, vf, st, m, l, acc;
+  // bf16 pairs for vdpbf16ps: query vectors qp[(i / 2) * 2 r16 + 2 r + i % 2]; a tile's values
+  // vp[(j / 2) * 2 d + 2 i + j % 2] and probabilities pp[(j / 2) * 2 r16 + 2 r + j % 2].
+  std::vector<bf16> qp, vp, pp;
   int r16 = 0;
-  void reset(int vectors, int d) {
+  void reset(int vectors, int d, bool pairs) {
     r16 = (vectors + kLanes - 1) / kLanes * kLanes;
-    qt.assign(size_t(d) * r16, 0.f);
+    if (pairs) {
+      qp.assign(size_t(d) * r16, bf16{0});
+      vp.resize(size_t(kKeyTile) * d);
+      pp.resize(size_t(kKeyTile) * r16);
+    } else {
+      qt.assign(size_t(d) * r16, 0.f);
+    }
     kf.resize(size_t(kKeyTile) * d);
     vf.resize(size_t(kKeyTile) * d);
     st.resize(size_t(kKeyTile) * r16);
@@ -321,6 +381,111 @@ inline void score_keys(BlockScratch& w, int d, int j0, int c) {
   }
   for (int jj = 0; jj < KB; ++jj) store(&w.st[size_t(j0 + jj) * w.r16 + c], s[jj]);
 }
+
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+// As score_keys, on bf16 pairs: query chunk c (qp) against keys [j0, j0 + KB) read from the
+// pool, products exact and sums in fp32 (twice the FMAs' products an instruction where
+// vdpbf16ps issues as fast as an FMA: Zen 4; not on the Intel of docs/performance.md).
+template <int KB>
+inline void score_keys_bf16(BlockScratch& w, const bf16* k, int64_t kv_stride, int d, int j0, int c, float scale) {
+  __m512 s[KB];
+  for (int jj = 0; jj < KB; ++jj) s[jj] = _mm512_setzero_ps();
+  const bf16* q = &w.qp[size_t(c) * 2];
+  for (int i = 0; i < d; i += 2) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + size_t(i) * w.r16);
+    for (int jj = 0; jj < KB; ++jj) {
+      int32_t pair;
+      std::memcpy(&pair, k + (j0 + jj) * kv_stride + i, sizeof pair);
+      s[jj] = _mm512_dpbf16_ps(s[jj], qv, (__m512bh)_mm512_set1_epi32(pair));
+    }
+  }
+  for (int jj = 0; jj < KB; ++jj)
+    _mm512_storeu_ps(&w.st[size_t(j0 + jj) * w.r16 + c], _mm512_mul_ps(s[jj], _mm512_set1_ps(scale)));
+}
+
+void score_tile_bf16(BlockScratch& w, const bf16* k, int64_t kv_stride, int d, int n, float scale) {
+  for (int c = 0; c < w.r16; c += kLanes) {
+    int j = 0;
+    for (; j + kKeyBlock <= n; j += kKeyBlock) score_keys_bf16<kKeyBlock>(w, k, kv_stride, d, j, c, scale);
+    for (; j < n; ++j) score_keys_bf16<1>(w, k, kv_stride, d, j, c, scale);
+  }
+}
+
+// The tile's values as key pairs (vp), a zero row after an odd last key.
+void pair_values(BlockScratch& w, const bf16* v, int64_t kv_stride, int d, int n) {
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int j = 0; j < n; j += 2) {
+    bf16* dst = &w.vp[size_t(j) * d];
+    for (int i = 0; i < d; i += 32) {
+      const __mmask32 m = d - i >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (d - i)) - 1u);
+      const __m512i a = _mm512_maskz_loadu_epi16(m, v + j * kv_stride + i);
+      const __m512i b = j + 1 < n ? _mm512_maskz_loadu_epi16(m, v + (j + 1) * kv_stride + i) : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi16(a, lo, b));
+      if (d - i > 16) _mm512_storeu_si512(dst + 2 * i + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// The tile's probabilities (st, fp32) rounded to bf16 key pairs (pp), as torch's CPU flash
+// attention rounds them for its bf16 product with V.
+void pair_probabilities(BlockScratch& w, int n) {
+  alignas(64) static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kPairs);
+  for (int j = 0; j < n; j += 2) {
+    for (int c = 0; c < w.r16; c += kLanes) {
+      const __m512 a = _mm512_loadu_ps(&w.st[size_t(j) * w.r16 + c]);
+      const __m512 b = j + 1 < n ? _mm512_loadu_ps(&w.st[size_t(j + 1) * w.r16 + c]) : _mm512_setzero_ps();
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in the low half
+      _mm512_storeu_si512(&w.pp[size_t(j) * w.r16 + 2 * c], _mm512_permutexvar_epi16(order, both));
+    }
+  }
+}
+
+// acc[r][c0..c0 + 16 DC) = acc * corr[r] + sum over key pairs of p . v, RB rows from r0.
+template <int DC, int RB>
+void accumulate_rows_bf16(BlockScratch& w, const float* corr, int r0, int n, int d, int c0) {
+  __m512 x[RB][DC];
+  for (int r = 0; r < RB; ++r) {
+    const __m512 f = _mm512_set1_ps(corr[r0 + r]);
+    for (int c = 0; c < DC; ++c) x[r][c] = _mm512_mul_ps(_mm512_loadu_ps(&w.acc[size_t(r0 + r) * d + c0 + c * kLanes]), f);
+  }
+  for (int j = 0; j < n; j += 2) {
+    __m512bh vv[DC];
+    for (int c = 0; c < DC; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(&w.vp[size_t(j) * d + 2 * (c0 + c * kLanes)]);
+    const bf16* p = &w.pp[size_t(j) * w.r16 + 2 * r0];
+    for (int r = 0; r < RB; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, p + 2 * r, sizeof pair);
+      const __m512bh pb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < DC; ++c) x[r][c] = _mm512_dpbf16_ps(x[r][c], vv[c], pb);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(&w.acc[size_t(r0 + r) * d + c0 + c * kLanes], x[r][c]);
+}
+
+template <int DC>
+void accumulate_chunks_bf16(BlockScratch& w, const float* corr, int vectors, int n, int d, int c0) {
+  int r0 = 0;
+  for (; r0 + 4 <= vectors; r0 += 4) accumulate_rows_bf16<DC, 4>(w, corr, r0, n, d, c0);
+  for (; r0 < vectors; ++r0) accumulate_rows_bf16<DC, 1>(w, corr, r0, n, d, c0);
+}
+
+// head_dim a whole number of 16-lane chunks, four a pass.
+void accumulate_block_bf16(BlockScratch& w, const float* corr, int vectors, int n, int d) {
+  int c = 0;
+  for (; c + 4 * kLanes <= d; c += 4 * kLanes) accumulate_chunks_bf16<4>(w, corr, vectors, n, d, c);
+  for (; c < d; c += kLanes) accumulate_chunks_bf16<1>(w, corr, vectors, n, d, c);
+}
+#else
+void score_tile_bf16(BlockScratch&, const bf16*, int64_t, int, int, float) { std::abort(); }
+void pair_values(BlockScratch&, const bf16*, int64_t, int, int) { std::abort(); }
+void pair_probabilities(BlockScratch&, int) { std::abort(); }
+void accumulate_block_bf16(BlockScratch&, const float*, int, int, int) { std::abort(); }
+#endif
 
 // Masks (to -inf) the scores a row may not see: only tiles on the causal diagonal or the
 // window's edge have any.
@@ -384,8 +549,19 @@ void accumulate_block(BlockScratch& w, const float* corr, int vectors, int n, in
 
 template <typename C>
 void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_stride, const AttnArgs& a, int rows,
-                       int group, int n, int64_t key0, int64_t pos0, float* corr) {
+                       int group, int n, int64_t key0, int64_t pos0, float* corr, bool pairs) {
   const int d = a.head_dim;
+  if constexpr (std::is_same_v<C, bf16>) {
+    if (pairs) {
+      score_tile_bf16(w, k, kv_stride, d, n, a.scale);
+      mask_block(w, rows, group, n, key0, pos0, a.window);
+      softmax_block(w, n, corr);
+      pair_values(w, v, kv_stride, d, n);
+      pair_probabilities(w, n);
+      accumulate_block_bf16(w, corr, rows * group, n, d);
+      return;
+    }
+  }
   for (int j = 0; j < n; ++j) {
     widen_row(k + j * kv_stride, &w.kf[size_t(j) * d], d);
     widen_row(v + j * kv_stride, &w.vf[size_t(j) * d], d);
@@ -418,18 +594,28 @@ void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, c
   thread_local std::vector<KeyTile> tiles;
   thread_local std::vector<float> corr;
   list_tiles(a, seq, a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0, pos0 + rows, tiles);
+  // NOTE: scored on bf16 pairs where vdpbf16ps wins this CPU's GEMM at this many rows (the
+  // measured choice of gemm_tiles.py); exact products either way, only the sums' order differs.
+  const bool pairs = kNativeBf16Dot && std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && d % kLanes == 0 &&
+                     bf16_dot_wins(vectors);
   for (int h = h0; h < h0 + nh; ++h) {
-    w.reset(vectors, d);
+    w.reset(vectors, d, pairs);
     corr.resize(w.r16);
     const T* q_rows = q + (q_begin + row0) * a.q_stride + int64_t(h) * group * d;
     for (int r = 0; r < vectors; ++r) {
       const T* src = q_rows + (r / group) * a.q_stride + (r % group) * d;
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (pairs) {
+          for (int i = 0; i < d; ++i) w.qp[size_t(i / 2) * 2 * w.r16 + 2 * r + (i & 1)] = src[i];
+          continue;
+        }
+      }
       for (int i = 0; i < d; ++i) w.qt[size_t(i) * w.r16 + r] = to_float(src[i]) * a.scale;
     }
     for (const KeyTile& t : tiles) {
       const int64_t offset = t.offset + int64_t(h) * d;
       attend_block_tile(w, k_cache + offset, v_cache + offset, kv_stride, a, rows, group, t.n, t.key0, pos0,
-                        corr.data());
+                        corr.data(), pairs);
     }
     T* out_rows = out + (q_begin + row0) * a.out_stride + int64_t(h) * group * d;
     for (int r = 0; r < vectors; ++r) {

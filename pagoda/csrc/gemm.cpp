@@ -936,6 +936,8 @@ void gemm_pack(const bf16* w, int64_t w_stride, bf16* packed, int64_t N, int64_t
   }
 }
 
+bool bf16_dot_wins(int64_t rows) { return rows < g_fma_rows.load(std::memory_order_relaxed); }
+
 }  // namespace pagoda
 
 extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }

@@ -19,6 +19,10 @@ struct GemmWeight {
   int64_t n, k;
 };
 
+// Whether vdpbf16ps tiles beat fp32 FMAs on this CPU for a product of `rows` rows: the GEMM's
+// measured choice (`pagoda_gemm_set_fma_rows`), which prefill attention follows too.
+bool bf16_dot_wins(int64_t rows);
+
 }  // namespace pagoda
 
 // qgemv.cpp's product over row records (format 0 int4, 1 int8), which the records kinds call.
