@@ -173,7 +173,8 @@ inline void softmax_step(Scratch& w, int r, int d, int lo, int hi) {
   const Vf sv = select(keep, load(srow), kNegInf);
   const float m_new = std::max(w.m[r], reduce_max(sv));
   const Vf p = select(keep, vexp(sv - vset1(m_new)), 0.f);
-  const float corr = std::exp(w.m[r] - m_new);
+  // NOTE: the max seldom moves after the first tiles; exp(0) skipped (a libm call a row and tile).
+  const float corr = m_new == w.m[r] ? 1.f : std::exp(w.m[r] - m_new);
   w.l[r] = w.l[r] * corr + reduce_add(p);
   w.m[r] = m_new;
   store(srow, p);
