@@ -595,8 +595,8 @@ void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, c
   thread_local std::vector<KeyTile> tiles;
   thread_local std::vector<float> corr;
   list_tiles(a, seq, a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0, pos0 + rows, tiles);
-  // NOTE: scored on bf16 pairs where vdpbf16ps wins this CPU's GEMM at this many rows (the
-  // measured choice of gemm_tiles.py); exact products either way, only the sums' order differs.
+  // NOTE: on bf16 pairs where vdpbf16ps wins this CPU's GEMM at this many rows (the measured
+  // choice of gemm_tiles.py): Q.K exact either way; P.V then takes P rounded to bf16.
   const bool pairs = kNativeBf16Dot && std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && d % kLanes == 0 &&
                      bf16_dot_wins(vectors);
   for (int h = h0; h < h0 + nh; ++h) {
