@@ -48,7 +48,6 @@ def dequantized(scheme: str, packed: torch.Tensor, k: int, group_size: int) -> t
 CASES = [  # scheme, n, k, group size
     ("int4", 48, 64, 32), ("int4", 100, 576, 32), ("int4", 37, 1536, 64), ("int4", 64, 512, 128),
     ("int8", 48, 64, 64), ("int8", 100, 576, 576), ("int8", 37, 1536, 32), ("int8", 17, 96, 32),
-    ("int8", 24, 192, 64),  # groups of 64: the groups-of-32 loop with one scale for two of them
     ("int8", 40, 640, 16),  # GGUF's Q6_K: groups of 16 (x as it is: no int8 rounding by 32)
 ]
 

@@ -206,41 +206,13 @@ void int4_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out
   }
 }
 
-// Groups of 32 (GGUF Q8_0, Q5_0/Q5_1/Q5_K as int8): a group's 32 products summed as one
-// vector t (a multiply and an FMA), then acc += t * d_g, alternating two accumulators a row so
-// that no FMA waits on the previous group's. Three vector operations a group and row where the
-// scale-each-half loop below takes four: the 262144 x 640 LM head of Gemma 3 in 9.5-11.3 ms
-// against 12.9-16.0 (two threads, one row, Zen 4).
-template <int M>
-void int8_rows_g32(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
-    const auto* d = reinterpret_cast<const float*>(q + a.K);
-    __m512 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    for (int64_t k = 0, g = 0; k < a.K; k += 32, ++g) {
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
-      const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k + 16))));
-      const __m512 dg = _mm512_set1_ps(d[k / a.gs]);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const float* xm = x.xf + m * a.K + k;
-        const __m512 t = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xm)));
-        acc[m][g & 1] = _mm512_fmadd_ps(t, dg, acc[m][g & 1]);
-      }
-    }
-    for (int m = 0; m < M; ++m) out[m * a.N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
-  }
-}
-
 // NOTE: the weights are widened to fp32 16 at a time; with one scale a row they are scaled
-// once at the end, with groups of 16 (GGUF Q6_K) each widened vector is multiplied by its
-// group's scale before the FMA (a per-group sum then a multiply-add, with one accumulator,
-// ran 1.6x slower on the 49152 x 576 LM head). Two accumulators a row.
+// once at the end, with group scales (GGUF Q8_0) each widened vector is multiplied by its
+// group's scale before the FMA, so no group keeps a dependency chain of its own (a per-group
+// sum then a multiply-add ran 1.6x slower on the 49152 x 576 LM head). Two accumulators a row.
 template <int M>
 void int8_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
   const bool grouped = a.G > 1;
-  if (grouped && a.gs % 32 == 0) return int8_rows_g32<M>(a, x, n0, n1, out);
   for (int64_t n = n0; n < n1; ++n) {
     const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
     const auto* d = reinterpret_cast<const float*>(q + a.K);
