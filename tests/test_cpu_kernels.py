@@ -321,23 +321,30 @@ def test_gemm_over_x_too_big_to_widen_at_once() -> None:
     assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
 
 
-@pytest.fixture
-def fma_tiles():
-    """The bf16 GEMM on its FMA tiles from one row (the avx512bf16 build), the load-time choice
-    restored after."""
-    before = ops.GEMM_FMA_ROWS
+@pytest.fixture(params=["dpbf16", "fma", "amx"])
+def gemm_tile_kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The bf16 GEMM on one tile kind from one row, the load-time choice restored after: the
+    avx512bf16 build's vdpbf16ps and fp32 FMA tiles, and AMX tiles where the CPU has them."""
+    fma_before, amx_before = ops.GEMM_FMA_ROWS, ops.GEMM_AMX_ROWS
     if not cpu_kernels.available() or cpu_kernels.library().variant != "avx512bf16":
-        pytest.skip("only the avx512bf16 build has two tile kinds")
-    ops.set_gemm_fma_rows(1)
-    yield
-    ops.set_gemm_fma_rows(before)
+        pytest.skip("only the avx512bf16 build has several tile kinds")
+    ops.set_gemm_fma_rows(1 if request.param == "fma" else 1 << 62)
+    if not ops.set_gemm_amx_rows(1 if request.param == "amx" else 1 << 62) and request.param == "amx":
+        pytest.skip("this CPU has no AMX tiles (amx_bf16), or Linux refused the tile data")
+    yield request.param
+    ops.set_gemm_fma_rows(fma_before)
+    ops.set_gemm_amx_rows(amx_before)
 
 
-def test_gemm_on_fma_tiles_matches_fp32_linear(fma_tiles: None) -> None:
+def test_gemm_on_each_tile_kind_matches_fp32_linear(gemm_tile_kind: str) -> None:
     # NOTE: one tile (1-12 rows, with and without prefetch), several tiles over K chunks, wide
-    # tiles (96+), odd K, partial panels, NaN past each row's K (gemm_case), strided rows.
+    # tiles (96+), odd K, partial panels, NaN past each row's K (gemm_case), strided rows. AMX:
+    # one row tile (1-16 rows), two (17-32), several blocks with a short last one (33, 101),
+    # passes of 768 rows (800); K not a multiple of 32 keeps the vector tiles.
     for m, n, k, bias in [(1, 960, 576, False), (5, 77, 129, True), (6, 576, 1536, True), (12, 40, 70, False),
-                          (13, 33, 1, True), (64, 960, 576, True), (101, 77, 129, False), (800, 48, 40, True)]:
+                          (13, 33, 1, True), (16, 64, 64, False), (17, 100, 96, True), (32, 33, 32, False),
+                          (33, 960, 576, True), (64, 960, 576, True), (101, 77, 129, False), (101, 77, 160, True),
+                          (800, 48, 40, True), (800, 40, 64, False)]:
         x, w, b, want = gemm_case(m, n, k, bias, seed=m * 7 + n + k)
         assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
 

@@ -5,11 +5,21 @@ from __future__ import annotations
 import pytest
 
 from pagoda.layers.cpu_kernels import gemm_tiles
-from pagoda.layers.cpu_kernels.gemm_tiles import NEVER, decide, parse_forced
+from pagoda.layers.cpu_kernels.gemm_tiles import (
+    NEVER,
+    TileChoice,
+    decide,
+    decide_amx,
+    describe,
+    parse_forced,
+)
 
 # rows -> (vdpbf16ps seconds, FMA seconds), shaped like the CPUs seen
 INTEL_AVX512 = {4: (1.0, 0.96), 8: (1.0, 1.01), 16: (1.0, 0.94), 64: (1.0, 0.86)}
 ZEN4 = {4: (1.0, 1.5), 8: (1.0, 1.3), 16: (1.0, 1.4), 64: (1.0, 1.7)}
+# rows -> (vdpbf16ps, FMA, AMX seconds): the Intel Xeon with AMX seen on 2026-12-03 (its probe's ratios)
+INTEL_AMX = {1: (1.0, 1.22, 0.94), 2: (1.0, 1.04, 0.78), 4: (1.0, 0.92, 0.53), 8: (1.0, 0.86, 0.35),
+             16: (1.0, 0.88, 0.24), 64: (1.0, 1.0, 0.2)}
 
 
 def test_fma_from_the_smallest_count_that_wins_onwards() -> None:
@@ -23,40 +33,61 @@ def test_vdpbf16ps_kept_where_fma_does_not_win_clearly() -> None:
     assert decide({**INTEL_AVX512, 64: (1.0, 0.97)}) == NEVER  # within the margin at the top
 
 
+def test_amx_from_the_smallest_count_that_beats_both_vector_tiles() -> None:
+    assert decide_amx(INTEL_AMX) == TileChoice(NEVER, 1)
+    slow_start = {**INTEL_AMX, 1: (1.0, 1.2, 1.3), 2: (1.0, 0.9, 0.88)}  # 2 rows: AMX within the margin of FMA
+    assert decide_amx(slow_start) == TileChoice(amx_rows=4, fma_rows=2)  # FMA decided over 1-2 rows only
+    assert decide_amx({**INTEL_AMX, 64: (1.0, 0.5, 0.49)}) == TileChoice(fma_rows=4)  # AMX loses at the top
+
+
+def test_the_choice_described_as_the_kernel_runs_it() -> None:
+    assert describe(TileChoice()) == "vdpbf16ps at every row count"
+    assert describe(TileChoice(amx_rows=1)) == "AMX tiles at every row count"
+    assert describe(TileChoice(8, 32)) == "vdpbf16ps up to 7 rows, fp32 FMAs 8-31 rows, AMX tiles from 32"
+    assert describe(TileChoice(64, 16)) == "vdpbf16ps up to 15 rows, AMX tiles from 16"  # AMX is taken first
+
+
 def test_forced_forms_and_a_clear_error() -> None:
-    assert parse_forced("dpbf16") == NEVER and parse_forced("FMA") == 1 and parse_forced("fma:24") == 24
-    for bad in ("amx", "fma:0", "fma:x", ""):
-        with pytest.raises(ValueError, match="dpbf16, fma or fma:ROWS"):
+    assert parse_forced("dpbf16") == TileChoice() and parse_forced("FMA") == TileChoice(fma_rows=1)
+    assert parse_forced("fma:24") == TileChoice(fma_rows=24) and parse_forced("amx:4") == TileChoice(amx_rows=4)
+    assert parse_forced("amx") == TileChoice(amx_rows=1)
+    for bad in ("amx:0", "fma:0", "fma:x", "dpbf16:3", "tiles", ""):
+        with pytest.raises(ValueError, match="dpbf16, fma, fma:ROWS, amx or amx:ROWS"):
             parse_forced(bad)
 
 
 def test_forced_choice_skips_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(gemm_tiles.ENV, "fma:8")
-    got: list[int] = []
+    got: list[TileChoice] = []
 
     def run(_x: object) -> None:
         raise AssertionError("measured despite the override")
 
-    assert gemm_tiles.choose(got.append, run, 64) == 8 and got == [8]  # type: ignore[arg-type]
+    assert gemm_tiles.choose(got.append, run, 64) == TileChoice(fma_rows=8) and got == [TileChoice(fma_rows=8)]
 
 
-def test_measure_times_both_kinds_and_leaves_fma_off() -> None:
-    calls: list[int] = []
+def test_measure_times_each_kind_and_leaves_vdpbf16ps_on() -> None:
+    calls: list[TileChoice] = []
     timings = gemm_tiles.measure(calls.append, lambda x: None, 16, repeats=1)  # type: ignore[arg-type]
-    assert set(timings) == set(gemm_tiles.PROBE_ROWS) and calls[-1] == NEVER and {1, NEVER} <= set(calls)
+    assert set(timings) == set(gemm_tiles.PROBE_ROWS) and calls[-1] == TileChoice()
+    assert set(calls) == {TileChoice(), TileChoice(fma_rows=1)} and all(len(t) == 2 for t in timings.values())
+    calls.clear()
+    timings = gemm_tiles.measure(calls.append, lambda x: None, 16, repeats=1, amx=True)  # type: ignore[arg-type]
+    assert set(timings) == set(gemm_tiles.AMX_PROBE_ROWS) and TileChoice(amx_rows=1) in calls
+    assert calls[-1] == TileChoice() and all(len(t) == 3 for t in timings.values())
 
 
 def test_choice_cached_reused_and_remeasured_on_request(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gemm_tiles.ENV, raising=False)
     cache = tmp_path / "tiles.json"
     runs: list[int] = []
-    set_rows: list[int] = []
+    set_rows: list[TileChoice] = []
 
     def run(x) -> None:  # noqa: ANN001
         runs.append(x.shape[0])
 
-    first = gemm_tiles.choose(set_rows.append, run, 16, cache)  # type: ignore[arg-type]
-    assert runs and cache.exists() and set_rows[-1] == first
+    first = gemm_tiles.choose(set_rows.append, run, 16, cache, amx=True)  # type: ignore[arg-type]
+    assert runs and cache.exists() and set_rows[-1] == first and 1 in runs  # AMX probed from one row
     runs.clear()
     assert gemm_tiles.choose(set_rows.append, run, 16, cache) == first and not runs  # type: ignore[arg-type]
     cache.write_text("{not json")

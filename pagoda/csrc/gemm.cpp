@@ -56,6 +56,13 @@
 #include <utility>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "gemm.h"
 #include "parallel.h"
 #include "vec.h"
@@ -759,9 +766,135 @@ void all_passes(const bf16* x, int64_t xs, const float* scales, const bf16* bias
     run_pass(Problem{x + m0 * xs, xs, scales, bias, y + m0 * ys, ys, std::min(kMaxRowsPerPass, M - m0), N, K});
 }
 
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
+// ---------------------------------------------------------------- bf16 on AMX tiles
+//
+// CPUs with AMX (Sapphire Rapids and later) multiply the same bf16 panels on their tile units:
+// a B tile is 16 k-pairs of one 16-column block (the panel's k-pair rows, 128 bytes apart: the
+// layout above is already the pairs-interleaved one tdpbf16ps takes), an A tile 16 rows of x over
+// those 32 k's, read in place. A block of up to 32 rows x one panel keeps its 2 x 2 sums tiles
+// (16 x 16 fp32 each) through all of K, then leaves them in the sums buffer for `emit`. Threads
+// split the panels; within a panel the row blocks follow one another, so a panel read from
+// memory once serves every row (it stays in L2). Compiled for the AMX instructions function by
+// function (the build's flags stay AVX-512's) and run only where the CPU has AMX-BF16 and Linux
+// grants the tile data (`amx_usable`), from the row count measured at load
+// (`pagoda_gemm_set_amx_rows`). K a multiple of 32 (every model seen; others keep the vector tiles).
+
+constexpr int kAmxPairs = 16;      // k-pairs per tile step: a B tile's 16 rows
+constexpr int kAmxBlockRows = 32;  // rows per block: two A tiles
+std::atomic<int64_t> g_amx_rows{int64_t{1} << 62};
+
+// The 64-byte tile configuration (palette 1) that ldtilecfg reads.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums of row tile a (0, 1) x block b (0, 1) at 2a + b; 4, 5: x's row tiles; 6, 7: the
+// panel's blocks. rows1 == 0 leaves row tile 1 unconfigured.
+__attribute__((target("amx-tile"))) void configure_tiles(int rows0, int rows1) {
+  TileConfig c;
+  const int rows[2] = {rows0, rows1};
+  for (int a = 0; a < 2; ++a) {
+    const uint16_t bytes = rows[a] ? 64 : 0;
+    for (int t : {2 * a, 2 * a + 1, 4 + a}) {
+      c.rows[t] = static_cast<uint8_t>(rows[a]);
+      c.colsb[t] = bytes;
+    }
+    c.rows[6 + a] = kAmxPairs;
+    c.colsb[6 + a] = 64;
+  }
+  // NOTE: GCC 12 at -O3 dropped the stores above (nothing it knows of reads `c`): the
+  // barrier makes them land before ldtilecfg reads them.
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// x's rows [0, 16 or 32) (stride xs elements) x the panel at w over all k-pairs; the sums at
+// sums[m * kSumsRow + c].
+template <bool kTwoRowTiles>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64_t xs, const bf16* w, int64_t pairs,
+                                                            float* sums) {
+  constexpr int64_t kPairBytes = kPanelPair * 2;
+  const int64_t x_bytes = xs * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kTwoRowTiles) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
+    const bf16* wp = w + p * kPanelPair;
+    _tile_loadd(6, wp, kPairBytes);
+    _tile_loadd(7, wp + 2 * kBlock, kPairBytes);
+    _tile_loadd(4, x + 2 * p, x_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kTwoRowTiles) {
+      _tile_loadd(5, x + 16 * xs + 2 * p, x_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t kSumsBytes = kSumsRow * 4;
+  _tile_stored(0, sums, kSumsBytes);
+  _tile_stored(1, sums + kBlock, kSumsBytes);
+  if constexpr (kTwoRowTiles) {
+    _tile_stored(2, sums + 16 * kSumsRow, kSumsBytes);
+    _tile_stored(3, sums + 16 * kSumsRow + kBlock, kSumsBytes);
+  }
+}
+
+__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
+
+void amx_pass(const Problem& P, const bf16* packed) {
+  const int64_t pairs = num_pairs(P.K), panels = padded_cols(P.N) / kPanel;
+  parallel_ranges(panels, 1, [&](int64_t i0, int64_t i1) {
+    alignas(64) static thread_local float sums[kAmxBlockRows * kSumsRow];
+    int configured = 0;  // rows the tiles are configured for (ldtilecfg per call: other code shares the thread)
+    for (int64_t i = i0; i < i1; ++i) {
+      const bf16* w = packed + i * kPanel * 2 * pairs;
+      for (int64_t m0 = 0; m0 < P.M; m0 += kAmxBlockRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kAmxBlockRows, P.M - m0));
+        if (rows != configured) configure_tiles(std::min(rows, 16), std::max(rows - 16, 0));
+        configured = rows;
+        if (rows > 16)
+          amx_block<true>(P.x + m0 * P.xs, P.xs, w, pairs, sums);
+        else
+          amx_block<false>(P.x + m0 * P.xs, P.xs, w, pairs, sums);
+        emit(P, sums, m0, rows, i * kPanel, kPanel);
+      }
+    }
+    release_tiles();
+  });
+}
+
+// Whether this CPU has AMX-BF16 and Linux lets this process use the tile data (asked once).
+bool amx_usable() {
+  static const bool usable = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    constexpr unsigned kAmxBf16 = 1u << 22, kAmxTile = 1u << 24;
+    if ((d & (kAmxBf16 | kAmxTile)) != (kAmxBf16 | kAmxTile)) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+bool takes_amx(const Problem& P) {
+  return P.M >= g_amx_rows.load(std::memory_order_relaxed) && P.K % (2 * kAmxPairs) == 0 && amx_usable();
+}
+#endif
+
 void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16* y, int64_t ys, int64_t M, int64_t N,
           int64_t K) {
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
+    if (takes_amx(P)) return amx_pass(P, packed);
+#endif
     gemm_pass(P, [&](bf16*) { return Bf16Panels{packed, num_pairs(K)}; });
   });
 }
@@ -947,6 +1080,19 @@ extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }
 extern "C" int64_t pagoda_gemm_set_fma_rows(int64_t rows) {
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
   pagoda::g_fma_rows.store(rows, std::memory_order_relaxed);
+  return 1;
+#else
+  (void)rows;
+  return 0;
+#endif
+}
+
+// Steps of at least `rows` rows multiply bf16 panels on AMX tiles (where K is a multiple of 32);
+// returns whether this CPU and build have them (AMX-BF16, tile data granted by Linux).
+extern "C" int64_t pagoda_gemm_set_amx_rows(int64_t rows) {
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
+  if (!pagoda::amx_usable()) return 0;
+  pagoda::g_amx_rows.store(rows, std::memory_order_relaxed);
   return 1;
 #else
   (void)rows;

@@ -6,7 +6,8 @@ the paths interleaved pass by pass.
 Usage: python gemm_stream.py [--paths gemm,onednn,gemv] M [M ...]
 Env: TT torch threads (2; oneDNN's), KT kernel threads (2). The runner gives oneDNN one thread
 below 12 rows (SMALL_STEP_TOKENS), which "onednn1" reproduces; "gemm1" runs the GEMM on one
-kernel thread (the GEMV always uses half the kernel threads).
+kernel thread (the GEMV always uses half the kernel threads); "amx" the GEMM on its AMX tiles at
+every row count (CPUs with AMX), "gemm" on the tiles measured at load.
 """
 import os, time, statistics, sys
 import torch
@@ -25,21 +26,24 @@ layers = [[(torch.randn(N, K) * 0.05).to(torch.bfloat16) for N, K in shapes] for
 layers.append([(torch.randn(V, H) * 0.05).to(torch.bfloat16)])
 shapes_of = lambda ws: [tuple(w.shape) for w in ws]
 packed = {}
-if "gemm" in paths or "gemm1" in paths: packed["gemm"] = [[ops.PackedWeight(w) for w in ws] for ws in layers]
+if any(p in paths for p in ("gemm", "gemm1", "amx")): packed["gemm"] = [[ops.PackedWeight(w) for w in ws] for ws in layers]
 if any(p.startswith("onednn") for p in paths):
     packed["onednn"] = [[torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws] for ws in layers]
 def run(M, kind):
     xs = {K: torch.randn(M, K).to(torch.bfloat16) for K in (H, I)}
     if kind == "onednn1": torch.set_num_threads(1)
     if kind == "gemm1": ops.set_num_threads(1)
+    amx_rows = ops.GEMM_AMX_ROWS
+    if kind == "amx" and not ops.set_gemm_amx_rows(1): sys.exit("amx: this CPU has no AMX tiles")
     t = time.perf_counter()
     for li, ws in enumerate(layers):
         for j, w in enumerate(ws):
             x = xs[w.shape[1]]
-            if kind.startswith("gemm"): ops.gemm(x, packed["gemm"][li][j])
+            if kind.startswith("gemm") or kind == "amx": ops.gemm(x, packed["gemm"][li][j])
             elif kind == "gemv": ops.gemv(x, w)
             else: torch.ops.mkldnn._linear_pointwise(x, packed["onednn"][li][j], None, "none", [], "")
     dt = time.perf_counter() - t
+    if kind == "amx": ops.set_gemm_amx_rows(amx_rows)
     torch.set_num_threads(tt)
     ops.set_num_threads(int(os.environ.get("KT", 2)))
     return dt

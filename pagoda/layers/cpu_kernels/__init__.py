@@ -40,7 +40,7 @@ def _adopt(lib: KernelLibrary | None) -> KernelLibrary | None:
 def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
     """The avx512bf16 build's GEMM tile kind by row count (gemm_tiles.py): cached, else measured."""
     if lib.variant != "avx512bf16":
-        ops.GEMM_FMA_ROWS = gemm_tiles.NEVER  # one tile kind: nothing to choose, nothing in the plan's key
+        ops.GEMM_FMA_ROWS = ops.GEMM_AMX_ROWS = gemm_tiles.NEVER  # one kind: nothing to choose or key the plan by
         return
     probe: list[ops.PackedWeight] = []
 
@@ -51,7 +51,15 @@ def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
         ops.gemm(x, probe[0])
 
     cache = gemm_tiles.cache_path([*loader.cpu_identity(), lib.path.stem, str(torch.get_num_threads())])
-    gemm_tiles.choose(ops.set_gemm_fma_rows, run, gemm_tiles.PROBE_K, cache, retune)
+    has_amx = ops.set_gemm_amx_rows(gemm_tiles.NEVER)
+    gemm_tiles.choose(_apply_tiles, run, gemm_tiles.PROBE_K, cache, retune, amx=has_amx)
+
+
+def _apply_tiles(choice: gemm_tiles.TileChoice) -> None:
+    ops.set_gemm_fma_rows(choice.fma_rows)
+    if not ops.set_gemm_amx_rows(choice.amx_rows) and choice.amx_rows < gemm_tiles.NEVER:
+        raise ValueError(f"{gemm_tiles.ENV}: AMX tiles asked for, but this CPU (or Linux) grants none "
+                         "(no amx_bf16 in /proc/cpuinfo, or the tile data was refused); use dpbf16 or fma")
 
 
 def available() -> bool:

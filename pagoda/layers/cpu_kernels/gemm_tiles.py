@@ -7,9 +7,12 @@ FMA rate on an Intel Xeon seen here (avx512_fp16, no AMX exposed) and at the ful
 Zen 4. So at load the library times both on a weight that stays in L2, at a few row counts,
 and steps from the smallest count where the FMA tiles win at that count and every larger
 one take them (`decide`); the choice is cached per CPU model and flags, kernel build and
-threads (`pagoda tune` measures again). `PAGODA_GEMM_TILE` forces it: `dpbf16`, `fma`, or
-`fma:ROWS`.
-Other builds have one tile kind and ignore this.
+threads (`pagoda tune` measures again). On CPUs with AMX (and Linux granting the tile data)
+the same panels also multiply on the tile units (gemm.cpp's `amx_pass`), a third kind timed
+alongside from one row: steps from the smallest probed count where AMX beats the better vector
+tile at that count and every larger one take it (`decide_amx`), the vector kinds below.
+`PAGODA_GEMM_TILE` forces it: `dpbf16`, `fma`, `fma:ROWS`, `amx` or `amx:ROWS` (AMX from ROWS,
+vdpbf16ps below). Other builds have one tile kind and ignore this.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,82 +33,108 @@ logger = logging.getLogger("pagoda")
 ENV = "PAGODA_GEMM_TILE"
 NEVER = 1 << 62
 PROBE_ROWS = (4, 8, 16, 64)  # below 4 rows a step streams its weights: vdpbf16ps, fewer chains
+AMX_PROBE_ROWS = (1, 2, 4, 8, 16, 64)  # AMX is timed from one row: it may win there too
 PROBE_K = 1024  # a 512 x 1024 bf16 weight: 1 MiB, in L2
 # NOTE: the FMA tiles must win by this much to be taken: near-equal timings keep vdpbf16ps
 # (fewer instructions, and what the other kernels' numerics were checked against first).
 MARGIN = 0.95
 
 
-def decide(timings: Mapping[int, tuple[float, float]]) -> int:
-    """The smallest probed row count from which the FMA tiles beat vdpbf16ps (by MARGIN) at it
-    and at every larger probed count; NEVER when they do not win at the largest.
-    `timings`: rows -> (vdpbf16ps seconds, FMA seconds)."""
+@dataclass(frozen=True)
+class TileChoice:
+    """Row counts from which the bf16 GEMM takes the FMA tiles and the AMX tiles (NEVER: not at all)."""
+
+    fma_rows: int = NEVER
+    amx_rows: int = NEVER
+
+
+def _wins_from(pairs: Mapping[int, tuple[float, float]]) -> int:
+    """The smallest row count from which the second time beats the first (by MARGIN) at it and at
+    every larger count; NEVER when it does not win at the largest."""
     start = NEVER
-    for rows in sorted(timings, reverse=True):
-        dot, fma = timings[rows]
-        if fma > MARGIN * dot:
+    for rows in sorted(pairs, reverse=True):
+        old, new = pairs[rows]
+        if new > MARGIN * old:
             break
         start = rows
     return start
 
 
-def parse_forced(value: str) -> int:
-    """`dpbf16` -> NEVER, `fma` -> 1, `fma:ROWS` -> ROWS; ValueError naming the forms otherwise."""
-    value = value.strip().lower()
-    if value == "dpbf16":
-        return NEVER
-    if value == "fma":
-        return 1
-    if value.startswith("fma:") and value[4:].isdigit() and int(value[4:]) >= 1:
-        return int(value[4:])
-    raise ValueError(f"{ENV}={value!r}: expected dpbf16, fma or fma:ROWS (a row count from which the FMA tiles run)")
+def decide(timings: Mapping[int, tuple[float, float]]) -> int:
+    """The smallest probed row count from which the FMA tiles beat vdpbf16ps (by MARGIN) at it
+    and at every larger probed count; NEVER when they do not win at the largest.
+    `timings`: rows -> (vdpbf16ps seconds, FMA seconds)."""
+    return _wins_from(timings)
 
 
-def measure(set_rows: Callable[[int], object], run: Callable[[torch.Tensor], object],
-            k: int, repeats: int = 9) -> dict[int, tuple[float, float]]:
-    """Best-of-`repeats` seconds of `run(x)` at each probed row count with vdpbf16ps and with the
-    FMA tiles, alternating; leaves the FMA tiles off."""
+def decide_amx(timings: Mapping[int, tuple[float, float, float]]) -> TileChoice:
+    """AMX from the smallest probed count where it beats the better vector tile (by MARGIN) at
+    that count and every larger one; the FMA tiles decided over the counts below.
+    `timings`: rows -> (vdpbf16ps, FMA, AMX seconds)."""
+    amx = _wins_from({r: (min(dot, fma), a) for r, (dot, fma, a) in timings.items()})
+    fma = _wins_from({r: (dot, f) for r, (dot, f, _) in timings.items() if r < amx})
+    return TileChoice(fma, amx)
+
+
+def parse_forced(value: str) -> TileChoice:
+    """`dpbf16`, `fma`, `fma:ROWS`, `amx` or `amx:ROWS` as a TileChoice; ValueError naming the forms otherwise."""
+    kind, colon, rows = value.strip().lower().partition(":")
+    if kind == "dpbf16" and not colon:
+        return TileChoice()
+    if kind in ("fma", "amx") and (not colon or rows.isdigit() and int(rows) >= 1):
+        start = int(rows) if colon else 1
+        return TileChoice(fma_rows=start) if kind == "fma" else TileChoice(amx_rows=start)
+    raise ValueError(f"{ENV}={value!r}: expected dpbf16, fma, fma:ROWS, amx or amx:ROWS (a row count from which "
+                     "those tiles run)")
+
+
+def measure(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], object],
+            k: int, repeats: int = 9, amx: bool = False) -> dict[int, tuple[float, ...]]:
+    """Best-of-`repeats` seconds of `run(x)` at each probed row count with vdpbf16ps, with the
+    FMA tiles and (`amx`) with the AMX tiles, alternating; leaves vdpbf16ps on."""
+    kinds = [TileChoice(), TileChoice(fma_rows=1)] + ([TileChoice(amx_rows=1)] if amx else [])
     gen = torch.Generator().manual_seed(0)
-    timings: dict[int, tuple[float, float]] = {}
-    for rows in PROBE_ROWS:
+    timings: dict[int, tuple[float, ...]] = {}
+    for rows in AMX_PROBE_ROWS if amx else PROBE_ROWS:
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-        best = [float("inf"), float("inf")]
+        best = [float("inf")] * len(kinds)
         for _ in range(repeats):
-            for kind, start in enumerate((NEVER, 1)):
-                set_rows(start)
+            for index, kind in enumerate(kinds):
+                apply(kind)
                 run(x)
                 t0 = time.perf_counter()
                 run(x)
-                best[kind] = min(best[kind], time.perf_counter() - t0)
-        timings[rows] = (best[0], best[1])
-    set_rows(NEVER)
+                best[index] = min(best[index], time.perf_counter() - t0)
+        timings[rows] = tuple(best)
+    apply(TileChoice())
     return timings
 
 
-def choose(set_rows: Callable[[int], int], run: Callable[[torch.Tensor], object], k: int,
-           cache: Path | None = None, retune: bool = False) -> int:
-    """Sets and returns the row count from which the FMA tiles run: forced, else read from
-    `cache` (unless `retune`), else measured and written there. The cache keeps one start's
-    noise from flipping the choice (and with it the kernel plan's key) at the next."""
+def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], object], k: int,
+           cache: Path | None = None, retune: bool = False, amx: bool = False) -> TileChoice:
+    """Applies and returns the tile choice: forced, else read from `cache` (unless `retune`),
+    else measured (AMX too where `amx`) and written there. The cache keeps one start's noise
+    from flipping the choice (and with it the kernel plan's key) at the next."""
     forced = os.environ.get(ENV)
     if forced:
-        rows = parse_forced(forced)
-        set_rows(rows)
-        logger.info("GEMM tiles (forced by %s): %s", ENV, describe(rows))
-        return rows
+        choice = parse_forced(forced)
+        apply(choice)
+        logger.info("GEMM tiles (forced by %s): %s", ENV, describe(choice))
+        return choice
     cached = None if retune or cache is None else _read(cache)
     if cached is not None:
-        set_rows(cached)
+        apply(cached)
         logger.info("GEMM tiles (cached): %s", describe(cached))
         return cached
-    timings = measure(set_rows, run, k)
-    rows = decide(timings)
-    set_rows(rows)
-    logger.info("GEMM tiles (measured): %s [FMA time / vdpbf16ps time: %s]", describe(rows), ", ".join(
-        f"{r} rows {fma / dot:.2f}" for r, (dot, fma) in timings.items()))
+    timings = measure(apply, run, k, amx=amx)
+    choice = decide_amx(timings) if amx else TileChoice(fma_rows=decide(timings))  # type: ignore[arg-type]
+    apply(choice)
+    logger.info("GEMM tiles (measured): %s [time / vdpbf16ps time, FMA%s: %s]", describe(choice),
+                " and AMX" if amx else "", ", ".join(
+                    f"{r} rows " + " ".join(f"{t / ts[0]:.2f}" for t in ts[1:]) for r, ts in timings.items()))
     if cache is not None:
-        _write(cache, rows, timings)
-    return rows
+        _write(cache, choice, timings)
+    return choice
 
 
 def cache_path(identity: list[str]) -> Path:
@@ -115,31 +145,40 @@ def cache_path(identity: list[str]) -> Path:
     return loader.cache_root() / "gemm_tiles" / f"{digest}.json"
 
 
-def _read(path: Path) -> int | None:
+def _read(path: Path) -> TileChoice | None:
     try:
-        rows = json.loads(path.read_text())["fma_rows"]
+        data = json.loads(path.read_text())
+        choice = TileChoice(data["fma_rows"], data.get("amx_rows", NEVER))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.warning("ignoring the cached GEMM tile choice %s (%s); measuring again", path, exc)
         return None
-    return rows if isinstance(rows, int) and rows >= 1 else None
+    valid = all(isinstance(r, int) and r >= 1 for r in (choice.fma_rows, choice.amx_rows))
+    return choice if valid else None
 
 
-def _write(path: Path, rows: int, timings: Mapping[int, tuple[float, float]]) -> None:
+def _write(path: Path, choice: TileChoice, timings: Mapping[int, tuple[float, ...]]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"fma_rows": rows, "timings": {str(r): t for r, t in timings.items()}}))
+        tmp.write_text(json.dumps({"fma_rows": choice.fma_rows, "amx_rows": choice.amx_rows,
+                                   "timings": {str(r): t for r, t in timings.items()}}))
         os.replace(tmp, path)
     except OSError as exc:
         logger.warning("could not cache the GEMM tile choice in %s (%s)", path.parent, exc)
 
 
-def describe(rows: int) -> str:
-    if rows >= NEVER:
-        return "vdpbf16ps at every row count"
-    return "fp32 FMAs at every row count" if rows <= 1 else f"vdpbf16ps up to {rows - 1} rows, fp32 FMAs from {rows}"
+def describe(choice: TileChoice) -> str:
+    """E.g. "vdpbf16ps up to 3 rows, AMX tiles from 4" (AMX taken first, then the FMA tiles, as gemm.cpp does)."""
+    amx, fma = choice.amx_rows, min(choice.fma_rows, choice.amx_rows)
+    spans = [(name, start, end) for name, start, end in (("vdpbf16ps", 1, fma), ("fp32 FMAs", fma, amx),
+                                                          ("AMX tiles", amx, NEVER)) if start < end]
+    if len(spans) == 1:
+        return f"{spans[0][0]} at every row count"
+    return ", ".join(f"{name} up to {end - 1} rows" if start == 1 else f"{name} from {start}" if end >= NEVER
+                     else f"{name} {start}-{end - 1} rows" for name, start, end in spans)
 
 
-__all__ = ["ENV", "NEVER", "cache_path", "choose", "decide", "describe", "measure", "parse_forced"]
+__all__ = ["AMX_PROBE_ROWS", "ENV", "NEVER", "TileChoice", "cache_path", "choose", "decide", "decide_amx",
+           "describe", "measure", "parse_forced"]

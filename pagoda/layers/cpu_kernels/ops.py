@@ -392,6 +392,20 @@ def set_gemm_fma_rows(rows: int) -> int:
     return rows
 
 
+# NOTE: likewise the row count from which it runs on AMX tiles (gemm_tiles.py), where the CPU has them.
+GEMM_AMX_ROWS = 1 << 62
+
+
+def set_gemm_amx_rows(rows: int) -> bool:
+    """Steps of at least `rows` rows multiply bf16 panels on AMX tiles (K a multiple of 32);
+    False (and nothing set) where this CPU or build has none."""
+    global GEMM_AMX_ROWS
+    if not _lib().fn("gemm_set_amx_rows")(rows):
+        return False
+    GEMM_AMX_ROWS = rows
+    return True
+
+
 def set_num_threads(n: int) -> None:
     """Threads the kernels split their work over (independent of torch's current setting)."""
     _lib().fn("set_num_threads")(n)
