@@ -119,16 +119,20 @@ def test_several_query_rows_causal_and_window(dtype: torch.dtype, window: int) -
     run_attention([9, 30, 17, 100], [1, 4, 17, 40], 16, 6, 2, 64, dtype, window)
 
 
-@pytest.fixture(params=["dpbf16", "fma"])
+@pytest.fixture(params=["dpbf16", "fma", "amx"])
 def tile_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """The GEMM's measured tile choice, which bf16 prefill attention follows: vdpbf16ps on bf16
-    pairs (Q.K and P.V) or fp32 FMAs; restored after. Other builds have FMAs only."""
-    before = ops.GEMM_FMA_ROWS
-    if request.param == "fma" and cpu_kernels.library().variant != "avx512bf16":
-        pytest.skip("only the avx512bf16 build has two tile kinds")
+    pairs (Q.K and P.V), fp32 FMAs, or AMX tiles (where the CPU has them); restored after.
+    Other builds have FMAs only."""
+    fma_before, amx_before = ops.GEMM_FMA_ROWS, ops.GEMM_AMX_ROWS
+    if request.param != "dpbf16" and cpu_kernels.library().variant != "avx512bf16":
+        pytest.skip("only the avx512bf16 build has several tile kinds")
     ops.set_gemm_fma_rows(1 if request.param == "fma" else 1 << 62)
+    if not ops.set_gemm_amx_rows(1 if request.param == "amx" else 1 << 62) and request.param == "amx":
+        pytest.skip("this CPU has no AMX tiles (amx_bf16), or Linux refused the tile data")
     yield request.param
-    ops.set_gemm_fma_rows(before)
+    ops.set_gemm_fma_rows(fma_before)
+    ops.set_gemm_amx_rows(amx_before)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 64), (9, 3, 64), (8, 1, 80), (16, 2, 128),

@@ -366,7 +366,7 @@ struct BlockScratch {
     st.resize(size_t(kKeyTile) * r16);
     m.assign(r16, kFloor);
     l.assign(r16, 0.f);
-    acc.assign(size_t(vectors) * d, 0.f);
+    acc.assign(size_t(r16) * d, 0.f);  // r16 rows: the AMX tiles take 16 at a time
   }
 };
 
@@ -481,11 +481,105 @@ void accumulate_block_bf16(BlockScratch& w, const float* corr, int vectors, int 
   for (; c + 4 * kLanes <= d; c += 4 * kLanes) accumulate_chunks_bf16<4>(w, corr, vectors, n, d, c);
   for (; c < d; c += kLanes) accumulate_chunks_bf16<1>(w, corr, vectors, n, d, c);
 }
+
+// ---- The same tile on AMX (CPUs with AMX-BF16, where the GEMM's measured choice takes it):
+// scores as S^T = K Q^T, so that they land in st[j][r] for the softmax down the lanes: the A
+// tiles are the key rows read in place from the pool, 32 head dims each; the B tiles the query
+// pairs qp. P.V as O = P V: A tiles P in rows (pp's key pairs gathered a query vector a row),
+// B tiles the value pairs vp, the sums tiles loaded from and stored back to acc. d a multiple
+// of 32. Tiles: 0 scores (n rows), 1 keys (n rows), 2 queries, 3 probabilities (ceil(n / 2)
+// pairs), 4 values (ceil(n / 2) rows), 5 outputs; configured per tile length (`AmxTiles`).
+struct AmxTiles {
+  int n = -1;  // the key tile length configured for; -1: not configured on this thread in this item
+  void configure(int keys);
+  ~AmxTiles();
+};
+
+struct AmxTileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+__attribute__((target("amx-tile"))) void AmxTiles::configure(int keys) {
+  if (keys == n) return;
+  const int pairs = (keys + 1) / 2;
+  AmxTileConfig c;
+  const int rows[6] = {keys, keys, kLanes, kLanes, pairs, kLanes};
+  const int colsb[6] = {64, 64, 64, 4 * pairs, 64, 64};
+  for (int t = 0; t < 6; ++t) {
+    c.rows[t] = static_cast<uint8_t>(rows[t]);
+    c.colsb[t] = static_cast<uint16_t>(colsb[t]);
+  }
+  asm volatile("" : : "r"(&c) : "memory");  // NOTE: see gemm.cpp's configure_tiles
+  _tile_loadconfig(&c);
+  n = keys;
+}
+
+__attribute__((target("amx-tile"))) void release_amx_tiles() { _tile_release(); }
+
+AmxTiles::~AmxTiles() {
+  if (n >= 0) release_amx_tiles();
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void score_tile_amx(BlockScratch& w, const bf16* k, int64_t kv_stride,
+                                                                int d, int n, float scale) {
+  for (int c = 0; c < w.r16; c += kLanes) {
+    _tile_zero(0);
+    for (int i = 0; i < d; i += 32) {
+      _tile_loadd(1, k + i, kv_stride * 2);
+      _tile_loadd(2, &w.qp[size_t(i / 2) * 2 * w.r16 + 2 * c], 4 * w.r16);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, &w.st[c], 4 * w.r16);
+  }
+  const __m512 f = _mm512_set1_ps(scale);
+  for (int j = 0; j < n; ++j)
+    for (int c = 0; c < w.r16; c += kLanes)
+      _mm512_storeu_ps(&w.st[size_t(j) * w.r16 + c], _mm512_mul_ps(_mm512_loadu_ps(&w.st[size_t(j) * w.r16 + c]), f));
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) void accumulate_block_amx(BlockScratch& w, const float* corr, int n,
+                                                                      int d) {
+  const int pairs = (n + 1) / 2;
+  alignas(64) int32_t pa[kLanes * 8];  // 16 query vectors x up to 8 key pairs
+  const auto* pp = reinterpret_cast<const int32_t*>(w.pp.data());
+  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int c = 0; c < w.r16; c += kLanes) {
+    bool moved = false;  // NOTE: once the running max settles, corr is 1 and the rescale is skipped
+    for (int r = c; r < c + kLanes; ++r) moved |= corr[r] != 1.f;
+    if (moved)
+      for (int r = c; r < c + kLanes; ++r) {
+        const __m512 f = _mm512_set1_ps(corr[r]);
+        for (int i = 0; i < d; i += kLanes)
+          _mm512_storeu_ps(&w.acc[size_t(r) * d + i], _mm512_mul_ps(_mm512_loadu_ps(&w.acc[size_t(r) * d + i]), f));
+      }
+    // pa[r][jp] = pp[jp][c + r]: key pair jp's column gathered into row r
+    for (int jp = 0; jp < pairs; ++jp) {
+      const __m512i col = _mm512_loadu_si512(pp + size_t(jp) * w.r16 + c);
+      _mm512_i32scatter_epi32(pa + jp, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(8)), col, 4);
+    }
+    _tile_loadd(3, pa, 32);
+    for (int i = 0; i < d; i += kLanes) {
+      float* o = &w.acc[size_t(c) * d + i];
+      _tile_loadd(5, o, 4 * d);
+      _tile_loadd(4, &w.vp[2 * size_t(i)], 4 * d);
+      _tile_dpbf16ps(5, 3, 4);
+      _tile_stored(5, o, 4 * d);
+    }
+  }
+}
 #else
 void score_tile_bf16(BlockScratch&, const bf16*, int64_t, int, int, float) { std::abort(); }
 void pair_values(BlockScratch&, const bf16*, int64_t, int, int) { std::abort(); }
 void pair_probabilities(BlockScratch&, int) { std::abort(); }
 void accumulate_block_bf16(BlockScratch&, const float*, int, int, int) { std::abort(); }
+struct AmxTiles {
+  void configure(int) { std::abort(); }
+};
+void score_tile_amx(BlockScratch&, const bf16*, int64_t, int, int, float) { std::abort(); }
+void accumulate_block_amx(BlockScratch&, const float*, int, int) { std::abort(); }
 #endif
 
 // Masks (to -inf) the scores a row may not see: only tiles on the causal diagonal or the
@@ -548,18 +642,30 @@ void accumulate_block(BlockScratch& w, const float* corr, int vectors, int n, in
   for (; r0 < vectors; ++r0) accumulate_rows_block<1, FULL>(w, corr, r0, n, d);
 }
 
+// How a prefill tile multiplies: fp32 FMAs, bf16 pairs on vdpbf16ps, or AMX tiles.
+enum class Products { kFma, kPairs, kAmx };
+
 template <typename C>
 void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_stride, const AttnArgs& a, int rows,
-                       int group, int n, int64_t key0, int64_t pos0, float* corr, bool pairs) {
+                       int group, int n, int64_t key0, int64_t pos0, float* corr, Products products,
+                       AmxTiles& amx) {
   const int d = a.head_dim;
   if constexpr (std::is_same_v<C, bf16>) {
-    if (pairs) {
-      score_tile_bf16(w, k, kv_stride, d, n, a.scale);
+    if (products != Products::kFma) {
+      if (products == Products::kAmx) {
+        amx.configure(n);
+        score_tile_amx(w, k, kv_stride, d, n, a.scale);
+      } else {
+        score_tile_bf16(w, k, kv_stride, d, n, a.scale);
+      }
       mask_block(w, rows, group, n, key0, pos0, a.window);
       softmax_block(w, n, corr);
       pair_values(w, v, kv_stride, d, n);
       pair_probabilities(w, n);
-      accumulate_block_bf16(w, corr, rows * group, n, d);
+      if (products == Products::kAmx)
+        accumulate_block_amx(w, corr, n, d);
+      else
+        accumulate_block_bf16(w, corr, rows * group, n, d);
       return;
     }
   }
@@ -597,8 +703,14 @@ void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, c
   list_tiles(a, seq, a.window > 0 ? std::max<int64_t>(0, pos0 - a.window + 1) : 0, pos0 + rows, tiles);
   // NOTE: on bf16 pairs where vdpbf16ps wins this CPU's GEMM at this many rows (the measured
   // choice of gemm_tiles.py): Q.K exact either way; P.V then takes P rounded to bf16.
-  const bool pairs = kNativeBf16Dot && std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && d % kLanes == 0 &&
-                     bf16_dot_wins(vectors);
+  // AMX where the GEMM takes it at this many rows (d a multiple of 32).
+  const bool bf16_pool = kNativeBf16Dot && std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && d % kLanes == 0;
+  const Products products = !bf16_pool                          ? Products::kFma
+                            : d % 32 == 0 && amx_dot_wins(vectors) ? Products::kAmx
+                            : bf16_dot_wins(vectors)               ? Products::kPairs
+                                                                   : Products::kFma;
+  const bool pairs = products != Products::kFma;
+  AmxTiles amx;  // configured at its first tile, released at the end of the item
   for (int h = h0; h < h0 + nh; ++h) {
     w.reset(vectors, d, pairs);
     corr.resize(w.r16);
@@ -616,7 +728,7 @@ void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, c
     for (const KeyTile& t : tiles) {
       const int64_t offset = t.offset + int64_t(h) * d;
       attend_block_tile(w, k_cache + offset, v_cache + offset, kv_stride, a, rows, group, t.n, t.key0, pos0,
-                        corr.data(), pairs);
+                        corr.data(), products, amx);
     }
     T* out_rows = out + (q_begin + row0) * a.out_stride + int64_t(h) * group * d;
     for (int r = 0; r < vectors; ++r) {

@@ -1071,6 +1071,15 @@ void gemm_pack(const bf16* w, int64_t w_stride, bf16* packed, int64_t N, int64_t
 
 bool bf16_dot_wins(int64_t rows) { return rows < g_fma_rows.load(std::memory_order_relaxed); }
 
+bool amx_dot_wins(int64_t rows) {
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
+  return rows >= g_amx_rows.load(std::memory_order_relaxed) && amx_usable();
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
 }  // namespace pagoda
 
 extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }

@@ -23,6 +23,10 @@ struct GemmWeight {
 // measured choice (`pagoda_gemm_set_fma_rows`), which prefill attention follows too.
 bool bf16_dot_wins(int64_t rows);
 
+// Whether AMX tiles run the GEMM at `rows` rows (the measured choice, `pagoda_gemm_set_amx_rows`,
+// on a CPU with AMX-BF16): prefill attention follows it too.
+bool amx_dot_wins(int64_t rows);
+
 }  // namespace pagoda
 
 // qgemv.cpp's product over row records (format 0 int4, 1 int8), which the records kinds call.

@@ -23,7 +23,8 @@ def t(f, n=5):
         s = time.perf_counter(); f(); best = min(best, time.perf_counter() - s)
     return best * 1e3
 for rnd in range(3):
-    for name, rows in [("fma", 1), ("dpbf16", NEVER)]:
+    for name, rows, amx in [("fma", 1, NEVER), ("dpbf16", NEVER, NEVER), ("amx", NEVER, 1)]:
         ops.set_gemm_fma_rows(rows)
+        if not ops.set_gemm_amx_rows(amx) and amx == 1: continue
         ts = [t(f) for f in cases]
         print(rnd, name, " ".join(f"{x:.2f}" for x in ts), f"sum {sum(ts):.2f} ms")
