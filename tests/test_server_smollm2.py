@@ -10,7 +10,11 @@ import pytest
 from pydantic import BaseModel, Field
 from test_server import ServerProcess, start_server
 
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# NOTE: "Answer in one sentence." keeps every greedy token up to "Paris." 0.86+ logits ahead of the
+# next (transformers, fp32). The bare question's first token leads by 0.08 ("The" over "L"),
+# below bf16's rounding of the logits: an AMX Xeon's tile sums (docs/performance.md) tied the two
+# and the answer went another way, though its logits were nearer fp32's than the vector tiles'.
+QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
 @pytest.fixture(scope="module")

@@ -512,7 +512,7 @@ __attribute__((target("amx-tile"))) void AmxTiles::configure(int keys) {
     c.rows[t] = static_cast<uint8_t>(rows[t]);
     c.colsb[t] = static_cast<uint16_t>(colsb[t]);
   }
-  asm volatile("" : : "r"(&c) : "memory");  // NOTE: see gemm.cpp's configure_tiles
+  tile_sources_written();
   _tile_loadconfig(&c);
   n = keys;
 }
@@ -525,6 +525,7 @@ AmxTiles::~AmxTiles() {
 
 __attribute__((target("amx-tile,amx-bf16"))) void score_tile_amx(BlockScratch& w, const bf16* k, int64_t kv_stride,
                                                                 int d, int n, float scale) {
+  tile_sources_written();  // qp
   for (int c = 0; c < w.r16; c += kLanes) {
     _tile_zero(0);
     for (int i = 0; i < d; i += 32) {
@@ -560,6 +561,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void accumulate_block_amx(BlockScra
       const __m512i col = _mm512_loadu_si512(pp + size_t(jp) * w.r16 + c);
       _mm512_i32scatter_epi32(pa + jp, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(8)), col, 4);
     }
+    tile_sources_written();  // pa, the rescaled acc, vp
     _tile_loadd(3, pa, 32);
     for (int i = 0; i < d; i += kLanes) {
       float* o = &w.acc[size_t(c) * d + i];

@@ -806,9 +806,7 @@ __attribute__((target("amx-tile"))) void configure_tiles(int rows0, int rows1) {
     c.rows[6 + a] = kAmxPairs;
     c.colsb[6 + a] = 64;
   }
-  // NOTE: GCC 12 at -O3 dropped the stores above (nothing it knows of reads `c`): the
-  // barrier makes them land before ldtilecfg reads them.
-  asm volatile("" : : "r"(&c) : "memory");
+  tile_sources_written();  // NOTE: without it GCC 12 at -O3 dropped the stores above (vec.h)
   _tile_loadconfig(&c);
 }
 
@@ -819,6 +817,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64
                                                             float* sums) {
   constexpr int64_t kPairBytes = kPanelPair * 2;
   const int64_t x_bytes = xs * 2;
+  tile_sources_written();  // x
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (kTwoRowTiles) {

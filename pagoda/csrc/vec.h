@@ -367,4 +367,10 @@ inline Vf round_as(Vf a) {
   }
 }
 
+// A compiler barrier for the AMX intrinsics: GCC's tileloadd (and ldtilecfg's argument) is an
+// asm statement that declares no memory read, so stores just made to what a tile loads (a
+// buffer filled a line before) may be sunk past the load or dropped as dead. Call it between
+// writing a tile's source memory and loading it.
+inline void tile_sources_written() { asm volatile("" : : : "memory"); }
+
 }  // namespace pagoda
