@@ -495,32 +495,22 @@ struct AmxTiles {
   ~AmxTiles();
 };
 
-struct AmxTileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-__attribute__((target("amx-tile"))) void AmxTiles::configure(int keys) {
+void AmxTiles::configure(int keys) {
   if (keys == n) return;
   const int pairs = (keys + 1) / 2;
-  AmxTileConfig c;
-  const int rows[6] = {keys, keys, kLanes, kLanes, pairs, kLanes};
-  const int colsb[6] = {64, 64, 64, 4 * pairs, 64, 64};
-  for (int t = 0; t < 6; ++t) {
-    c.rows[t] = static_cast<uint8_t>(rows[t]);
-    c.colsb[t] = static_cast<uint16_t>(colsb[t]);
-  }
-  tile_sources_written();
-  _tile_loadconfig(&c);
+  TileConfig c;
+  c.set(0, keys, 64);
+  c.set(1, keys, 64);
+  c.set(2, kLanes, 64);
+  c.set(3, kLanes, 4 * pairs);
+  c.set(4, pairs, 64);
+  c.set(5, kLanes, 64);
+  load_tile_config(c);
   n = keys;
 }
 
-__attribute__((target("amx-tile"))) void release_amx_tiles() { _tile_release(); }
-
 AmxTiles::~AmxTiles() {
-  if (n >= 0) release_amx_tiles();
+  if (n >= 0) release_tiles();
 }
 
 __attribute__((target("amx-tile,amx-bf16"))) void score_tile_amx(BlockScratch& w, const bf16* k, int64_t kv_stride,
@@ -546,7 +536,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void accumulate_block_amx(BlockScra
   const int pairs = (n + 1) / 2;
   alignas(64) int32_t pa[kLanes * 8];  // 16 query vectors x up to 8 key pairs
   const auto* pp = reinterpret_cast<const int32_t*>(w.pp.data());
-  const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i rows = _mm512_set_epi32(120, 112, 104, 96, 88, 80, 72, 64, 56, 48, 40, 32, 24, 16, 8, 0);  // 8 r
   for (int c = 0; c < w.r16; c += kLanes) {
     bool moved = false;  // NOTE: once the running max settles, corr is 1 and the rescale is skipped
     for (int r = c; r < c + kLanes; ++r) moved |= corr[r] != 1.f;
@@ -559,7 +549,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void accumulate_block_amx(BlockScra
     // pa[r][jp] = pp[jp][c + r]: key pair jp's column gathered into row r
     for (int jp = 0; jp < pairs; ++jp) {
       const __m512i col = _mm512_loadu_si512(pp + size_t(jp) * w.r16 + c);
-      _mm512_i32scatter_epi32(pa + jp, _mm512_mullo_epi32(lanes, _mm512_set1_epi32(8)), col, 4);
+      _mm512_i32scatter_epi32(pa + jp, rows, col, 4);
     }
     tile_sources_written();  // pa, the rescaled acc, vp
     _tile_loadd(3, pa, 32);

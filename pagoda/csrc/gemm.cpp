@@ -782,32 +782,22 @@ void all_passes(const bf16* x, int64_t xs, const float* scales, const bf16* bias
 
 constexpr int kAmxPairs = 16;      // k-pairs per tile step: a B tile's 16 rows
 constexpr int kAmxBlockRows = 32;  // rows per block: two A tiles
+// NOTE: rows a pass, so that x's rows (up to 256 x K bf16) stay in L2 while every panel reads
+// them: SmolLM2's linears at 512 rows took 330 ms as one pass against 2 x 114 ms for two of 256
+// (docs/performance.md, "A fifth CPU").
+constexpr int64_t kAmxPassRows = 256;
 std::atomic<int64_t> g_amx_rows{int64_t{1} << 62};
-
-// The 64-byte tile configuration (palette 1) that ldtilecfg reads.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Tiles 0-3: sums of row tile a (0, 1) x block b (0, 1) at 2a + b; 4, 5: x's row tiles; 6, 7: the
 // panel's blocks. rows1 == 0 leaves row tile 1 unconfigured.
-__attribute__((target("amx-tile"))) void configure_tiles(int rows0, int rows1) {
+void configure_tiles(int rows0, int rows1) {
   TileConfig c;
   const int rows[2] = {rows0, rows1};
   for (int a = 0; a < 2; ++a) {
-    const uint16_t bytes = rows[a] ? 64 : 0;
-    for (int t : {2 * a, 2 * a + 1, 4 + a}) {
-      c.rows[t] = static_cast<uint8_t>(rows[a]);
-      c.colsb[t] = bytes;
-    }
-    c.rows[6 + a] = kAmxPairs;
-    c.colsb[6 + a] = 64;
+    for (int t : {2 * a, 2 * a + 1, 4 + a}) c.set(t, rows[a], rows[a] ? 64 : 0);
+    c.set(6 + a, kAmxPairs, 64);
   }
-  tile_sources_written();  // NOTE: without it GCC 12 at -O3 dropped the stores above (vec.h)
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 // x's rows [0, 16 or 32) (stride xs elements) x the panel at w over all k-pairs; the sums at
@@ -845,8 +835,6 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64
     _tile_stored(3, sums + 16 * kSumsRow + kBlock, kSumsBytes);
   }
 }
-
-__attribute__((target("amx-tile"))) void release_tiles() { _tile_release(); }
 
 void amx_pass(const Problem& P, const bf16* packed) {
   const int64_t pairs = num_pairs(P.K), panels = padded_cols(P.N) / kPanel;
@@ -892,7 +880,16 @@ void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16*
           int64_t K) {
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
-    if (takes_amx(P)) return amx_pass(P, packed);
+    if (takes_amx(P)) {
+      for (int64_t m0 = 0; m0 < P.M; m0 += kAmxPassRows) {
+        Problem part = P;
+        part.x += m0 * P.xs;
+        part.y += m0 * P.ys;
+        part.M = std::min(kAmxPassRows, P.M - m0);
+        amx_pass(part, packed);
+      }
+      return;
+    }
 #endif
     gemm_pass(P, [&](bf16*) { return Bf16Panels{packed, num_pairs(K)}; });
   });

@@ -373,4 +373,28 @@ inline Vf round_as(Vf a) {
 // writing a tile's source memory and loading it.
 inline void tile_sources_written() { asm volatile("" : : : "memory"); }
 
+#if defined(PAGODA_AVX512)
+// AMX's tile configuration (palette 1), as ldtilecfg reads it: rows and bytes a row per tile;
+// a tile left at 0 / 0 is unconfigured. For the AMX functions of gemm.cpp and attention.cpp,
+// which each load their own at every call (other code, oneDNN's included, shares the threads).
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+
+  void set(int tile, int tile_rows, int bytes) {
+    rows[tile] = static_cast<uint8_t>(tile_rows);
+    colsb[tile] = static_cast<uint16_t>(bytes);
+  }
+};
+
+__attribute__((target("amx-tile"))) inline void load_tile_config(const TileConfig& c) {
+  tile_sources_written();  // NOTE: without it GCC 12 at -O3 dropped the stores that filled `c`
+  _tile_loadconfig(&c);
+}
+
+__attribute__((target("amx-tile"))) inline void release_tiles() { _tile_release(); }
+#endif
+
 }  // namespace pagoda
