@@ -96,6 +96,10 @@ def test_choice_cached_reused_and_remeasured_on_request(tmp_path, monkeypatch: p
     runs.clear()
     gemm_tiles.choose(set_rows.append, run, 16, cache, retune=True)  # type: ignore[arg-type]
     assert runs
+    # a cached AMX choice where this process has no AMX (Linux refused the tile data) is measured again
+    cache.write_text('{"fma_rows": 4611686018427387904, "amx_rows": 1}')
+    runs.clear()
+    assert gemm_tiles.choose(set_rows.append, run, 16, cache).amx_rows == NEVER and runs  # type: ignore[arg-type]
 
 
 def test_loading_the_kernels_leaves_torchs_random_state_alone(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -122,6 +122,11 @@ def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], 
         logger.info("GEMM tiles (forced by %s): %s", ENV, describe(choice))
         return choice
     cached = None if retune or cache is None else _read(cache)
+    if cached is not None and cached.amx_rows < NEVER and not amx:
+        # NOTE: the key holds the CPU's flags, not the kernel's: Linux may refuse the tile data now
+        logger.warning("the cached GEMM tile choice %s takes AMX tiles, which this process was not granted; "
+                       "measuring again", cache)
+        cached = None
     if cached is not None:
         apply(cached)
         logger.info("GEMM tiles (cached): %s", describe(cached))
