@@ -151,6 +151,18 @@ def test_prefill_chunks_over_cached_prefixes(heads: int, kv_heads: int, head_dim
     run_attention(lens, chunk, 16, heads, kv_heads, head_dim, torch.bfloat16, window, seed=head_dim + window)
 
 
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("window", [0, 150])
+def test_prefill_over_prefixes_longer_than_a_span(block_size: int, window: int, tile_kind: str) -> None:
+    # NOTE: AMX takes keys in spans of up to 128 (several key tiles, one softmax): prefixes of
+    # 130-300 keys give several spans, a window's first tile starts mid-block, and blocks of 8
+    # keys make every tile short (copied into zeroed rows); the running max moves across spans.
+    cached, chunk = [130, 300, 257], [40, 17, 200]
+    lens = [c + n for c, n in zip(cached, chunk, strict=True)]
+    run_attention(lens, chunk, block_size, 9, 3, 64, torch.bfloat16, window, seed=block_size + window)
+    run_attention(lens, chunk, block_size, 8, 2, 128, torch.bfloat16, window, seed=1 + block_size + window)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_prefill_tiles_in_fp32_and_fp16(dtype: torch.dtype) -> None:
     run_attention([100, 64], [100, 31], 16, 9, 3, 64, dtype, window=0, seed=5)

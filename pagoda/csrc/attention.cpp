@@ -28,6 +28,7 @@ namespace {
 constexpr int kMaxHeadDim = 256;
 constexpr int kQueryTile = 16;
 constexpr int kKeyTile = 16;
+constexpr int kSpanKeys = 128;  // keys a step of the AMX prefill path (several key tiles)
 constexpr int kPrefetchTiles = 4;
 constexpr int kItemsPerThread = 8;
 constexpr int64_t kMinParallelKeyRows = 4096;
@@ -356,14 +357,14 @@ struct BlockScratch {
     r16 = (vectors + kLanes - 1) / kLanes * kLanes;
     if (pairs) {
       qp.assign(size_t(d) * r16, bf16{0});
-      vp.resize(size_t(kKeyTile) * d);
-      pp.resize(size_t(kKeyTile) * r16);
+      vp.resize(size_t(kSpanKeys) * d);  // NOTE: sized for AMX's spans, the pairs path uses a tile's
+      pp.resize(size_t(kSpanKeys) * r16);
     } else {
       qt.assign(size_t(d) * r16, 0.f);
     }
     kf.resize(size_t(kKeyTile) * d);
     vf.resize(size_t(kKeyTile) * d);
-    st.resize(size_t(kKeyTile) * r16);
+    st.resize(size_t(kSpanKeys + kKeyTile) * r16);  // a span's scores and a tile's stored past it
     m.assign(r16, kFloor);
     l.assign(r16, 0.f);
     acc.assign(size_t(r16) * d, 0.f);  // r16 rows: the AMX tiles take 16 at a time
@@ -412,21 +413,24 @@ void score_tile_bf16(BlockScratch& w, const bf16* k, int64_t kv_stride, int d, i
   }
 }
 
-// The tile's values as key pairs (vp), a zero row after an odd last key.
-void pair_values(BlockScratch& w, const bf16* v, int64_t kv_stride, int d, int n) {
+// The values of keys a and b (b null past the last key: zeros) interleaved into pairs at dst (2d).
+void pair_rows(const bf16* a, const bf16* b, bf16* dst, int d) {
   alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-  for (int j = 0; j < n; j += 2) {
-    bf16* dst = &w.vp[size_t(j) * d];
-    for (int i = 0; i < d; i += 32) {
-      const __mmask32 m = d - i >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (d - i)) - 1u);
-      const __m512i a = _mm512_maskz_loadu_epi16(m, v + j * kv_stride + i);
-      const __m512i b = j + 1 < n ? _mm512_maskz_loadu_epi16(m, v + (j + 1) * kv_stride + i) : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi16(a, lo, b));
-      if (d - i > 16) _mm512_storeu_si512(dst + 2 * i + 32, _mm512_permutex2var_epi16(a, hi, b));
-    }
+  for (int i = 0; i < d; i += 32) {
+    const __mmask32 m = d - i >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (d - i)) - 1u);
+    const __m512i x = _mm512_maskz_loadu_epi16(m, a + i);
+    const __m512i y = b != nullptr ? _mm512_maskz_loadu_epi16(m, b + i) : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi16(x, lo, y));
+    if (d - i > 16) _mm512_storeu_si512(dst + 2 * i + 32, _mm512_permutex2var_epi16(x, hi, y));
   }
+}
+
+// The tile's values as key pairs (vp), a zero row after an odd last key.
+void pair_values(BlockScratch& w, const bf16* v, int64_t kv_stride, int d, int n) {
+  for (int j = 0; j < n; j += 2)
+    pair_rows(v + j * kv_stride, j + 1 < n ? v + (j + 1) * kv_stride : nullptr, &w.vp[size_t(j) * d], d);
 }
 
 // The tile's probabilities (st, fp32) rounded to bf16 key pairs (pp), as torch's CPU flash
@@ -435,12 +439,15 @@ void pair_probabilities(BlockScratch& w, int n) {
   alignas(64) static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   const __m512i order = _mm512_load_si512(kPairs);
+  const float* st = w.st.data();  // NOTE: w is thread_local: its fields read once, not per store
+  bf16* pp = w.pp.data();
+  const int64_t r16 = w.r16;
   for (int j = 0; j < n; j += 2) {
-    for (int c = 0; c < w.r16; c += kLanes) {
-      const __m512 a = _mm512_loadu_ps(&w.st[size_t(j) * w.r16 + c]);
-      const __m512 b = j + 1 < n ? _mm512_loadu_ps(&w.st[size_t(j + 1) * w.r16 + c]) : _mm512_setzero_ps();
+    for (int c = 0; c < r16; c += kLanes) {
+      const __m512 a = _mm512_loadu_ps(&st[j * r16 + c]);
+      const __m512 b = j + 1 < n ? _mm512_loadu_ps(&st[(j + 1) * r16 + c]) : _mm512_setzero_ps();
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in the low half
-      _mm512_storeu_si512(&w.pp[size_t(j) * w.r16 + 2 * c], _mm512_permutexvar_epi16(order, both));
+      _mm512_storeu_si512(&pp[j * r16 + 2 * c], _mm512_permutexvar_epi16(order, both));
     }
   }
 }
@@ -482,84 +489,216 @@ void accumulate_block_bf16(BlockScratch& w, const float* corr, int vectors, int 
   for (; c < d; c += kLanes) accumulate_chunks_bf16<1>(w, corr, vectors, n, d, c);
 }
 
-// ---- The same tile on AMX (CPUs with AMX-BF16, where the GEMM's measured choice takes it):
-// scores as S^T = K Q^T, so that they land in st[j][r] for the softmax down the lanes: the A
-// tiles are the key rows read in place from the pool, 32 head dims each; the B tiles the query
-// pairs qp. P.V as O = P V: A tiles P in rows (pp's key pairs gathered a query vector a row),
-// B tiles the value pairs vp, the sums tiles loaded from and stored back to acc. d a multiple
-// of 32. Tiles: 0 scores (n rows), 1 keys (n rows), 2 queries, 3 probabilities (ceil(n / 2)
-// pairs), 4 values (ceil(n / 2) rows), 5 outputs; configured per tile length (`AmxTiles`).
+// ---- Spans on AMX (CPUs with AMX-BF16, where the GEMM's measured choice takes it): up to
+// kSpanKeys keys (consecutive key tiles) at a time. Scores as S^T = K Q^T tile by tile, so that
+// they land in st[j][r] for the softmax down the lanes: the A tiles the key rows read in place
+// from the pool (a tile of fewer than 16 keys copied into zeroed rows first), 32 head dims each;
+// the B tiles the query pairs qp. One softmax over the span (the scale applied there). P.V as
+// O = P V with the span's probabilities as A tiles: pp's key pairs transposed 16 x 16 into rows
+// (pa), the value pairs vp as B tiles, and a query chunk's output (up to 64 head dims) kept in
+// four sums tiles through the span's 32-key steps, loaded from and stored back to acc once.
+// Every tile is 16 rows of 64 bytes (one configuration an item): 0 and 3 scores (alternating
+// chunks), 1 keys or values, 2 queries or values, 3 probabilities, 4-7 outputs.
+constexpr int kSpanPairs = kSpanKeys / 2;
+constexpr int kPairStep = 16;  // key pairs a tile step
+
 struct AmxTiles {
-  int n = -1;  // the key tile length configured for; -1: not configured on this thread in this item
-  void configure(int keys);
+  bool configured = false;
+  void configure();
   ~AmxTiles();
 };
 
-void AmxTiles::configure(int keys) {
-  if (keys == n) return;
-  const int pairs = (keys + 1) / 2;
+void AmxTiles::configure() {
+  if (configured) return;
   TileConfig c;
-  c.set(0, keys, 64);
-  c.set(1, keys, 64);
-  c.set(2, kLanes, 64);
-  c.set(3, kLanes, 4 * pairs);
-  c.set(4, pairs, 64);
-  c.set(5, kLanes, 64);
+  for (int t = 0; t < 8; ++t) c.set(t, kLanes, 64);
   load_tile_config(c);
-  n = keys;
+  configured = true;
 }
 
 AmxTiles::~AmxTiles() {
-  if (n >= 0) release_tiles();
+  if (configured) release_tiles();
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void score_tile_amx(BlockScratch& w, const bf16* k, int64_t kv_stride,
-                                                                int d, int n, float scale) {
-  tile_sources_written();  // qp
-  for (int c = 0; c < w.r16; c += kLanes) {
-    _tile_zero(0);
-    for (int i = 0; i < d; i += 32) {
-      _tile_loadd(1, k + i, kv_stride * 2);
-      _tile_loadd(2, &w.qp[size_t(i / 2) * 2 * w.r16 + 2 * c], 4 * w.r16);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, &w.st[c], 4 * w.r16);
+// Query chunk q's (16 vectors of pairs, r16 apart) raw scores against the 16 keys at k into dst,
+// summed in tile S (a macro: GCC's tile intrinsics take literal tile numbers only).
+#define PAGODA_SCORE_CHUNK_AMX(NAME, S)                                                                       \
+  __attribute__((target("amx-tile,amx-bf16"))) void NAME(const bf16* k, int64_t kv_stride, const bf16* q, \
+                                                         int64_t r16, int d, float* dst) {                  \
+    _tile_zero(S);                                                                                           \
+    for (int i = 0; i < d; i += 32) {                                                                        \
+      _tile_loadd(1, k + i, kv_stride * 2);                                                                  \
+      _tile_loadd(2, q + (i / 2) * 2 * r16, 4 * r16);                                                        \
+      _tile_dpbf16ps(S, 1, 2);                                                                               \
+    }                                                                                                        \
+    _tile_stored(S, dst, 4 * r16);                                                                           \
   }
-  const __m512 f = _mm512_set1_ps(scale);
-  for (int j = 0; j < n; ++j)
-    for (int c = 0; c < w.r16; c += kLanes)
-      _mm512_storeu_ps(&w.st[size_t(j) * w.r16 + c], _mm512_mul_ps(_mm512_loadu_ps(&w.st[size_t(j) * w.r16 + c]), f));
+PAGODA_SCORE_CHUNK_AMX(score_chunk_amx0, 0)
+PAGODA_SCORE_CHUNK_AMX(score_chunk_amx3, 3)
+#undef PAGODA_SCORE_CHUNK_AMX
+
+// Raw scores of the 16 keys at k (row stride kv_stride) into st rows [j0, j0 + 16); rows past
+// the tile's own keys are overwritten by the next tile's or lie past the span. Chunks alternate
+// sums tiles, so that one chunk's store overlaps the next one's products.
+void score_keys_amx(BlockScratch& w, const bf16* k, int64_t kv_stride, int d, int j0) {
+  tile_sources_written();  // qp, a copied tile's keys
+  const int64_t r16 = w.r16;
+  for (int c = 0; c < r16; c += kLanes) {
+    float* dst = &w.st[j0 * r16 + c];
+    if ((c / kLanes) % 2 == 0)
+      score_chunk_amx0(k, kv_stride, &w.qp[2 * c], r16, d, dst);
+    else
+      score_chunk_amx3(k, kv_stride, &w.qp[2 * c], r16, d, dst);
+  }
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) void accumulate_block_amx(BlockScratch& w, const float* corr, int n,
-                                                                      int d) {
-  const int pairs = (n + 1) / 2;
-  alignas(64) int32_t pa[kLanes * 8];  // 16 query vectors x up to 8 key pairs
+// Online softmax down the lanes over the span's n raw scores, scaled here: as softmax_block.
+void softmax_span(BlockScratch& w, int n, float scale, float* corr) {
+  float* st = w.st.data();  // NOTE: w is thread_local: its fields read once, not per store
+  float *m = w.m.data(), *l = w.l.data();
+  const int64_t r16 = w.r16;
+  const Vf f = vset1(scale);
+  for (int c = 0; c < r16; c += kLanes) {
+    const Vf m_old = load(&m[c]);
+    Vf raw = vset1(kNegInf);
+    for (int j = 0; j < n; ++j) raw = vmax(raw, load(&st[j * r16 + c]));
+    const Vf mx = vmax(m_old, raw * f), neg = vzero() - mx;
+    Vf sum = vzero();
+    for (int j = 0; j < n; ++j) {
+      const Vf p = vexp(vfma(load(&st[j * r16 + c]), f, neg));
+      store(&st[j * r16 + c], p);
+      sum = sum + p;
+    }
+    const Vf g = vexp(m_old - mx);
+    store(&corr[c], g);
+    store(&l[c], vfma(load(&l[c]), g, sum));
+    store(&m[c], mx);
+  }
+}
+
+// dst row e (stride ds int32) = column e of the 16 x 16 int32 block at src (stride ss).
+inline void transpose16(const int32_t* src, int64_t ss, int32_t* dst, int64_t ds) {
+  __m512i r[16], t[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ss);
+#pragma GCC unroll 8
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4k + m]: lane L holds element 4L + m of rows 4k..4k+3
+#pragma GCC unroll 4
+  for (int m = 0; m < 4; ++m) {
+    const __m512i a = _mm512_shuffle_i32x4(r[m], r[4 + m], 0x88), b = _mm512_shuffle_i32x4(r[m], r[4 + m], 0xDD);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0x88), e = _mm512_shuffle_i32x4(r[8 + m], r[12 + m], 0xDD);
+    _mm512_storeu_si512(dst + m * ds, _mm512_shuffle_i32x4(a, c, 0x88));
+    _mm512_storeu_si512(dst + (4 + m) * ds, _mm512_shuffle_i32x4(b, e, 0x88));
+    _mm512_storeu_si512(dst + (8 + m) * ds, _mm512_shuffle_i32x4(a, c, 0xDD));
+    _mm512_storeu_si512(dst + (12 + m) * ds, _mm512_shuffle_i32x4(b, e, 0xDD));
+  }
+}
+
+// Output dims [i0, i0 + 16 NT) of query chunk c += P (pa, steps x 16 key pairs) . V (vp).
+template <int NT>
+__attribute__((target("amx-tile,amx-bf16"))) void values_amx(BlockScratch& w, const int32_t* pa, int c, int i0,
+                                                            int d, int steps) {
+  float* o = &w.acc[size_t(c) * d + i0];
+  const int64_t ob = 4 * int64_t(d), vb = 4 * int64_t(d);
+  _tile_loadd(4, o, ob);
+  if constexpr (NT > 1) _tile_loadd(5, o + 16, ob);
+  if constexpr (NT > 2) _tile_loadd(6, o + 32, ob);
+  if constexpr (NT > 3) _tile_loadd(7, o + 48, ob);
+  for (int s = 0; s < steps; ++s) {
+    _tile_loadd(3, pa + kPairStep * s, kSpanPairs * 4);
+    const bf16* v = &w.vp[size_t(kPairStep * s) * 2 * d + 2 * i0];
+    _tile_loadd(1, v, vb);
+    _tile_dpbf16ps(4, 3, 1);
+    if constexpr (NT > 1) {
+      _tile_loadd(2, v + 32, vb);
+      _tile_dpbf16ps(5, 3, 2);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(1, v + 64, vb);
+      _tile_dpbf16ps(6, 3, 1);
+    }
+    if constexpr (NT > 3) {
+      _tile_loadd(2, v + 96, vb);
+      _tile_dpbf16ps(7, 3, 2);
+    }
+  }
+  _tile_stored(4, o, ob);
+  if constexpr (NT > 1) _tile_stored(5, o + 16, ob);
+  if constexpr (NT > 2) _tile_stored(6, o + 32, ob);
+  if constexpr (NT > 3) _tile_stored(7, o + 48, ob);
+}
+
+// acc = acc * corr + P V over the span's n keys (pp and vp zero past n up to whole steps).
+void accumulate_span_amx(BlockScratch& w, const float* corr, int n, int d) {
+  const int steps = (n + 2 * kPairStep - 1) / (2 * kPairStep);
+  alignas(64) int32_t pa[kLanes * kSpanPairs];  // a query chunk's probabilities, a row each
   const auto* pp = reinterpret_cast<const int32_t*>(w.pp.data());
-  const __m512i rows = _mm512_set_epi32(120, 112, 104, 96, 88, 80, 72, 64, 56, 48, 40, 32, 24, 16, 8, 0);  // 8 r
-  for (int c = 0; c < w.r16; c += kLanes) {
+  float* acc = w.acc.data();  // NOTE: w is thread_local: its fields read once, not per store
+  const int64_t r16 = w.r16;
+  for (int c = 0; c < r16; c += kLanes) {
     bool moved = false;  // NOTE: once the running max settles, corr is 1 and the rescale is skipped
     for (int r = c; r < c + kLanes; ++r) moved |= corr[r] != 1.f;
     if (moved)
-      for (int r = c; r < c + kLanes; ++r) {
+      for (int64_t r = c; r < c + kLanes; ++r) {
         const __m512 f = _mm512_set1_ps(corr[r]);
-        for (int i = 0; i < d; i += kLanes)
-          _mm512_storeu_ps(&w.acc[size_t(r) * d + i], _mm512_mul_ps(_mm512_loadu_ps(&w.acc[size_t(r) * d + i]), f));
+        for (int i = 0; i < d; i += kLanes) _mm512_storeu_ps(&acc[r * d + i], _mm512_mul_ps(_mm512_loadu_ps(&acc[r * d + i]), f));
       }
-    // pa[r][jp] = pp[jp][c + r]: key pair jp's column gathered into row r
-    for (int jp = 0; jp < pairs; ++jp) {
-      const __m512i col = _mm512_loadu_si512(pp + size_t(jp) * w.r16 + c);
-      _mm512_i32scatter_epi32(pa + jp, rows, col, 4);
-    }
+    for (int s = 0; s < steps; ++s) transpose16(pp + kPairStep * s * r16 + c, r16, pa + kPairStep * s, kSpanPairs);
     tile_sources_written();  // pa, the rescaled acc, vp
-    _tile_loadd(3, pa, 32);
-    for (int i = 0; i < d; i += kLanes) {
-      float* o = &w.acc[size_t(c) * d + i];
-      _tile_loadd(5, o, 4 * d);
-      _tile_loadd(4, &w.vp[2 * size_t(i)], 4 * d);
-      _tile_dpbf16ps(5, 3, 4);
-      _tile_stored(5, o, 4 * d);
+    int i = 0;
+    for (; i + 64 <= d; i += 64) values_amx<4>(w, pa, c, i, d, steps);
+    if (d - i == 32) values_amx<2>(w, pa, c, i, d, steps);
+  }
+}
+
+void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64_t pos0, int64_t window);
+
+// A head's key tiles in spans on AMX (see above). A tile of fewer than 16 keys is copied into
+// zeroed rows first, so that a tile never reads past its block.
+void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache, int64_t kv_stride,
+                      const AttnArgs& a, int rows, int group, const std::vector<KeyTile>& tiles, int h, int64_t pos0,
+                      float* corr, AmxTiles& amx) {
+  const int d = a.head_dim;
+  amx.configure();
+  alignas(64) bf16 kpad[kKeyTile * kMaxHeadDim];
+  const bf16* vrow[kSpanKeys];
+  for (size_t t0 = 0; t0 < tiles.size();) {
+    int n = 0;
+    size_t t1 = t0;
+    for (; t1 < tiles.size() && n + tiles[t1].n <= kSpanKeys; ++t1) {
+      const KeyTile& t = tiles[t1];
+      const bf16* k = k_cache + t.offset + int64_t(h) * d;
+      const bf16* v = v_cache + t.offset + int64_t(h) * d;
+      if (t.n < kKeyTile) {
+        std::memset(kpad, 0, sizeof(bf16) * kKeyTile * d);
+        for (int j = 0; j < t.n; ++j) std::memcpy(kpad + j * d, k + j * kv_stride, sizeof(bf16) * d);
+        score_keys_amx(w, kpad, d, d, n);
+      } else {
+        score_keys_amx(w, k, kv_stride, d, n);
+      }
+      for (int j = 0; j < t.n; ++j) vrow[n + j] = v + j * kv_stride;
+      n += t.n;
     }
+    mask_block(w, rows, group, n, tiles[t0].key0, pos0, a.window);
+    softmax_span(w, n, a.scale, corr);
+    const int pairs = (n + 1) / 2, padded = (pairs + kPairStep - 1) / kPairStep * kPairStep;
+    for (int j = 0; j < n; j += 2) pair_rows(vrow[j], j + 1 < n ? vrow[j + 1] : nullptr, &w.vp[size_t(j) * d], d);
+    pair_probabilities(w, n);
+    std::memset(&w.vp[size_t(pairs) * 2 * d], 0, sizeof(bf16) * 2 * d * (padded - pairs));
+    std::memset(&w.pp[size_t(pairs) * 2 * w.r16], 0, sizeof(bf16) * 2 * w.r16 * (padded - pairs));
+    accumulate_span_amx(w, corr, n, d);
+    t0 = t1;
   }
 }
 #else
@@ -568,10 +707,12 @@ void pair_values(BlockScratch&, const bf16*, int64_t, int, int) { std::abort(); 
 void pair_probabilities(BlockScratch&, int) { std::abort(); }
 void accumulate_block_bf16(BlockScratch&, const float*, int, int, int) { std::abort(); }
 struct AmxTiles {
-  void configure(int) { std::abort(); }
+  void configure() { std::abort(); }
 };
-void score_tile_amx(BlockScratch&, const bf16*, int64_t, int, int, float) { std::abort(); }
-void accumulate_block_amx(BlockScratch&, const float*, int, int) { std::abort(); }
+void attend_spans_amx(BlockScratch&, const bf16*, const bf16*, int64_t, const AttnArgs&, int, int,
+                      const std::vector<KeyTile>&, int, int64_t, float*, AmxTiles&) {
+  std::abort();
+}
 #endif
 
 // Masks (to -inf) the scores a row may not see: only tiles on the causal diagonal or the
@@ -580,12 +721,17 @@ void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64
   const int64_t last = pos0 + rows - 1;
   const bool all_seen = key0 + n - 1 <= pos0 && (window <= 0 || key0 >= last - window + 1);
   if (all_seen) return;
-  for (int j = 0; j < n; ++j) {
-    const int64_t key = key0 + j;
-    for (int r = 0; r < rows * group; ++r) {
-      const int64_t pos = pos0 + r / group;
-      if (key > pos || (window > 0 && key <= pos - window)) w.st[size_t(j) * w.r16 + r] = kNegInf;
-    }
+  float* st = w.st.data();  // NOTE: w is thread_local: its fields read once, not per store
+  const int64_t r16 = w.r16;
+  auto hide = [&](int64_t j, int q) {
+    for (int g = 0; g < group; ++g) st[j * r16 + q * group + g] = kNegInf;
+  };
+  for (int q = 0; q < rows; ++q) {
+    const int64_t pos = pos0 + q;
+    const int64_t after = std::clamp<int64_t>(pos - key0 + 1, 0, n);  // keys [after, n) come after pos
+    const int64_t left = window > 0 ? std::clamp<int64_t>(pos - window - key0 + 1, 0, n) : 0;  // [0, left) left the window
+    for (int64_t j = 0; j < left; ++j) hide(j, q);
+    for (int64_t j = after; j < n; ++j) hide(j, q);
   }
 }
 
@@ -639,25 +785,16 @@ enum class Products { kFma, kPairs, kAmx };
 
 template <typename C>
 void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_stride, const AttnArgs& a, int rows,
-                       int group, int n, int64_t key0, int64_t pos0, float* corr, Products products,
-                       AmxTiles& amx) {
+                       int group, int n, int64_t key0, int64_t pos0, float* corr, Products products) {
   const int d = a.head_dim;
   if constexpr (std::is_same_v<C, bf16>) {
-    if (products != Products::kFma) {
-      if (products == Products::kAmx) {
-        amx.configure(n);
-        score_tile_amx(w, k, kv_stride, d, n, a.scale);
-      } else {
-        score_tile_bf16(w, k, kv_stride, d, n, a.scale);
-      }
+    if (products == Products::kPairs) {
+      score_tile_bf16(w, k, kv_stride, d, n, a.scale);
       mask_block(w, rows, group, n, key0, pos0, a.window);
       softmax_block(w, n, corr);
       pair_values(w, v, kv_stride, d, n);
       pair_probabilities(w, n);
-      if (products == Products::kAmx)
-        accumulate_block_amx(w, corr, n, d);
-      else
-        accumulate_block_bf16(w, corr, rows * group, n, d);
+      accumulate_block_bf16(w, corr, rows * group, n, d);
       return;
     }
   }
@@ -717,10 +854,18 @@ void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, c
       }
       for (int i = 0; i < d; ++i) w.qt[size_t(i) * w.r16 + r] = to_float(src[i]) * a.scale;
     }
-    for (const KeyTile& t : tiles) {
+    bool spans = false;
+    if constexpr (std::is_same_v<C, bf16>) {
+      if (products == Products::kAmx) {
+        attend_spans_amx(w, k_cache, v_cache, kv_stride, a, rows, group, tiles, h, pos0, corr.data(), amx);
+        spans = true;
+      }
+    }
+    for (size_t i = 0; !spans && i < tiles.size(); ++i) {
+      const KeyTile& t = tiles[i];
       const int64_t offset = t.offset + int64_t(h) * d;
       attend_block_tile(w, k_cache + offset, v_cache + offset, kv_stride, a, rows, group, t.n, t.key0, pos0,
-                        corr.data(), products, amx);
+                        corr.data(), products);
     }
     T* out_rows = out + (q_begin + row0) * a.out_stride + int64_t(h) * group * d;
     for (int r = 0; r < vectors; ++r) {
