@@ -121,7 +121,7 @@ inline void score_keys_bf16_row(const bf16* q, const bf16* k, int64_t k_stride, 
 #pragma GCC unroll 16
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   for (int i = 0; i < d; i += 32) {
-    const __mmask32 m = d - i >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (d - i)) - 1u);
+    const __mmask32 m = tail_mask32(d - i);
     const __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, q + i);
 #pragma GCC unroll 16
     for (int j = 0; j < 16; ++j) {
@@ -361,9 +361,9 @@ struct BlockScratch {
       pp.resize(size_t(kSpanKeys) * r16);
     } else {
       qt.assign(size_t(d) * r16, 0.f);
+      kf.resize(size_t(kKeyTile) * d);  // the key tile widened to fp32 (the FMA path only)
+      vf.resize(size_t(kKeyTile) * d);
     }
-    kf.resize(size_t(kKeyTile) * d);
-    vf.resize(size_t(kKeyTile) * d);
     st.resize(size_t(kSpanKeys + kKeyTile) * r16);  // a span's scores and a tile's stored past it
     m.assign(r16, kFloor);
     l.assign(r16, 0.f);
@@ -419,7 +419,7 @@ void pair_rows(const bf16* a, const bf16* b, bf16* dst, int d) {
                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int i = 0; i < d; i += 32) {
-    const __mmask32 m = d - i >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << (d - i)) - 1u);
+    const __mmask32 m = tail_mask32(d - i);
     const __m512i x = _mm512_maskz_loadu_epi16(m, a + i);
     const __m512i y = b != nullptr ? _mm512_maskz_loadu_epi16(m, b + i) : _mm512_setzero_si512();
     _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi16(x, lo, y));

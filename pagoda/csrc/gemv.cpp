@@ -19,8 +19,7 @@ constexpr int64_t kRowGrain = 16;  // output rows per thread range, a multiple o
 
 constexpr int kStep = 32;
 inline __m512bh load_pairs(const bf16* p, int64_t left) {
-  const __mmask32 m = left >= kStep ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << left) - 1u);
-  return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+  return (__m512bh)_mm512_maskz_loadu_epi16(tail_mask32(left), p);
 }
 
 template <int M, int R>

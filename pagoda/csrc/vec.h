@@ -117,6 +117,8 @@ struct Vf {
 using Mask = __mmask16;
 
 inline Mask tail_mask(int n) { return n >= kLanes ? Mask(0xFFFF) : Mask((1u << n) - 1u); }
+// The first n (32 at most) of 32 16-bit lanes: a bf16 row's tail.
+inline __mmask32 tail_mask32(int64_t n) { return n >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32((1u << n) - 1u); }
 inline Vf vzero() { return {_mm512_setzero_ps()}; }
 inline Vf vset1(float x) { return {_mm512_set1_ps(x)}; }
 inline Vf operator+(Vf a, Vf b) { return {_mm512_add_ps(a.v, b.v)}; }
