@@ -509,6 +509,14 @@ void panel_pair(const Problem& P, const Source& src, const Tiling& tiling, int64
     emit(P, sums + tiling.start[t] * kSumsRow, tiling.start[t], tiling.rows(t), c0, 2 * kPanel);
 }
 
+#if defined(PAGODA_AVX2) || (defined(PAGODA_AVX512) && defined(__AVX512BF16__))
+// x's rows widened to fp32 once for the whole call (`Problem::xf`), all K.
+inline void widen_x(Problem& P) {
+  P.xf_stride = 2 * num_pairs(P.K);
+  P.xf = widen_rows(Rows{P.x, P.xs, P.K}, static_cast<int>(P.M), 0, num_pairs(P.K));
+}
+#endif
+
 // `make_source(buffer)` gives each thread its Source (`buffer`: that thread's decode buffer).
 template <class MakeSource>
 void gemm_pass(const Problem& problem, MakeSource make_source) {
@@ -517,17 +525,13 @@ void gemm_pass(const Problem& problem, MakeSource make_source) {
   // 16-row step (perf, SmolLM2 at 16 streams). Up to kMaxWidened floats (the buffer stays
   // allocated); bigger passes widen per chunk as before.
   Problem P = problem;
-  if (P.M * 2 * num_pairs(P.K) <= kMaxWidened) {
-    P.xf_stride = 2 * num_pairs(P.K);
-    P.xf = widen_rows(Rows{P.x, P.xs, P.K}, static_cast<int>(P.M), 0, num_pairs(P.K));
-  }
+  if (P.M * 2 * num_pairs(P.K) <= kMaxWidened) widen_x(P);
 #elif defined(PAGODA_AVX512) && defined(__AVX512BF16__)
   Problem P = problem;
   using Source = decltype(make_source(static_cast<bf16*>(nullptr)));
   if (Source::kInPlace && P.M >= g_fma_rows.load(std::memory_order_relaxed) &&
       P.M * 2 * num_pairs(P.K) <= kMaxWidenedFma) {
-    P.xf_stride = 2 * num_pairs(P.K);
-    P.xf = widen_rows(Rows{P.x, P.xs, P.K}, static_cast<int>(P.M), 0, num_pairs(P.K));
+    widen_x(P);
     P.fma = true;
   }
 #else
