@@ -122,7 +122,7 @@ class BlockManager:
 
     def block_ids_of(self, request: Request) -> list[int]:
         """The request's table in this manager's group."""
-        return request.group_block_ids(self.group)
+        return request.block_ids if self.group == 0 else request.sliding_block_ids
 
     def _set_block_ids(self, request: Request, block_ids: list[int]) -> None:
         if self.group == 0:

@@ -81,11 +81,6 @@ class Request:
         self.pooled_sum: torch.Tensor | None = None
         self.num_pooled_tokens = 0
 
-    def group_block_ids(self, group: int) -> list[int]:
-        """The block table of KV cache group `group`: 0 the full-attention layers', 1 a mixed
-        model's sliding-window layers'."""
-        return self.block_ids if group == 0 else self.sliding_block_ids
-
     def _max_tokens(self, max_model_len: int | None) -> int:
         if self.pooling_params is not None:
             return 0
