@@ -552,30 +552,6 @@ void score_keys_amx(BlockScratch& w, const bf16* k, int64_t kv_stride, int d, in
   }
 }
 
-// Online softmax down the lanes over the span's n raw scores, scaled here: as softmax_block.
-void softmax_span(BlockScratch& w, int n, float scale, float* corr) {
-  float* st = w.st.data();  // NOTE: w is thread_local: its fields read once, not per store
-  float *m = w.m.data(), *l = w.l.data();
-  const int64_t r16 = w.r16;
-  const Vf f = vset1(scale);
-  for (int c = 0; c < r16; c += kLanes) {
-    const Vf m_old = load(&m[c]);
-    Vf raw = vset1(kNegInf);
-    for (int j = 0; j < n; ++j) raw = vmax(raw, load(&st[j * r16 + c]));
-    const Vf mx = vmax(m_old, raw * f), neg = vzero() - mx;
-    Vf sum = vzero();
-    for (int j = 0; j < n; ++j) {
-      const Vf p = vexp(vfma(load(&st[j * r16 + c]), f, neg));
-      store(&st[j * r16 + c], p);
-      sum = sum + p;
-    }
-    const Vf g = vexp(m_old - mx);
-    store(&corr[c], g);
-    store(&l[c], vfma(load(&l[c]), g, sum));
-    store(&m[c], mx);
-  }
-}
-
 // dst row e (stride ds int32) = column e of the 16 x 16 int32 block at src (stride ss).
 inline void transpose16(const int32_t* src, int64_t ss, int32_t* dst, int64_t ds) {
   __m512i r[16], t[16];
@@ -663,6 +639,7 @@ void accumulate_span_amx(BlockScratch& w, const float* corr, int n, int d) {
 }
 
 void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64_t pos0, int64_t window);
+void softmax_block(BlockScratch& w, int n, float scale, float* corr);
 
 // A head's key tiles in spans on AMX (see above). A tile of fewer than 16 keys is copied into
 // zeroed rows first, so that a tile never reads past its block.
@@ -691,7 +668,7 @@ void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache,
       n += t.n;
     }
     mask_block(w, rows, group, n, tiles[t0].key0, pos0, a.window);
-    softmax_span(w, n, a.scale, corr);
+    softmax_block(w, n, a.scale, corr);
     const int pairs = (n + 1) / 2, padded = (pairs + kPairStep - 1) / kPairStep * kPairStep;
     for (int j = 0; j < n; j += 2) pair_rows(vrow[j], j + 1 < n ? vrow[j + 1] : nullptr, &w.vp[size_t(j) * d], d);
     pair_probabilities(w, n);
@@ -735,24 +712,29 @@ void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64
   }
 }
 
-// Online softmax down the lanes: each row's new max, its probabilities left in st, its sum,
-// and in corr the factor its accumulator is rescaled by (1 where the max did not move).
-void softmax_block(BlockScratch& w, int n, float* corr) {
-  for (int c = 0; c < w.r16; c += kLanes) {
-    const Vf m_old = load(&w.m[c]);
-    Vf mx = m_old;
-    for (int j = 0; j < n; ++j) mx = vmax(mx, load(&w.st[size_t(j) * w.r16 + c]));
+// Online softmax down the lanes over n scores, times `scale` (1 where the scores are scaled
+// already): each row's new max, its probabilities left in st, its sum, and in corr the factor
+// its accumulator is rescaled by (1 where the max did not move).
+void softmax_block(BlockScratch& w, int n, float scale, float* corr) {
+  float* st = w.st.data();  // NOTE: w is thread_local: its fields read once, not per store
+  float *m = w.m.data(), *l = w.l.data();
+  const int64_t r16 = w.r16;
+  const Vf f = vset1(scale);
+  for (int c = 0; c < r16; c += kLanes) {
+    const Vf m_old = load(&m[c]);
+    Vf raw = vset1(kNegInf);
+    for (int j = 0; j < n; ++j) raw = vmax(raw, load(&st[j * r16 + c]));
+    const Vf mx = vmax(m_old, raw * f), neg = vzero() - mx;
     Vf sum = vzero();
     for (int j = 0; j < n; ++j) {
-      float* s = &w.st[size_t(j) * w.r16 + c];
-      const Vf p = vexp(load(s) - mx);
-      store(s, p);
+      const Vf p = vexp(vfma(load(&st[j * r16 + c]), f, neg));
+      store(&st[j * r16 + c], p);
       sum = sum + p;
     }
-    const Vf f = vexp(m_old - mx);
-    store(&corr[c], f);
-    store(&w.l[c], vfma(load(&w.l[c]), f, sum));
-    store(&w.m[c], mx);
+    const Vf g = vexp(m_old - mx);
+    store(&corr[c], g);
+    store(&l[c], vfma(load(&l[c]), g, sum));
+    store(&m[c], mx);
   }
 }
 
@@ -791,7 +773,7 @@ void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_strid
     if (products == Products::kPairs) {
       score_tile_bf16(w, k, kv_stride, d, n, a.scale);
       mask_block(w, rows, group, n, key0, pos0, a.window);
-      softmax_block(w, n, corr);
+      softmax_block(w, n, 1.f, corr);
       pair_values(w, v, kv_stride, d, n);
       pair_probabilities(w, n);
       accumulate_block_bf16(w, corr, rows * group, n, d);
@@ -808,7 +790,7 @@ void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_strid
     for (; j < n; ++j) score_keys<1>(w, d, j, c);
   }
   mask_block(w, rows, group, n, key0, pos0, a.window);
-  softmax_block(w, n, corr);
+  softmax_block(w, n, 1.f, corr);
   if (d % kLanes == 0) {
     accumulate_block<true>(w, corr, rows * group, n, d);
   } else {
@@ -854,18 +836,15 @@ void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, c
       }
       for (int i = 0; i < d; ++i) w.qt[size_t(i) * w.r16 + r] = to_float(src[i]) * a.scale;
     }
-    bool spans = false;
-    if constexpr (std::is_same_v<C, bf16>) {
-      if (products == Products::kAmx) {
+    if (products == Products::kAmx) {  // a bf16 pool (bf16_pool above)
+      if constexpr (std::is_same_v<C, bf16>)
         attend_spans_amx(w, k_cache, v_cache, kv_stride, a, rows, group, tiles, h, pos0, corr.data(), amx);
-        spans = true;
+    } else {
+      for (const KeyTile& t : tiles) {
+        const int64_t offset = t.offset + int64_t(h) * d;
+        attend_block_tile(w, k_cache + offset, v_cache + offset, kv_stride, a, rows, group, t.n, t.key0, pos0,
+                          corr.data(), products);
       }
-    }
-    for (size_t i = 0; !spans && i < tiles.size(); ++i) {
-      const KeyTile& t = tiles[i];
-      const int64_t offset = t.offset + int64_t(h) * d;
-      attend_block_tile(w, k_cache + offset, v_cache + offset, kv_stride, a, rows, group, t.n, t.key0, pos0,
-                        corr.data(), products);
     }
     T* out_rows = out + (q_begin + row0) * a.out_stride + int64_t(h) * group * d;
     for (int r = 0; r < vectors; ++r) {
