@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from pagoda.layers.cpu_kernels import gemm_tiles
@@ -45,12 +47,45 @@ def test_the_choice_described_as_the_kernel_runs_it() -> None:
     assert describe(TileChoice(amx_rows=1)) == "AMX tiles at every row count"
     assert describe(TileChoice(8, 32)) == "vdpbf16ps up to 7 rows, fp32 FMAs 8-31 rows, AMX tiles from 32"
     assert describe(TileChoice(64, 16)) == "vdpbf16ps up to 15 rows, AMX tiles from 16"  # AMX is taken first
+    assert describe(TileChoice(NEVER, 4, 32)) == ("vdpbf16ps up to 3 rows, AMX tiles from 4; "
+                                                  "int8: vpdpbusd up to 31 rows, AMX tiles from 32")
+
+
+def test_int8_amx_measured_beside_vpdpbusd_and_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gemm_tiles.ENV, raising=False)
+    # rows -> (vpdpbusd, AMX seconds): AMX loses below 16 rows (widening the codes costs), wins from there
+    int8 = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (1.0, 1.5), 8: (1.0, 1.2), 16: (1.0, 0.6), 64: (1.0, 0.5)}
+    measured: list[object] = []
+
+    def measure_int8(apply, run_int8, k, repeats=9):  # noqa: ANN001, ANN202
+        measured.append(run_int8)
+        return int8
+
+    monkeypatch.setattr(gemm_tiles, "measure_int8", measure_int8)
+    applied: list[TileChoice] = []
+    cache = tmp_path / "tiles.json"
+    choice = gemm_tiles.choose(applied.append, lambda x: None, 16, cache, amx=True,  # type: ignore[arg-type]
+                               run_int8=lambda x: None)
+    assert choice.amx_int8_rows == 16 and applied[-1] == choice and measured
+    assert json.loads(cache.read_text())["amx_int8_rows"] == 16
+    measured.clear()
+    assert gemm_tiles.choose(applied.append, lambda x: None, 16, cache, amx=True) == choice  # type: ignore[arg-type]
+    assert not measured  # cached
+    int8[64] = (1.0, 0.97)  # within the margin at the top: never
+    assert gemm_tiles.choose(applied.append, lambda x: None, 16, cache, retune=True, amx=True,  # type: ignore[arg-type]
+                             run_int8=lambda x: None).amx_int8_rows == NEVER
+    # a cached AMX choice from before int8 panels had AMX tiles is measured again
+    cache.write_text('{"fma_rows": 4611686018427387904, "amx_rows": 1}')
+    measured.clear()
+    gemm_tiles.choose(applied.append, lambda x: None, 16, cache, amx=True, run_int8=lambda x: None)  # type: ignore[arg-type]
+    assert measured
 
 
 def test_forced_forms_and_a_clear_error() -> None:
     assert parse_forced("dpbf16") == TileChoice() and parse_forced("FMA") == TileChoice(fma_rows=1)
-    assert parse_forced("fma:24") == TileChoice(fma_rows=24) and parse_forced("amx:4") == TileChoice(amx_rows=4)
-    assert parse_forced("amx") == TileChoice(amx_rows=1)
+    assert parse_forced("fma:24") == TileChoice(fma_rows=24)
+    assert parse_forced("amx:4") == TileChoice(amx_rows=4, amx_int8_rows=4)  # bf16 and int8 panels alike
+    assert parse_forced("amx") == TileChoice(amx_rows=1, amx_int8_rows=1)
     for bad in ("amx:0", "fma:0", "fma:x", "dpbf16:3", "tiles", ""):
         with pytest.raises(ValueError, match="dpbf16, fma, fma:ROWS, amx or amx:ROWS"):
             parse_forced(bad)
@@ -75,6 +110,10 @@ def test_measure_times_each_kind_and_leaves_vdpbf16ps_on() -> None:
     timings = gemm_tiles.measure(calls.append, lambda x: None, 16, repeats=1, amx=True)  # type: ignore[arg-type]
     assert set(timings) == set(gemm_tiles.AMX_PROBE_ROWS) and TileChoice(amx_rows=1) in calls
     assert calls[-1] == TileChoice() and all(len(t) == 3 for t in timings.values())
+    calls.clear()
+    timings = gemm_tiles.measure_int8(calls.append, lambda x: None, 16, repeats=1)  # type: ignore[arg-type]
+    assert set(calls) == {TileChoice(), TileChoice(amx_int8_rows=1)} and calls[-1] == TileChoice()
+    assert set(timings) == set(gemm_tiles.AMX_PROBE_ROWS) and all(len(t) == 2 for t in timings.values())
 
 
 def test_choice_cached_reused_and_remeasured_on_request(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -89,7 +128,7 @@ def test_choice_cached_reused_and_remeasured_on_request(tmp_path, monkeypatch: p
     first = gemm_tiles.choose(set_rows.append, run, 16, cache, amx=True)  # type: ignore[arg-type]
     assert runs and cache.exists() and set_rows[-1] == first and 1 in runs  # AMX probed from one row
     runs.clear()
-    assert gemm_tiles.choose(set_rows.append, run, 16, cache) == first and not runs  # type: ignore[arg-type]
+    assert gemm_tiles.choose(set_rows.append, run, 16, cache, amx=True) == first and not runs  # type: ignore[arg-type]
     cache.write_text("{not json")
     gemm_tiles.choose(set_rows.append, run, 16, cache)  # type: ignore[arg-type]
     assert runs  # a broken cache is measured again, not an error

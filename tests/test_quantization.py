@@ -231,7 +231,7 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
         for m in (1, 17, 70) if method.panels is not None else (1, 16):
             x = torch.randn(m, layer.in_features, generator=gen).to(torch.bfloat16)
             # NOTE: the panels round x to int8 codes by groups (ops.Int4Panels, Int8Panels)
-            group = method.panels.x_group if method.panels is not None else 0
+            group = method.panels.x_group(m) if method.panels is not None else 0
             xr = packing.round_to_int8_groups(x, group) if group else x.float()
             want = F.linear(xr, w, layer.bias.float() if layer.bias is not None else None)
             got = layer(x).float()

@@ -10,7 +10,8 @@ For every compiled variant. Tolerances:
   which the bound takes as 2^-8 sum|x w|. A wrong scale, offset or nibble moves y by about
   |x w| of one element, far outside these bounds.
 - `gemm` on int8 panels (bf16 activations) against the same reference: exact products, fp32
-  sums, so the same bound as `qgemv` on bf16 activations. On int4 panels x is first rounded to
+  sums, so the same bound as `qgemv` on bf16 activations (x rounded to int8 codes by groups of 32
+  on vpdpbusd, which the reference takes alike; as it is on AMX tiles). On int4 panels x is first rounded to
   int8 codes per group (as llama.cpp's Q8_0 activations): the reference takes x rounded alike.
 - `dequantize` equals the torch reference bit for bit (same operations, same order).
 - fp8 K/V writes equal torch's own conversion of the clamped, scaled values bit for bit;
@@ -20,6 +21,7 @@ For every compiled variant. Tolerances:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -155,16 +157,29 @@ def check_qgemm(m: int, n: int, k: int, bias: bool, seed: int) -> None:
     assert torch.equal(weight.codes(), codes)
     got = ops.gemm(x, weight, b).float()
     w = codes.float() * scales[:, None]
-    xr = packing.round_to_int8_groups(x, weight.x_group) if weight.x_group else x.float()
+    group = weight.x_group(m)
+    xr = packing.round_to_int8_groups(x, group) if group else x.float()
     want = F.linear(xr, w, b.float() if b is not None else None)
     magnitude = xr.abs() @ w.abs().t()
     excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * magnitude + 1e-6)
     assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
 
 
+@pytest.fixture(params=["vpdpbusd", "amx"])
+def int8_tiles(request: pytest.FixtureRequest) -> Iterator[str]:
+    """int8 panels on vpdpbusd (x rounded to int8 codes by groups of 32) or on AMX tiles (the
+    codes widened to bf16, x as it is; K a multiple of 32), where the CPU has them; restored after."""
+    before = ops.GEMM_AMX_INT8_ROWS
+    if not ops.set_gemm_amx_int8_rows(1 if request.param == "amx" else 1 << 62) and request.param == "amx":
+        pytest.skip("this CPU or build has no AMX tiles (amx_bf16), or Linux refused the tile data")
+    yield request.param
+    ops.set_gemm_amx_int8_rows(before)
+
+
 # M covers one tile (up to 6 rows on avx512bf16, 12 portable), several tiles over chunks, the
-# portable build's wide tiles (96+); N and K cover SmolLM2's shapes, partial panels and blocks,
-# K not a multiple of 4 or of x's groups of 32.
+# portable build's wide tiles (96+), AMX's blocks of 16 and 32 rows; N and K cover SmolLM2's
+# shapes, partial panels and blocks, K not a multiple of 4 or of x's groups of 32.
+@pytest.mark.usefixtures("int8_tiles")
 @pytest.mark.parametrize("m", [1, 5, 6, 12, 13, 16, 25, 64, 96, 101])
 @pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 70, False), (77, 129, True),
                                       (16, 2, False), (33, 1, True)])
@@ -172,10 +187,13 @@ def test_qgemm_int8_matches_dequantize_then_matmul(m: int, n: int, k: int, bias:
     check_qgemm(m, n, k, bias, seed=m * 1000 + n + k)
 
 
+@pytest.mark.usefixtures("int8_tiles")
 def test_qgemm_int8_random_shapes() -> None:
     gen = torch.Generator().manual_seed(5)
     for trial in range(30):
         m, n, k = (int(torch.randint(1, hi, (1,), generator=gen)) for hi in (110, 300, 300))
+        if trial % 3 == 0:
+            k = -(-k // 32) * 32  # what AMX tiles take
         check_qgemm(m, n, k, trial % 2 == 1, seed=trial)
 
 

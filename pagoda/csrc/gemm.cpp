@@ -29,7 +29,9 @@
 // columns][4 codes]: one 64-byte vector holds a block's 16 columns x 4 k's, what vpdpbusd takes),
 // and a tile (up to kInt8TileRows rows) sums each group in int32 registers, started at -128 * the
 // group's sum of x codes, then scales it by x's step into fp32 sums held in registers. y is W
-// times the rounded x, up to fp32 sums. The portable build (format 0) keeps the bf16 layout with
+// times the rounded x, up to fp32 sums. On CPUs with AMX, steps from a row count measured at load
+// (`pagoda_gemm_set_amx_int8_rows`) widen each panel's codes to bf16 instead and multiply x as it
+// is on the tile units (`amx_int8_pass`). The portable build (format 0) keeps the bf16 layout with
 // one two's complement byte an element, decoded a chunk at a time into bf16 (exact) for the bf16
 // tiles. Codes are in [-127, 127] (what per-channel quantization gives). The scale multiplies each
 // column's fp32 sum once, before the bias and the one rounding.
@@ -791,6 +793,7 @@ constexpr int kAmxBlockRows = 32;  // rows per block: two A tiles
 // (docs/performance.md, "A fifth CPU").
 constexpr int64_t kAmxPassRows = 256;
 std::atomic<int64_t> g_amx_rows{int64_t{1} << 62};
+std::atomic<int64_t> g_amx_int8_rows{int64_t{1} << 62};  // likewise for int8 panels (`amx_int8_pass`)
 
 // Tiles 0-3: sums of row tile a (0, 1) x block b (0, 1) at 2a + b; 4, 5: x's row tiles; 6, 7: the
 // panel's blocks. rows1 == 0 leaves row tile 1 unconfigured.
@@ -840,13 +843,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64
   }
 }
 
-void amx_pass(const Problem& P, const bf16* packed) {
+// Rows [0, P.M) (at most kAmxPassRows) x every panel, `panel_at(i)` giving panel i in the bf16
+// layout (the thread's own until its next call).
+template <class PanelAt>
+void amx_pass(const Problem& P, PanelAt panel_at) {
   const int64_t pairs = num_pairs(P.K), panels = padded_cols(P.N) / kPanel;
   parallel_ranges(panels, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) static thread_local float sums[kAmxBlockRows * kSumsRow];
     int configured = 0;  // rows the tiles are configured for (ldtilecfg per call: other code shares the thread)
     for (int64_t i = i0; i < i1; ++i) {
-      const bf16* w = packed + i * kPanel * 2 * pairs;
+      const bf16* w = panel_at(i);
       for (int64_t m0 = 0; m0 < P.M; m0 += kAmxBlockRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kAmxBlockRows, P.M - m0));
         if (rows != configured) configure_tiles(std::min(rows, 16), std::max(rows - 16, 0));
@@ -862,6 +868,18 @@ void amx_pass(const Problem& P, const bf16* packed) {
   });
 }
 
+// P's rows in passes of at most kAmxPassRows.
+template <class PanelAt>
+void amx_passes(const Problem& P, PanelAt panel_at) {
+  for (int64_t m0 = 0; m0 < P.M; m0 += kAmxPassRows) {
+    Problem part = P;
+    part.x += m0 * P.xs;
+    part.y += m0 * P.ys;
+    part.M = std::min(kAmxPassRows, P.M - m0);
+    amx_pass(part, panel_at);
+  }
+}
+
 // Whether this CPU has AMX-BF16 and Linux lets this process use the tile data (asked once).
 bool amx_usable() {
   static const bool usable = [] {
@@ -875,8 +893,8 @@ bool amx_usable() {
   return usable;
 }
 
-bool takes_amx(const Problem& P) {
-  return P.M >= g_amx_rows.load(std::memory_order_relaxed) && P.K % (2 * kAmxPairs) == 0 && amx_usable();
+bool takes_amx(const Problem& P, const std::atomic<int64_t>& from_rows = g_amx_rows) {
+  return P.M >= from_rows.load(std::memory_order_relaxed) && P.K % (2 * kAmxPairs) == 0 && amx_usable();
 }
 #endif
 
@@ -885,13 +903,8 @@ void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16*
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
     if (takes_amx(P)) {
-      for (int64_t m0 = 0; m0 < P.M; m0 += kAmxPassRows) {
-        Problem part = P;
-        part.x += m0 * P.xs;
-        part.y += m0 * P.ys;
-        part.M = std::min(kAmxPassRows, P.M - m0);
-        amx_pass(part, packed);
-      }
+      const int64_t panel_size = kPanel * 2 * num_pairs(P.K);
+      amx_passes(P, [&](int64_t i) { return packed + i * panel_size; });
       return;
     }
 #endif
@@ -1048,13 +1061,62 @@ void int8_pass(const Problem& P, const uint8_t* codes) {
     for (int64_t i = i0; i < i1; ++i) int8_panel(P, codes, rows, tiling, i, sums.data());
   });
 }
+#if defined(__x86_64__)
+// int8 panels on AMX: each thread widens a panel's codes to the bf16 panel layout (exact: every
+// code is a bf16; 2 x its bytes, in L2), once a pass, and the bf16 blocks multiply x as it is
+// on it (no rounding of x to int8 codes: tdpbf16ps does 8x the multiply-adds of vpdpbusd a
+// cycle, and the groups' rescaling would cost more than the products; so these rows' outputs
+// are W times x itself, up to fp32 sums). Source quad q, block b: 16 columns x 4 codes + 128 at
+// 4c + i; destination k-pair 2q + h, block b: 16 columns x 2 at 2c + e, code i = 2h + e.
+__attribute__((target("avx512vbmi"))) void widen_int8_panel(const uint8_t* codes, int64_t quads, bf16* out) {
+  // NOTE: idx[h][half]: dword j of a half (columns 8 * half + j / 2, element j % 2) takes byte
+  // 4 (j / 2) + j % 2 + 2h + 32 half into its low byte; the mask zeroes the other three.
+  alignas(64) static const std::array<std::array<std::array<uint8_t, 64>, 2>, 2> idx = [] {
+    std::array<std::array<std::array<uint8_t, 64>, 2>, 2> t{};
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half)
+        for (int j = 0; j < 16; ++j) t[h][half][4 * j] = static_cast<uint8_t>(4 * (j / 2) + j % 2 + 2 * h + 32 * half);
+    return t;
+  }();
+  constexpr __mmask64 kLowBytes = 0x1111111111111111ull;
+  const __m512i offset = _mm512_set1_epi32(128);
+  for (int64_t q = 0; q < quads; ++q) {
+    for (int b = 0; b < 2; ++b) {
+      const __m512i v = _mm512_loadu_si512(codes + q * kQuadBytes + b * 4 * kBlock);
+      for (int h = 0; h < 2; ++h) {
+        __m512 half[2];
+        for (int i = 0; i < 2; ++i) {
+          const __m512i index = _mm512_load_si512(idx[h][i].data());
+          half[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_maskz_permutexvar_epi8(kLowBytes, index, v), offset));
+        }
+        const __m512bh pair = _mm512_cvtne2ps_pbh(half[1], half[0]);
+        _mm512_storeu_si512(out + (2 * q + h) * kPanelPair + b * 2 * kBlock, reinterpret_cast<const __m512i&>(pair));
+      }
+    }
+  }
+}
+
+void amx_int8_pass(const Problem& P, const uint8_t* codes) {
+  const int64_t quads = num_quads(P.K);
+  amx_passes(P, [&](int64_t i) {
+    static thread_local std::vector<bf16> panel;
+    panel.resize(2 * quads * kPanelPair);
+    widen_int8_panel(codes + i * kQuadBytes * quads, quads, panel.data());
+    return static_cast<const bf16*>(panel.data());
+  });
+}
 #endif
+#endif
+
 
 void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const bf16* bias, bf16* y,
                 int64_t ys, int64_t M, int64_t N, int64_t K) {
   all_passes(x, xs, scales, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI)
-    int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
+    if (takes_amx(P, g_amx_int8_rows))
+      amx_int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
+    else
+      int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
 #else
     gemm_pass(P, [&](bf16* buffer) { return Int8Panels{codes, num_pairs(K), buffer}; });
 #endif
@@ -1102,6 +1164,19 @@ extern "C" int64_t pagoda_gemm_set_amx_rows(int64_t rows) {
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
   if (!pagoda::amx_usable()) return 0;
   pagoda::g_amx_rows.store(rows, std::memory_order_relaxed);
+  return 1;
+#else
+  (void)rows;
+  return 0;
+#endif
+}
+
+// Steps of at least `rows` rows multiply int8 panels on AMX tiles (widened to bf16, x as it is;
+// K a multiple of 32); returns whether this CPU and build have them.
+extern "C" int64_t pagoda_gemm_set_amx_int8_rows(int64_t rows) {
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
+  if (!pagoda::amx_usable() || !__builtin_cpu_supports("avx512vbmi")) return 0;  // widen_int8_panel's vpermb
+  pagoda::g_amx_int8_rows.store(rows, std::memory_order_relaxed);
   return 1;
 #else
   (void)rows;

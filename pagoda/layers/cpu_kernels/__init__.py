@@ -40,24 +40,33 @@ def _adopt(lib: KernelLibrary | None) -> KernelLibrary | None:
 def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
     """The avx512bf16 build's GEMM tile kind by row count (gemm_tiles.py): cached, else measured."""
     if lib.variant != "avx512bf16":
-        ops.GEMM_FMA_ROWS = ops.GEMM_AMX_ROWS = gemm_tiles.NEVER  # one kind: nothing to choose or key the plan by
+        # one kind: nothing to choose or key the plan by
+        ops.GEMM_FMA_ROWS = ops.GEMM_AMX_ROWS = ops.GEMM_AMX_INT8_ROWS = gemm_tiles.NEVER
         return
-    probe: list[ops.PackedWeight] = []
+    probe: dict[str, ops.PackedWeight | ops.Int8Panels] = {}
 
-    def run(x: torch.Tensor) -> None:
-        if not probe:  # NOTE: its own generator: loading the kernels leaves torch's RNG alone
+    def weight(kind: str) -> ops.PackedWeight | ops.Int8Panels:
+        if kind not in probe:  # NOTE: its own generator: loading the kernels leaves torch's RNG alone
             gen = torch.Generator().manual_seed(0)
-            probe.append(ops.PackedWeight((torch.randn(512, gemm_tiles.PROBE_K, generator=gen) * 0.05).to(torch.bfloat16)))
-        ops.gemm(x, probe[0])
+            shape = (512, gemm_tiles.PROBE_K)
+            probe[kind] = (ops.PackedWeight((torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16))
+                           if kind == "bf16" else
+                           ops.Int8Panels(torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8),
+                                          torch.rand(shape[0], generator=gen) * 0.01))
+        return probe[kind]
 
     cache = gemm_tiles.cache_path([*loader.cpu_identity(), lib.path.stem, str(torch.get_num_threads())])
     has_amx = ops.set_gemm_amx_rows(gemm_tiles.NEVER)
-    gemm_tiles.choose(_apply_tiles, run, gemm_tiles.PROBE_K, cache, retune, amx=has_amx)
+    int8_amx = ops.set_gemm_amx_int8_rows(gemm_tiles.NEVER)
+    gemm_tiles.choose(_apply_tiles, lambda x: ops.gemm(x, weight("bf16")), gemm_tiles.PROBE_K, cache, retune,
+                      amx=has_amx, run_int8=(lambda x: ops.gemm(x, weight("int8"))) if int8_amx else None)
 
 
 def _apply_tiles(choice: gemm_tiles.TileChoice) -> None:
     ops.set_gemm_fma_rows(choice.fma_rows)
-    if not ops.set_gemm_amx_rows(choice.amx_rows) and choice.amx_rows < gemm_tiles.NEVER:
+    granted = ops.set_gemm_amx_rows(choice.amx_rows)
+    granted = ops.set_gemm_amx_int8_rows(choice.amx_int8_rows) and granted
+    if not granted and min(choice.amx_rows, choice.amx_int8_rows) < gemm_tiles.NEVER:
         raise ValueError(f"{gemm_tiles.ENV}: AMX tiles asked for, but this CPU (or Linux) grants none "
                          "(no amx_bf16 in /proc/cpuinfo, or the tile data was refused); use dpbf16 or fma")
 

@@ -217,8 +217,9 @@ class Int8Panels:
     GEMM's panel layout (pagoda/csrc/gemm.cpp): w = q * scale. On the avx512bf16 build
     (`gemm_int8_format` 2) the codes are stored + 128 as uint8, each panel of 32 rows by quads of
     k (row c's 4 codes of quad j at j * 128 + 4 c); on the portable one (0) as int8 in the bf16
-    panels' layout (k-pairs). `x_group`: the groups along k in which the GEMM rounds x to int8
-    codes (`packing.round_to_int8_groups`), 0 where it multiplies x as it is."""
+    panels' layout (k-pairs). `x_group(rows)`: the groups along k in which the GEMM rounds x of
+    that many rows to int8 codes (`packing.round_to_int8_groups`), 0 where it multiplies x as it
+    is (the portable build; AMX tiles, from GEMM_AMX_INT8_ROWS rows where k is a multiple of 32)."""
 
     kind = INT8_PANELS
     group_size = 0
@@ -232,7 +233,6 @@ class Int8Panels:
         self.n, self.k = codes.shape
         self.format = int(_lib().fn("gemm_int8_format")())
         self.width = 4 if self.format == 2 else 2  # k's of a row side by side
-        self.x_group = 32 if self.format == 2 else 0
         cols, steps = -(-self.n // 32) * 32, -(-self.k // self.width)
         padded = torch.zeros(cols, self.width * steps, dtype=torch.int8)
         padded[:self.n, :self.k] = codes
@@ -243,6 +243,11 @@ class Int8Panels:
         self.data = panels.view(-1)
         self.scales = scales.float().reshape(-1).contiguous()
         self.desc, self.desc_ptr = describe(INT8_PANELS, self.data, self.scales, 0, self.n, self.k)
+
+    def x_group(self, rows: int) -> int:
+        if self.format != 2 or (rows >= GEMM_AMX_INT8_ROWS and self.k % 32 == 0):
+            return 0
+        return 32
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 codes [n, k] (or of `rows`), back in row order; reads only those rows."""
@@ -262,7 +267,7 @@ class Int4Panels:
     along k (w = q * d + m), in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp): per panel
     of 32 rows and two k-pairs, 64 bytes (byte 2(2c + e) + h: row c's code at k-pair h, element
     e, in the low nibble, row 16 + c's in the high one); per panel and group, d for its 32 rows
-    then m. The GEMM rounds x to int8 codes by the same groups (`x_group`)."""
+    then m. The GEMM rounds x to int8 codes by the same groups (`x_group`, at any row count)."""
 
     kind = INT4_PANELS
 
@@ -272,7 +277,6 @@ class Int4Panels:
             raise ValueError(f"int4 codes {tuple(q.shape)}, scales {tuple(d.shape)}, offsets {tuple(m.shape)} "
                              f"do not fit groups of {group_size}")
         self.n, self.k, self.group_size = n, k, group_size
-        self.x_group = group_size
         cols, groups = -(-n // 32) * 32, k // group_size
         padded = torch.zeros(cols, k, dtype=torch.uint8)
         padded[:n] = q
@@ -284,6 +288,9 @@ class Int4Panels:
         dm[0, :n], dm[1, :n] = d, m
         self.scales = dm.view(2, cols // 32, 32, groups).permute(1, 3, 0, 2).contiguous().view(-1)
         self.desc, self.desc_ptr = describe(INT4_PANELS, self.data, self.scales, group_size, n, k)
+
+    def x_group(self, rows: int) -> int:
+        return self.group_size
 
     def unpack(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q uint8 [rows, k], d f16 [rows, G], m f16 [rows, G]) of every row or of `rows`."""
@@ -311,7 +318,8 @@ def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels | Recor
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 (rows may be strided) times a packed weight^T (+ bias): exact bf16 products
     of x and the weight (bf16 values or int8 codes), fp32 sums, scaled per column (int8), rounded
-    once to bf16. int4: x rounded to int8 codes per row and group first (step max |x| / 127, as
+    once to bf16; int8 on vpdpbusd multiplies x rounded to int8 codes by groups of 32
+    (`Int8Panels.x_group`). int4: x rounded to int8 codes per row and group first (step max |x| / 127, as
     llama.cpp's Q8_0 activations), integer products and sums per group, then scaled per column
     and group in fp32 (the offsets through the rounded x's group sums). `Records`: as `qgemv`."""
     _check_rows(x, x.shape[-1])
@@ -403,6 +411,20 @@ def set_gemm_amx_rows(rows: int) -> bool:
     if not _lib().fn("gemm_set_amx_rows")(rows):
         return False
     GEMM_AMX_ROWS = rows
+    return True
+
+
+# NOTE: likewise for int8 panels, which AMX multiplies widened to bf16 (x as it is, not rounded).
+GEMM_AMX_INT8_ROWS = 1 << 62
+
+
+def set_gemm_amx_int8_rows(rows: int) -> bool:
+    """Steps of at least `rows` rows multiply int8 panels on AMX tiles (K a multiple of 32), x
+    as it is; False (and nothing set) where this CPU or build has none."""
+    global GEMM_AMX_INT8_ROWS
+    if not _lib().fn("gemm_set_amx_int8_rows")(rows):
+        return False
+    GEMM_AMX_INT8_ROWS = rows
     return True
 
 
