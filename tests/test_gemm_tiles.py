@@ -49,43 +49,46 @@ def test_the_choice_described_as_the_kernel_runs_it() -> None:
     assert describe(TileChoice(64, 16)) == "vdpbf16ps up to 15 rows, AMX tiles from 16"  # AMX is taken first
     assert describe(TileChoice(NEVER, 4, 32)) == ("vdpbf16ps up to 3 rows, AMX tiles from 4; "
                                                   "int8: vpdpbusd up to 31 rows, AMX tiles from 32")
+    assert describe(TileChoice(NEVER, 4, 16, 8)).endswith("; int4: vpdpbusd up to 7 rows, AMX tiles from 8")
 
 
-def test_int8_amx_measured_beside_vpdpbusd_and_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_integer_amx_measured_beside_vpdpbusd_and_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(gemm_tiles.ENV, raising=False)
-    # rows -> (vpdpbusd, AMX seconds): AMX loses below 16 rows (widening the codes costs), wins from there
-    int8 = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (1.0, 1.5), 8: (1.0, 1.2), 16: (1.0, 0.6), 64: (1.0, 0.5)}
-    measured: list[object] = []
+    # rows -> (vpdpbusd, AMX seconds): int8 AMX loses below 16 rows (widening the codes costs),
+    # int4 below 8
+    timings = {8: {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (1.0, 1.5), 8: (1.0, 1.2), 16: (1.0, 0.6), 64: (1.0, 0.5)},
+               4: {1: (1.0, 2.0), 2: (1.0, 1.5), 4: (1.0, 1.1), 8: (1.0, 0.8), 16: (1.0, 0.5), 64: (1.0, 0.4)}}
+    measured: list[int] = []
 
-    def measure_int8(apply, run_int8, k, repeats=9):  # noqa: ANN001, ANN202
-        measured.append(run_int8)
-        return int8
+    def measure_integer(apply, run, bits, k, repeats=9):  # noqa: ANN001, ANN202
+        measured.append(bits)
+        return timings[bits]
 
-    monkeypatch.setattr(gemm_tiles, "measure_int8", measure_int8)
+    monkeypatch.setattr(gemm_tiles, "measure_integer", measure_integer)
     applied: list[TileChoice] = []
     cache = tmp_path / "tiles.json"
-    choice = gemm_tiles.choose(applied.append, lambda x: None, 16, cache, amx=True,  # type: ignore[arg-type]
-                               run_int8=lambda x: None)
-    assert choice.amx_int8_rows == 16 and applied[-1] == choice and measured
-    assert json.loads(cache.read_text())["amx_int8_rows"] == 16
+    runs = {8: lambda x: None, 4: lambda x: None}
+    choice = gemm_tiles.choose(applied.append, lambda x: None, 16, cache, amx=True, run_integer=runs)  # type: ignore[arg-type]
+    assert (choice.amx_int8_rows, choice.amx_int4_rows) == (16, 8) and applied[-1] == choice and measured == [8, 4]
+    assert json.loads(cache.read_text())["amx_int4_rows"] == 8
     measured.clear()
     assert gemm_tiles.choose(applied.append, lambda x: None, 16, cache, amx=True) == choice  # type: ignore[arg-type]
     assert not measured  # cached
-    int8[64] = (1.0, 0.97)  # within the margin at the top: never
+    timings[8][64] = (1.0, 0.97)  # within the margin at the top: never
     assert gemm_tiles.choose(applied.append, lambda x: None, 16, cache, retune=True, amx=True,  # type: ignore[arg-type]
-                             run_int8=lambda x: None).amx_int8_rows == NEVER
-    # a cached AMX choice from before int8 panels had AMX tiles is measured again
-    cache.write_text('{"fma_rows": 4611686018427387904, "amx_rows": 1}')
+                             run_integer=runs).amx_int8_rows == NEVER
+    # a cached AMX choice from before integer panels had AMX tiles is measured again
+    cache.write_text('{"fma_rows": 4611686018427387904, "amx_rows": 1, "amx_int8_rows": 16}')
     measured.clear()
-    gemm_tiles.choose(applied.append, lambda x: None, 16, cache, amx=True, run_int8=lambda x: None)  # type: ignore[arg-type]
+    gemm_tiles.choose(applied.append, lambda x: None, 16, cache, amx=True, run_integer=runs)  # type: ignore[arg-type]
     assert measured
 
 
 def test_forced_forms_and_a_clear_error() -> None:
     assert parse_forced("dpbf16") == TileChoice() and parse_forced("FMA") == TileChoice(fma_rows=1)
     assert parse_forced("fma:24") == TileChoice(fma_rows=24)
-    assert parse_forced("amx:4") == TileChoice(amx_rows=4, amx_int8_rows=4)  # bf16 and int8 panels alike
-    assert parse_forced("amx") == TileChoice(amx_rows=1, amx_int8_rows=1)
+    assert parse_forced("amx:4") == TileChoice(amx_rows=4, amx_int8_rows=4, amx_int4_rows=4)  # every kind alike
+    assert parse_forced("amx") == TileChoice(amx_rows=1, amx_int8_rows=1, amx_int4_rows=1)
     for bad in ("amx:0", "fma:0", "fma:x", "dpbf16:3", "tiles", ""):
         with pytest.raises(ValueError, match="dpbf16, fma, fma:ROWS, amx or amx:ROWS"):
             parse_forced(bad)
@@ -111,8 +114,8 @@ def test_measure_times_each_kind_and_leaves_vdpbf16ps_on() -> None:
     assert set(timings) == set(gemm_tiles.AMX_PROBE_ROWS) and TileChoice(amx_rows=1) in calls
     assert calls[-1] == TileChoice() and all(len(t) == 3 for t in timings.values())
     calls.clear()
-    timings = gemm_tiles.measure_int8(calls.append, lambda x: None, 16, repeats=1)  # type: ignore[arg-type]
-    assert set(calls) == {TileChoice(), TileChoice(amx_int8_rows=1)} and calls[-1] == TileChoice()
+    timings = gemm_tiles.measure_integer(calls.append, lambda x: None, 4, 16, repeats=1)  # type: ignore[arg-type]
+    assert set(calls) == {TileChoice(), TileChoice(amx_int4_rows=1)} and calls[-1] == TileChoice()
     assert set(timings) == set(gemm_tiles.AMX_PROBE_ROWS) and all(len(t) == 2 for t in timings.values())
 
 

@@ -233,7 +233,10 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
             # NOTE: the panels round x to int8 codes by groups (ops.Int4Panels, Int8Panels)
             group = method.panels.x_group(m) if method.panels is not None else 0
             xr = packing.round_to_int8_groups(x, group) if group else x.float()
-            want = F.linear(xr, w, layer.bias.float() if layer.bias is not None else None)
+            # NOTE: on AMX tiles int4 panels are widened to a bf16 weight
+            widened = isinstance(method.panels, cpu_kernels.ops.Int4Panels) and method.panels.amx_at(m)
+            want = F.linear(xr, w.to(torch.bfloat16).float() if widened else w,
+                            layer.bias.float() if layer.bias is not None else None)
             got = layer(x).float()
             excess = (got - want).abs() - (2**-8 * want.abs() + 1e-4 * (xr.abs() @ w.abs().t()))
             assert excess.max().item() <= 0, f"{method.name}, {m} rows: max excess {excess.max().item():.3g}"

@@ -165,15 +165,25 @@ def check_qgemm(m: int, n: int, k: int, bias: bool, seed: int) -> None:
     assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
 
 
-@pytest.fixture(params=["vpdpbusd", "amx"])
-def int8_tiles(request: pytest.FixtureRequest) -> Iterator[str]:
-    """int8 panels on vpdpbusd (x rounded to int8 codes by groups of 32) or on AMX tiles (the
-    codes widened to bf16, x as it is; K a multiple of 32), where the CPU has them; restored after."""
-    before = ops.GEMM_AMX_INT8_ROWS
-    if not ops.set_gemm_amx_int8_rows(1 if request.param == "amx" else 1 << 62) and request.param == "amx":
+def integer_tiles(request: pytest.FixtureRequest, bits: int) -> Iterator[str]:
+    """int8 or int4 panels (`bits`) on vpdpbusd (x rounded to int8 codes by groups) or on AMX
+    tiles (the weight widened to bf16, x as it is; K a multiple of 32), where the CPU has them;
+    restored after."""
+    before = ops.GEMM_AMX_INTEGER_ROWS[bits]
+    if not ops.set_gemm_amx_integer_rows(bits, 1 if request.param == "amx" else 1 << 62) and request.param == "amx":
         pytest.skip("this CPU or build has no AMX tiles (amx_bf16), or Linux refused the tile data")
     yield request.param
-    ops.set_gemm_amx_int8_rows(before)
+    ops.set_gemm_amx_integer_rows(bits, before)
+
+
+@pytest.fixture(params=["vpdpbusd", "amx"])
+def int8_tiles(request: pytest.FixtureRequest) -> Iterator[str]:
+    yield from integer_tiles(request, 8)
+
+
+@pytest.fixture(params=["vpdpbusd", "amx"])
+def int4_tiles(request: pytest.FixtureRequest) -> Iterator[str]:
+    yield from integer_tiles(request, 4)
 
 
 # M covers one tile (up to 6 rows on avx512bf16, 12 portable), several tiles over chunks, the
@@ -208,14 +218,19 @@ def check_qgemm_int4(m: int, n: int, k: int, group_size: int, bias: bool, seed: 
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     got = ops.gemm(x, weight, b).float()
     w = dequantized("int4", packed, k, group_size)
-    xr = packing.round_to_int8_groups(x, group_size)
+    if weight.amx_at(m):  # AMX tiles: the weight widened to bf16 (q * d + m rounded once to fp32, then to bf16)
+        q, d, off = packing.unpack_int4(packed, k, group_size)
+        exact = q.double().reshape(n, -1, group_size) * d.double()[..., None] + off.double()[..., None]
+        w, xr = exact.reshape(n, k).float().to(torch.bfloat16).float(), x.float()
+    else:
+        xr = packing.round_to_int8_groups(x, group_size)
     want = F.linear(xr, w, b.float() if b is not None else None)
     magnitude = xr.abs() @ w.abs().t()
     excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * magnitude + 1e-6)
     assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
 
 
-def test_qgemm_int4_rounds_x_to_int8_by_group() -> None:
+def test_qgemm_int4_rounds_x_to_int8_by_group(int4_tiles: str) -> None:
     """Against bf16 x, the error is x's rounding (at most half a step an element), and it is there:
     the kernel is not the exact product."""
     gen = torch.Generator().manual_seed(3)
@@ -226,10 +241,13 @@ def test_qgemm_int4_rounds_x_to_int8_by_group() -> None:
     got, exact = ops.gemm(x, weight).float(), F.linear(x.float(), w)
     step = x.float().reshape(8, -1, 32).abs().amax(-1) / 127
     bound = (step / 2) @ w.abs().reshape(64, -1, 32).sum(-1).t()
+    if weight.amx_at(8):
+        pytest.skip("AMX tiles multiply x as it is")
     assert ((got - exact).abs() <= bound + 2**-8 * exact.abs() + 1e-6).all()
     assert not torch.equal(got, F.linear(x.float(), w).to(torch.bfloat16).float())
 
 
+@pytest.mark.usefixtures("int4_tiles")
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 12, 13, 16, 25, 64, 101])
 @pytest.mark.parametrize("n,k,group_size,bias", [(960, 576, 32, False), (576, 1536, 32, True), (40, 128, 64, True),
                                                  (77, 512, 128, False), (16, 64, 32, True), (33, 256, 64, False)])

@@ -794,6 +794,7 @@ constexpr int kAmxBlockRows = 32;  // rows per block: two A tiles
 constexpr int64_t kAmxPassRows = 256;
 std::atomic<int64_t> g_amx_rows{int64_t{1} << 62};
 std::atomic<int64_t> g_amx_int8_rows{int64_t{1} << 62};  // likewise for int8 panels (`amx_int8_pass`)
+std::atomic<int64_t> g_amx_int4_rows{int64_t{1} << 62};  // and int4 panels (`amx_int4_pass`)
 
 // Tiles 0-3: sums of row tile a (0, 1) x block b (0, 1) at 2a + b; 4, 5: x's row tiles; 6, 7: the
 // panel's blocks. rows1 == 0 leaves row tile 1 unconfigured.
@@ -912,6 +913,72 @@ void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16*
   });
 }
 
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
+// int4 panels on AMX, as int8's (`amx_int8_pass`): each thread widens a panel to bf16 once a
+// pass, w = q * d + m per group in fp32 (one FMA) rounded to bf16, and the bf16 tile blocks
+// multiply x as it is (not rounded to int8 codes). Source: two k-pairs p, p + 1 (p even) in 64
+// bytes, 32-bit lane c holding block 0's column c in its bytes' low nibbles and block 1's in the
+// high ones, for k = 2p, 2p + 2, 2p + 1, 2p + 3 (see the top of this file).
+__attribute__((target("avx512vbmi"))) void widen_int4_panel(const uint8_t* codes, const uint16_t* dm, int64_t pairs,
+                                                           int64_t group_pairs, bf16* out) {
+  // NOTE: dword j of a half (column 8 * half + j / 2, element j % 2) of k-pair p + h takes byte
+  // 4 (j / 2) + 2 (j % 2) + h + 32 half; `spread` repeats a column's d or m for its two elements.
+  alignas(64) static const std::array<std::array<std::array<uint8_t, 64>, 2>, 2> idx = [] {
+    std::array<std::array<std::array<uint8_t, 64>, 2>, 2> t{};
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half)
+        for (int j = 0; j < 16; ++j) t[h][half][4 * j] = static_cast<uint8_t>(4 * (j / 2) + 2 * (j % 2) + h + 32 * half);
+    return t;
+  }();
+  alignas(64) static const std::array<std::array<int32_t, 16>, 2> spread = [] {
+    std::array<std::array<int32_t, 16>, 2> t{};
+    for (int half = 0; half < 2; ++half)
+      for (int j = 0; j < 16; ++j) t[half][j] = 8 * half + j / 2;
+    return t;
+  }();
+  constexpr __mmask64 kLowBytes = 0x1111111111111111ull;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t g0 = 0, g = 0; g0 < pairs; g0 += group_pairs, ++g) {
+    const uint16_t* s = dm + g * 2 * kPanel;
+    __m512 d[2][2], m[2][2];  // [block][half]
+    for (int b = 0; b < 2; ++b) {
+      const __m512 db = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b * kBlock)));
+      const __m512 mb = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
+      for (int half = 0; half < 2; ++half) {
+        const __m512i at = _mm512_load_si512(spread[half].data());
+        d[b][half] = _mm512_permutexvar_ps(at, db);
+        m[b][half] = _mm512_permutexvar_ps(at, mb);
+      }
+    }
+    for (int64_t p = g0; p < g0 + group_pairs; p += 2) {
+      const __m512i raw = _mm512_loadu_si512(codes + p * kInt4PairBytes);
+      const __m512i v[2] = {_mm512_and_si512(raw, low), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low)};
+      for (int b = 0; b < 2; ++b) {
+        for (int h = 0; h < 2; ++h) {
+          __m512 w[2];
+          for (int half = 0; half < 2; ++half) {
+            const __m512i q = _mm512_maskz_permutexvar_epi8(kLowBytes, _mm512_load_si512(idx[h][half].data()), v[b]);
+            w[half] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d[b][half], m[b][half]);
+          }
+          const __m512bh pair = _mm512_cvtne2ps_pbh(w[1], w[0]);
+          _mm512_storeu_si512(out + (p + h) * kPanelPair + b * 2 * kBlock, reinterpret_cast<const __m512i&>(pair));
+        }
+      }
+    }
+  }
+}
+
+void amx_int4_pass(const Problem& P, const uint8_t* codes, const uint16_t* scales, int64_t gs) {
+  const int64_t pairs = P.K / 2, G = P.K / gs;
+  amx_passes(P, [&](int64_t i) {
+    static thread_local std::vector<bf16> panel;
+    panel.resize(pairs * kPanelPair);
+    widen_int4_panel(codes + i * kInt4PairBytes * pairs, scales + i * G * 2 * kPanel, pairs, gs / 2, panel.data());
+    return static_cast<const bf16*>(panel.data());
+  });
+}
+#endif
+
 // K a multiple of gs, gs a multiple of 16. x is quantized once per call (quantize_row), the
 // rows split over the threads.
 void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint16_t* scales, int64_t gs, const bf16* bias,
@@ -920,6 +987,12 @@ void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint16_t*
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx, sx;
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
+    if (takes_amx(P, g_amx_int4_rows)) {
+      amx_int4_pass(P, codes, scales, gs);
+      return;
+    }
+#endif
     xq.resize(P.M * K);
     dx.resize(P.M * G);
     sx.resize(P.M * G);
@@ -1171,14 +1244,16 @@ extern "C" int64_t pagoda_gemm_set_amx_rows(int64_t rows) {
 #endif
 }
 
-// Steps of at least `rows` rows multiply int8 panels on AMX tiles (widened to bf16, x as it is;
-// K a multiple of 32); returns whether this CPU and build have them.
-extern "C" int64_t pagoda_gemm_set_amx_int8_rows(int64_t rows) {
+// Steps of at least `rows` rows multiply int8 (bits 8) or int4 (bits 4) panels on AMX tiles
+// (widened to bf16, x as it is; K a multiple of 32); returns whether this CPU and build have them.
+extern "C" int64_t pagoda_gemm_set_amx_integer_rows(int64_t bits, int64_t rows) {
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
-  if (!pagoda::amx_usable() || !__builtin_cpu_supports("avx512vbmi")) return 0;  // widen_int8_panel's vpermb
-  pagoda::g_amx_int8_rows.store(rows, std::memory_order_relaxed);
+  if (!pagoda::amx_usable() || !__builtin_cpu_supports("avx512vbmi")) return 0;  // the widening's vpermb
+  if (bits != 8 && bits != 4) return 0;
+  (bits == 8 ? pagoda::g_amx_int8_rows : pagoda::g_amx_int4_rows).store(rows, std::memory_order_relaxed);
   return 1;
 #else
+  (void)bits;
   (void)rows;
   return 0;
 #endif

@@ -11,6 +11,8 @@ called and every layer runs its pure-torch path, on any device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pagoda.layers.cpu_kernels import gemm_tiles, loader, ops
@@ -41,32 +43,41 @@ def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
     """The avx512bf16 build's GEMM tile kind by row count (gemm_tiles.py): cached, else measured."""
     if lib.variant != "avx512bf16":
         # one kind: nothing to choose or key the plan by
-        ops.GEMM_FMA_ROWS = ops.GEMM_AMX_ROWS = ops.GEMM_AMX_INT8_ROWS = gemm_tiles.NEVER
+        ops.GEMM_FMA_ROWS = ops.GEMM_AMX_ROWS = gemm_tiles.NEVER
+        ops.GEMM_AMX_INTEGER_ROWS.update({8: gemm_tiles.NEVER, 4: gemm_tiles.NEVER})
         return
-    probe: dict[str, ops.PackedWeight | ops.Int8Panels] = {}
+    probe: dict[str, ops.PackedWeight | ops.Int8Panels | ops.Int4Panels] = {}
 
-    def weight(kind: str) -> ops.PackedWeight | ops.Int8Panels:
+    def weight(kind: str) -> ops.PackedWeight | ops.Int8Panels | ops.Int4Panels:
         if kind not in probe:  # NOTE: its own generator: loading the kernels leaves torch's RNG alone
             gen = torch.Generator().manual_seed(0)
-            shape = (512, gemm_tiles.PROBE_K)
-            probe[kind] = (ops.PackedWeight((torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16))
-                           if kind == "bf16" else
-                           ops.Int8Panels(torch.randint(-127, 128, shape, generator=gen, dtype=torch.int8),
-                                          torch.rand(shape[0], generator=gen) * 0.01))
+            n, k = 512, gemm_tiles.PROBE_K
+            if kind == "bf16":
+                probe[kind] = ops.PackedWeight((torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
+            elif kind == "int8":
+                probe[kind] = ops.Int8Panels(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+                                             torch.rand(n, generator=gen) * 0.01)
+            else:
+                dm = (torch.rand(n, k // 32, generator=gen) * 0.01).to(torch.float16)
+                probe[kind] = ops.Int4Panels(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8), dm, -dm, 32)
         return probe[kind]
+
+    def run(kind: str) -> Callable[[torch.Tensor], object]:
+        return lambda x: ops.gemm(x, weight(kind))
 
     cache = gemm_tiles.cache_path([*loader.cpu_identity(), lib.path.stem, str(torch.get_num_threads())])
     has_amx = ops.set_gemm_amx_rows(gemm_tiles.NEVER)
-    int8_amx = ops.set_gemm_amx_int8_rows(gemm_tiles.NEVER)
-    gemm_tiles.choose(_apply_tiles, lambda x: ops.gemm(x, weight("bf16")), gemm_tiles.PROBE_K, cache, retune,
-                      amx=has_amx, run_int8=(lambda x: ops.gemm(x, weight("int8"))) if int8_amx else None)
+    integer = {bits: run(f"int{bits}") for bits in (8, 4) if ops.set_gemm_amx_integer_rows(bits, gemm_tiles.NEVER)}
+    gemm_tiles.choose(_apply_tiles, run("bf16"), gemm_tiles.PROBE_K, cache, retune, amx=has_amx,
+                      run_integer=integer)
 
 
 def _apply_tiles(choice: gemm_tiles.TileChoice) -> None:
     ops.set_gemm_fma_rows(choice.fma_rows)
     granted = ops.set_gemm_amx_rows(choice.amx_rows)
-    granted = ops.set_gemm_amx_int8_rows(choice.amx_int8_rows) and granted
-    if not granted and min(choice.amx_rows, choice.amx_int8_rows) < gemm_tiles.NEVER:
+    for bits, rows in ((8, choice.amx_int8_rows), (4, choice.amx_int4_rows)):
+        granted = ops.set_gemm_amx_integer_rows(bits, rows) and granted
+    if not granted and min(choice.amx_rows, choice.amx_int8_rows, choice.amx_int4_rows) < gemm_tiles.NEVER:
         raise ValueError(f"{gemm_tiles.ENV}: AMX tiles asked for, but this CPU (or Linux) grants none "
                          "(no amx_bf16 in /proc/cpuinfo, or the tile data was refused); use dpbf16 or fma")
 

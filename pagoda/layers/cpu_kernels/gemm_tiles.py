@@ -11,11 +11,11 @@ threads (`pagoda tune` measures again). On CPUs with AMX (and Linux granting the
 the same panels also multiply on the tile units (gemm.cpp's `amx_pass`), a third kind timed
 alongside from one row: steps from the smallest probed count where AMX beats the better vector
 tile at that count and every larger one take it (`decide_amx`), the vector kinds below.
-int8 panels likewise: their `vpdpbusd` tiles against AMX on the codes widened to bf16
-(`amx_int8_pass`), timed on an int8 weight of the same shape, AMX from the smallest count
-where it wins at that count and every larger one.
+int8 and int4 panels likewise: their `vpdpbusd` tiles against AMX on the weight widened to
+bf16 (`amx_int8_pass`, `amx_int4_pass`), each timed on a weight of its kind and the same shape,
+AMX from the smallest count where it wins at that count and every larger one.
 `PAGODA_GEMM_TILE` forces it: `dpbf16`, `fma`, `fma:ROWS`, `amx` or `amx:ROWS` (AMX from ROWS,
-bf16 and int8 alike, vdpbf16ps and vpdpbusd below). Other builds have one tile kind and ignore this.
+every kind alike, vdpbf16ps and vpdpbusd below). Other builds have one tile kind and ignore this.
 """
 
 from __future__ import annotations
@@ -46,11 +46,15 @@ MARGIN = 0.95
 @dataclass(frozen=True)
 class TileChoice:
     """Row counts from which the bf16 GEMM takes the FMA tiles and the AMX tiles, and the int8
-    GEMM the AMX tiles (NEVER: not at all)."""
+    and int4 GEMMs the AMX tiles (NEVER: not at all)."""
 
     fma_rows: int = NEVER
     amx_rows: int = NEVER
     amx_int8_rows: int = NEVER
+    amx_int4_rows: int = NEVER
+
+    def integer_rows(self, bits: int) -> int:
+        return self.amx_int8_rows if bits == 8 else self.amx_int4_rows
 
 
 def _wins_from(pairs: Mapping[int, tuple[float, float]]) -> int:
@@ -88,7 +92,7 @@ def parse_forced(value: str) -> TileChoice:
         return TileChoice()
     if kind in ("fma", "amx") and (not colon or rows.isdigit() and int(rows) >= 1):
         start = int(rows) if colon else 1
-        return TileChoice(fma_rows=start) if kind == "fma" else TileChoice(amx_rows=start, amx_int8_rows=start)
+        return TileChoice(fma_rows=start) if kind == "fma" else TileChoice(amx_rows=start, amx_int8_rows=start, amx_int4_rows=start)
     raise ValueError(f"{ENV}={value!r}: expected dpbf16, fma, fma:ROWS, amx or amx:ROWS (a row count from which "
                      "those tiles run)")
 
@@ -101,10 +105,11 @@ def measure(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor],
     return _best_times(apply, run, kinds, AMX_PROBE_ROWS if amx else PROBE_ROWS, k, repeats)
 
 
-def measure_int8(apply: Callable[[TileChoice], object], run_int8: Callable[[torch.Tensor], object],
-                 k: int, repeats: int = 9) -> dict[int, tuple[float, ...]]:
-    """Likewise for `run_int8` (a product with int8 panels) on vpdpbusd and on AMX tiles."""
-    return _best_times(apply, run_int8, [TileChoice(), TileChoice(amx_int8_rows=1)], AMX_PROBE_ROWS, k, repeats)
+def measure_integer(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], object], bits: int,
+                    k: int, repeats: int = 9) -> dict[int, tuple[float, ...]]:
+    """Likewise for `run` (a product with int8 or int4 panels, `bits`) on vpdpbusd and on AMX tiles."""
+    amx = TileChoice(amx_int8_rows=1) if bits == 8 else TileChoice(amx_int4_rows=1)
+    return _best_times(apply, run, [TileChoice(), amx], AMX_PROBE_ROWS, k, repeats)
 
 
 def _best_times(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], object],
@@ -128,9 +133,9 @@ def _best_times(apply: Callable[[TileChoice], object], run: Callable[[torch.Tens
 
 def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], object], k: int,
            cache: Path | None = None, retune: bool = False, amx: bool = False,
-           run_int8: Callable[[torch.Tensor], object] | None = None) -> TileChoice:
+           run_integer: Mapping[int, Callable[[torch.Tensor], object]] | None = None) -> TileChoice:
     """Applies and returns the tile choice: forced, else read from `cache` (unless `retune`),
-    else measured (AMX too where `amx`, for int8 panels too where `run_int8` is given) and
+    else measured (AMX too where `amx`; for int8 and int4 panels too, by `run_integer[bits]`) and
     written there. The cache keeps one start's noise from flipping the choice (and with it the
     kernel plan's key) at the next."""
     forced = os.environ.get(ENV)
@@ -140,7 +145,7 @@ def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], 
         logger.info("GEMM tiles (forced by %s): %s", ENV, describe(choice))
         return choice
     cached = None if retune or cache is None else _read(cache)
-    if cached is not None and min(cached.amx_rows, cached.amx_int8_rows) < NEVER and not amx:
+    if cached is not None and min(cached.amx_rows, cached.amx_int8_rows, cached.amx_int4_rows) < NEVER and not amx:
         # NOTE: the key holds the CPU's flags, not the kernel's: Linux may refuse the tile data now
         logger.warning("the cached GEMM tile choice %s takes AMX tiles, which this process was not granted; "
                        "measuring again", cache)
@@ -151,13 +156,15 @@ def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], 
         return cached
     timings = measure(apply, run, k, amx=amx)
     choice = decide_amx(timings) if amx else TileChoice(fma_rows=decide(timings))  # type: ignore[arg-type]
-    int8_timings = measure_int8(apply, run_int8, k) if amx and run_int8 is not None else {}
-    if int8_timings:
-        choice = replace(choice, amx_int8_rows=_wins_from(int8_timings))  # type: ignore[arg-type]
+    integer = {bits: measure_integer(apply, run_bits, bits, k) for bits, run_bits in (run_integer or {}).items()
+               if amx}
+    for bits, times in integer.items():
+        starts = _wins_from(times)  # type: ignore[arg-type]
+        choice = replace(choice, **{"amx_int8_rows" if bits == 8 else "amx_int4_rows": starts})
     apply(choice)
     logger.info("GEMM tiles (measured): %s [time / vdpbf16ps time, FMA%s: %s%s]", describe(choice),
                 " and AMX" if amx else "", _ratios(timings),
-                f"; int8, AMX / vpdpbusd: {_ratios(int8_timings)}" if int8_timings else "")
+                "".join(f"; int{bits}, AMX / vpdpbusd: {_ratios(times)}" for bits, times in integer.items()))
     if cache is not None:
         _write(cache, choice, timings)
     return choice
@@ -178,17 +185,19 @@ def cache_path(identity: list[str]) -> Path:
 def _read(path: Path) -> TileChoice | None:
     try:
         data = json.loads(path.read_text())
-        # NOTE: a choice made before int8 panels had AMX tiles (no "amx_int8_rows" beside an AMX
-        # choice) is measured again, so that this CPU's int8 steps get them
-        if data.get("amx_rows", NEVER) < NEVER and "amx_int8_rows" not in data:
+        # NOTE: a choice made before integer panels had AMX tiles (no "amx_int4_rows" beside an
+        # AMX choice) is measured again, so that this CPU's int8 and int4 steps get them
+        if data.get("amx_rows", NEVER) < NEVER and "amx_int4_rows" not in data:
             return None
-        choice = TileChoice(data["fma_rows"], data.get("amx_rows", NEVER), data.get("amx_int8_rows", NEVER))
+        choice = TileChoice(data["fma_rows"], data.get("amx_rows", NEVER), data.get("amx_int8_rows", NEVER),
+                            data.get("amx_int4_rows", NEVER))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.warning("ignoring the cached GEMM tile choice %s (%s); measuring again", path, exc)
         return None
-    valid = all(isinstance(r, int) and r >= 1 for r in (choice.fma_rows, choice.amx_rows, choice.amx_int8_rows))
+    valid = all(isinstance(r, int) and r >= 1 for r in (choice.fma_rows, choice.amx_rows, choice.amx_int8_rows,
+                                                        choice.amx_int4_rows))
     return choice if valid else None
 
 
@@ -197,7 +206,7 @@ def _write(path: Path, choice: TileChoice, timings: Mapping[int, tuple[float, ..
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"fma_rows": choice.fma_rows, "amx_rows": choice.amx_rows,
-                                   "amx_int8_rows": choice.amx_int8_rows,
+                                   "amx_int8_rows": choice.amx_int8_rows, "amx_int4_rows": choice.amx_int4_rows,
                                    "timings": {str(r): t for r, t in timings.items()}}))
         os.replace(tmp, path)
     except OSError as exc:
@@ -206,11 +215,11 @@ def _write(path: Path, choice: TileChoice, timings: Mapping[int, tuple[float, ..
 
 def describe(choice: TileChoice) -> str:
     """E.g. "vdpbf16ps up to 3 rows, AMX tiles from 4" (AMX taken first, then the FMA tiles, as
-    gemm.cpp does), then "; int8: vpdpbusd up to 15 rows, AMX tiles from 16" where AMX takes int8."""
+    gemm.cpp does), then "; int8: vpdpbusd up to 15 rows, AMX tiles from 16" (and int4) where AMX
+    takes integer panels."""
     bf16 = _spans([("vdpbf16ps", 1), ("fp32 FMAs", min(choice.fma_rows, choice.amx_rows)), ("AMX tiles", choice.amx_rows)])
-    if choice.amx_int8_rows >= NEVER:
-        return bf16
-    return f"{bf16}; int8: {_spans([('vpdpbusd', 1), ('AMX tiles', choice.amx_int8_rows)])}"
+    return bf16 + "".join(f"; int{bits}: {_spans([('vpdpbusd', 1), ('AMX tiles', choice.integer_rows(bits))])}"
+                          for bits in (8, 4) if choice.integer_rows(bits) < NEVER)
 
 
 def _spans(starts: list[tuple[str, int]]) -> str:
@@ -224,4 +233,4 @@ def _spans(starts: list[tuple[str, int]]) -> str:
 
 
 __all__ = ["AMX_PROBE_ROWS", "ENV", "NEVER", "TileChoice", "cache_path", "choose", "decide", "decide_amx",
-           "describe", "measure", "measure_int8", "parse_forced"]
+           "describe", "measure", "measure_integer", "parse_forced"]

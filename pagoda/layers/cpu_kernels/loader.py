@@ -59,7 +59,7 @@ _RETURNING: dict[str, tuple[ArgTypes, type]] = {
     "gemm_int8_format": ([], _L),
     "gemm_set_fma_rows": ([_L], _L),
     "gemm_set_amx_rows": ([_L], _L),
-    "gemm_set_amx_int8_rows": ([_L], _L),
+    "gemm_set_amx_integer_rows": ([_L, _L], _L),
     "qgemv_x_group": ([_L, _L], _L),
 }
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}

@@ -219,7 +219,7 @@ class Int8Panels:
     k (row c's 4 codes of quad j at j * 128 + 4 c); on the portable one (0) as int8 in the bf16
     panels' layout (k-pairs). `x_group(rows)`: the groups along k in which the GEMM rounds x of
     that many rows to int8 codes (`packing.round_to_int8_groups`), 0 where it multiplies x as it
-    is (the portable build; AMX tiles, from GEMM_AMX_INT8_ROWS rows where k is a multiple of 32)."""
+    is (the portable build; AMX tiles, `amx_at(rows)`)."""
 
     kind = INT8_PANELS
     group_size = 0
@@ -244,10 +244,12 @@ class Int8Panels:
         self.scales = scales.float().reshape(-1).contiguous()
         self.desc, self.desc_ptr = describe(INT8_PANELS, self.data, self.scales, 0, self.n, self.k)
 
+    def amx_at(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs on AMX tiles (the codes widened to bf16, exact)."""
+        return self.format == 2 and rows >= GEMM_AMX_INTEGER_ROWS[8] and self.k % 32 == 0
+
     def x_group(self, rows: int) -> int:
-        if self.format != 2 or (rows >= GEMM_AMX_INT8_ROWS and self.k % 32 == 0):
-            return 0
-        return 32
+        return 0 if self.format != 2 or self.amx_at(rows) else 32
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 codes [n, k] (or of `rows`), back in row order; reads only those rows."""
@@ -267,7 +269,8 @@ class Int4Panels:
     along k (w = q * d + m), in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp): per panel
     of 32 rows and two k-pairs, 64 bytes (byte 2(2c + e) + h: row c's code at k-pair h, element
     e, in the low nibble, row 16 + c's in the high one); per panel and group, d for its 32 rows
-    then m. The GEMM rounds x to int8 codes by the same groups (`x_group`, at any row count)."""
+    then m. The GEMM rounds x to int8 codes by the same groups (`x_group`), but on AMX tiles
+    (`amx_at`)."""
 
     kind = INT4_PANELS
 
@@ -289,8 +292,13 @@ class Int4Panels:
         self.scales = dm.view(2, cols // 32, 32, groups).permute(1, 3, 0, 2).contiguous().view(-1)
         self.desc, self.desc_ptr = describe(INT4_PANELS, self.data, self.scales, group_size, n, k)
 
+    def amx_at(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs on AMX tiles: the weight widened to bf16 (q * d +
+        m rounded once), x as it is."""
+        return rows >= GEMM_AMX_INTEGER_ROWS[4] and self.k % 32 == 0
+
     def x_group(self, rows: int) -> int:
-        return self.group_size
+        return 0 if self.amx_at(rows) else self.group_size
 
     def unpack(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q uint8 [rows, k], d f16 [rows, G], m f16 [rows, G]) of every row or of `rows`."""
@@ -414,17 +422,16 @@ def set_gemm_amx_rows(rows: int) -> bool:
     return True
 
 
-# NOTE: likewise for int8 panels, which AMX multiplies widened to bf16 (x as it is, not rounded).
-GEMM_AMX_INT8_ROWS = 1 << 62
+# NOTE: likewise for int8 (8) and int4 (4) panels, which AMX multiplies widened to bf16 (x as it is).
+GEMM_AMX_INTEGER_ROWS = {8: 1 << 62, 4: 1 << 62}
 
 
-def set_gemm_amx_int8_rows(rows: int) -> bool:
-    """Steps of at least `rows` rows multiply int8 panels on AMX tiles (K a multiple of 32), x
-    as it is; False (and nothing set) where this CPU or build has none."""
-    global GEMM_AMX_INT8_ROWS
-    if not _lib().fn("gemm_set_amx_int8_rows")(rows):
+def set_gemm_amx_integer_rows(bits: int, rows: int) -> bool:
+    """Steps of at least `rows` rows multiply int8 (`bits` 8) or int4 (4) panels on AMX tiles (K
+    a multiple of 32), x as it is; False (and nothing set) where this CPU or build has none."""
+    if not _lib().fn("gemm_set_amx_integer_rows")(bits, rows):
         return False
-    GEMM_AMX_INT8_ROWS = rows
+    GEMM_AMX_INTEGER_ROWS[bits] = rows
     return True
 
 
