@@ -371,6 +371,17 @@ struct BlockScratch {
   }
 };
 
+// score.template operator()<KB>(j0, c) over every query chunk c of the tile and its n keys in
+// blocks of kKeyBlock, then one by one.
+template <class Score>
+inline void for_key_blocks(int r16, int n, Score score) {
+  for (int c = 0; c < r16; c += kLanes) {
+    int j = 0;
+    for (; j + kKeyBlock <= n; j += kKeyBlock) score.template operator()<kKeyBlock>(j, c);
+    for (; j < n; ++j) score.template operator()<1>(j, c);
+  }
+}
+
 // st[j][c..c+16) for keys [j0, j0 + KB) of the tile against query chunk c.
 template <int KB>
 inline void score_keys(BlockScratch& w, int d, int j0, int c) {
@@ -406,11 +417,7 @@ inline void score_keys_bf16(BlockScratch& w, const bf16* k, int64_t kv_stride, i
 }
 
 void score_tile_bf16(BlockScratch& w, const bf16* k, int64_t kv_stride, int d, int n, float scale) {
-  for (int c = 0; c < w.r16; c += kLanes) {
-    int j = 0;
-    for (; j + kKeyBlock <= n; j += kKeyBlock) score_keys_bf16<kKeyBlock>(w, k, kv_stride, d, j, c, scale);
-    for (; j < n; ++j) score_keys_bf16<1>(w, k, kv_stride, d, j, c, scale);
-  }
+  for_key_blocks(w.r16, n, [&]<int KB>(int j, int c) { score_keys_bf16<KB>(w, k, kv_stride, d, j, c, scale); });
 }
 
 // The values of keys a and b (b null past the last key: zeros) interleaved into pairs at dst (2d).
@@ -784,11 +791,7 @@ void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_strid
     widen_row(k + j * kv_stride, &w.kf[size_t(j) * d], d);
     widen_row(v + j * kv_stride, &w.vf[size_t(j) * d], d);
   }
-  for (int c = 0; c < w.r16; c += kLanes) {
-    int j = 0;
-    for (; j + kKeyBlock <= n; j += kKeyBlock) score_keys<kKeyBlock>(w, d, j, c);
-    for (; j < n; ++j) score_keys<1>(w, d, j, c);
-  }
+  for_key_blocks(w.r16, n, [&]<int KB>(int j, int c) { score_keys<KB>(w, d, j, c); });
   mask_block(w, rows, group, n, key0, pos0, a.window);
   softmax_block(w, n, 1.f, corr);
   if (d % kLanes == 0) {

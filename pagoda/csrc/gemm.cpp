@@ -31,7 +31,7 @@
 // group's sum of x codes, then scales it by x's step into fp32 sums held in registers. y is W
 // times the rounded x, up to fp32 sums. On CPUs with AMX, steps from a row count measured at load
 // (`pagoda_gemm_set_amx_int8_rows`) widen each panel's codes to bf16 instead and multiply x as it
-// is on the tile units (`amx_int8_pass`). The portable build (format 0) keeps the bf16 layout with
+// is on the tile units (`AmxInt8`). The portable build (format 0) keeps the bf16 layout with
 // one two's complement byte an element, decoded a chunk at a time into bf16 (exact) for the bf16
 // tiles. Codes are in [-127, 127] (what per-channel quantization gives). The scale multiplies each
 // column's fp32 sum once, before the bias and the one rounding.
@@ -793,8 +793,8 @@ constexpr int kAmxBlockRows = 32;  // rows per block: two A tiles
 // (docs/performance.md, "A fifth CPU").
 constexpr int64_t kAmxPassRows = 256;
 std::atomic<int64_t> g_amx_rows{int64_t{1} << 62};
-std::atomic<int64_t> g_amx_int8_rows{int64_t{1} << 62};  // likewise for int8 panels (`amx_int8_pass`)
-std::atomic<int64_t> g_amx_int4_rows{int64_t{1} << 62};  // and int4 panels (`amx_int4_pass`)
+std::atomic<int64_t> g_amx_int8_rows{int64_t{1} << 62};  // likewise for int8 panels (`AmxInt8`)
+std::atomic<int64_t> g_amx_int4_rows{int64_t{1} << 62};  // and int4 panels (`AmxInt4`)
 
 // Tiles 0-3: sums of row tile a (0, 1) x block b (0, 1) at 2a + b; 4, 5: x's row tiles; 6, 7: the
 // panel's blocks. rows1 == 0 leaves row tile 1 unconfigured.
@@ -808,10 +808,10 @@ void configure_tiles(int rows0, int rows1) {
   load_tile_config(c);
 }
 
-// x's rows [0, 16 or 32) (stride xs elements) x the panel at w over all k-pairs; the sums at
-// sums[m * kSumsRow + c].
-template <bool kTwoRowTiles>
-__attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64_t xs, const bf16* w, int64_t pairs,
+// x's rows [0, 16 or 32) (stride xs elements) x one panel over all k-pairs, `step_at(p)` giving
+// its k-pairs [p, p + 16) (rows kPanelPair elements apart); the sums at sums[m * kSumsRow + c].
+template <bool kTwoRowTiles, class StepAt>
+__attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64_t xs, StepAt step_at, int64_t pairs,
                                                             float* sums) {
   constexpr int64_t kPairBytes = kPanelPair * 2;
   const int64_t x_bytes = xs * 2;
@@ -823,7 +823,8 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64
     _tile_zero(3);
   }
   for (int64_t p = 0; p < pairs; p += kAmxPairs) {
-    const bf16* wp = w + p * kPanelPair;
+    const bf16* wp = step_at(p);
+    tile_sources_written();  // a step just widened
     _tile_loadd(6, wp, kPairBytes);
     _tile_loadd(7, wp + 2 * kBlock, kPairBytes);
     _tile_loadd(4, x + 2 * p, x_bytes);
@@ -844,24 +845,36 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64
   }
 }
 
-// Rows [0, P.M) (at most kAmxPassRows) x every panel, `panel_at(i)` giving panel i in the bf16
-// layout (the thread's own until its next call).
-template <class PanelAt>
-void amx_pass(const Problem& P, PanelAt panel_at) {
+// Where the AMX blocks read panels: bf16 panels in place.
+struct AmxBf16 {
+  static constexpr bool kWidens = false;
+  const bf16* packed;
+  int64_t panel_size;
+  const bf16* panel(int64_t i) const { return packed + i * panel_size; }
+  const bf16* step(int64_t, int64_t) const { return nullptr; }
+};
+
+// Rows [0, P.M) (at most kAmxPassRows) x every panel of `source`. A source that widens its
+// panels (integer codes) widens each panel once into a thread-local bf16 panel for every row
+// block (L2), or, for one block of rows, each 16-pair step just before its tiles read it (L1).
+template <class Source>
+void amx_pass(const Problem& P, const Source& source) {
   const int64_t pairs = num_pairs(P.K), panels = padded_cols(P.N) / kPanel;
+  const bool stepwise = Source::kWidens && P.M <= kAmxBlockRows;
   parallel_ranges(panels, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) static thread_local float sums[kAmxBlockRows * kSumsRow];
     int configured = 0;  // rows the tiles are configured for (ldtilecfg per call: other code shares the thread)
     for (int64_t i = i0; i < i1; ++i) {
-      const bf16* w = panel_at(i);
+      const bf16* w = stepwise ? nullptr : source.panel(i);
+      const auto step_at = [&](int64_t p) { return stepwise ? source.step(i, p) : w + p * kPanelPair; };
       for (int64_t m0 = 0; m0 < P.M; m0 += kAmxBlockRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kAmxBlockRows, P.M - m0));
         if (rows != configured) configure_tiles(std::min(rows, 16), std::max(rows - 16, 0));
         configured = rows;
         if (rows > 16)
-          amx_block<true>(P.x + m0 * P.xs, P.xs, w, pairs, sums);
+          amx_block<true>(P.x + m0 * P.xs, P.xs, step_at, pairs, sums);
         else
-          amx_block<false>(P.x + m0 * P.xs, P.xs, w, pairs, sums);
+          amx_block<false>(P.x + m0 * P.xs, P.xs, step_at, pairs, sums);
         emit(P, sums, m0, rows, i * kPanel, kPanel);
       }
     }
@@ -870,15 +883,27 @@ void amx_pass(const Problem& P, PanelAt panel_at) {
 }
 
 // P's rows in passes of at most kAmxPassRows.
-template <class PanelAt>
-void amx_passes(const Problem& P, PanelAt panel_at) {
+template <class Source>
+void amx_passes(const Problem& P, const Source& source) {
   for (int64_t m0 = 0; m0 < P.M; m0 += kAmxPassRows) {
     Problem part = P;
     part.x += m0 * P.xs;
     part.y += m0 * P.ys;
     part.M = std::min(kAmxPassRows, P.M - m0);
-    amx_pass(part, panel_at);
+    amx_pass(part, source);
   }
+}
+
+// A thread's widened bf16 panel, or step (16 k-pairs).
+inline bf16* widened_panel(int64_t pairs) {
+  static thread_local std::vector<bf16> panel;
+  panel.resize(pairs * kPanelPair);
+  return panel.data();
+}
+
+inline bf16* widened_step() {
+  alignas(64) static thread_local bf16 step[kAmxPairs * kPanelPair];
+  return step;
 }
 
 // Whether this CPU has AMX-BF16 and Linux lets this process use the tile data (asked once).
@@ -904,8 +929,7 @@ void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16*
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
     if (takes_amx(P)) {
-      const int64_t panel_size = kPanel * 2 * num_pairs(P.K);
-      amx_passes(P, [&](int64_t i) { return packed + i * panel_size; });
+      amx_passes(P, AmxBf16{packed, kPanel * 2 * num_pairs(P.K)});
       return;
     }
 #endif
@@ -914,13 +938,14 @@ void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16*
 }
 
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
-// int4 panels on AMX, as int8's (`amx_int8_pass`): each thread widens a panel to bf16 once a
-// pass, w = q * d + m per group in fp32 (one FMA) rounded to bf16, and the bf16 tile blocks
-// multiply x as it is (not rounded to int8 codes). Source: two k-pairs p, p + 1 (p even) in 64
-// bytes, 32-bit lane c holding block 0's column c in its bytes' low nibbles and block 1's in the
-// high ones, for k = 2p, 2p + 2, 2p + 1, 2p + 3 (see the top of this file).
-__attribute__((target("avx512vbmi"))) void widen_int4_panel(const uint8_t* codes, const uint16_t* dm, int64_t pairs,
-                                                           int64_t group_pairs, bf16* out) {
+// int4 panels on AMX, as int8's (`AmxInt8`): a panel widened to bf16, w = q * d + m per
+// group in fp32 (one FMA) rounded to bf16, and the bf16 tile blocks multiply x as it is (not
+// rounded to int8 codes). Source: two k-pairs p, p + 1 (p even) in 64 bytes, 32-bit lane c
+// holding block 0's column c in its bytes' low nibbles and block 1's in the high ones, for k =
+// 2p, 2p + 2, 2p + 1, 2p + 3 (see the top of this file). Writes k-pairs [p0, p1) of the panel at
+// `codes` (scales `dm`) to out[(p - p0) * kPanelPair ...].
+__attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes, const uint16_t* dm, int64_t p0,
+                                                           int64_t p1, int64_t group_pairs, bf16* out) {
   // NOTE: dword j of a half (column 8 * half + j / 2, element j % 2) of k-pair p + h takes byte
   // 4 (j / 2) + 2 (j % 2) + h + 32 half; `spread` repeats a column's d or m for its two elements.
   alignas(64) static const std::array<std::array<std::array<uint8_t, 64>, 2>, 2> idx = [] {
@@ -938,7 +963,9 @@ __attribute__((target("avx512vbmi"))) void widen_int4_panel(const uint8_t* codes
   }();
   constexpr __mmask64 kLowBytes = 0x1111111111111111ull;
   const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t g0 = 0, g = 0; g0 < pairs; g0 += group_pairs, ++g) {
+  // NOTE: groups hold an even count of k-pairs (gs a multiple of 16), so pairs of k-pairs never straddle two.
+  for (int64_t g0 = p0; g0 < p1;) {
+    const int64_t g = g0 / group_pairs, g1 = std::min(p1, (g + 1) * group_pairs);
     const uint16_t* s = dm + g * 2 * kPanel;
     __m512 d[2][2], m[2][2];  // [block][half]
     for (int b = 0; b < 2; ++b) {
@@ -950,7 +977,7 @@ __attribute__((target("avx512vbmi"))) void widen_int4_panel(const uint8_t* codes
         m[b][half] = _mm512_permutexvar_ps(at, mb);
       }
     }
-    for (int64_t p = g0; p < g0 + group_pairs; p += 2) {
+    for (int64_t p = g0; p < g1; p += 2) {
       const __m512i raw = _mm512_loadu_si512(codes + p * kInt4PairBytes);
       const __m512i v[2] = {_mm512_and_si512(raw, low), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low)};
       for (int b = 0; b < 2; ++b) {
@@ -961,22 +988,33 @@ __attribute__((target("avx512vbmi"))) void widen_int4_panel(const uint8_t* codes
             w[half] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d[b][half], m[b][half]);
           }
           const __m512bh pair = _mm512_cvtne2ps_pbh(w[1], w[0]);
-          _mm512_storeu_si512(out + (p + h) * kPanelPair + b * 2 * kBlock, reinterpret_cast<const __m512i&>(pair));
+          _mm512_storeu_si512(out + (p - p0 + h) * kPanelPair + b * 2 * kBlock, reinterpret_cast<const __m512i&>(pair));
         }
       }
     }
+    g0 = g1;
   }
 }
 
-void amx_int4_pass(const Problem& P, const uint8_t* codes, const uint16_t* scales, int64_t gs) {
-  const int64_t pairs = P.K / 2, G = P.K / gs;
-  amx_passes(P, [&](int64_t i) {
-    static thread_local std::vector<bf16> panel;
-    panel.resize(pairs * kPanelPair);
-    widen_int4_panel(codes + i * kInt4PairBytes * pairs, scales + i * G * 2 * kPanel, pairs, gs / 2, panel.data());
-    return static_cast<const bf16*>(panel.data());
-  });
-}
+// int4 panels for the AMX blocks (gs / 2 k-pairs a group).
+struct AmxInt4 {
+  static constexpr bool kWidens = true;
+  const uint8_t* codes;
+  const uint16_t* scales;
+  int64_t pairs, group_pairs;
+  const uint8_t* codes_of(int64_t i) const { return codes + i * kInt4PairBytes * pairs; }
+  const uint16_t* scales_of(int64_t i) const { return scales + i * (pairs / group_pairs) * 2 * kPanel; }
+  const bf16* panel(int64_t i) const {
+    bf16* out = widened_panel(pairs);
+    widen_int4_pairs(codes_of(i), scales_of(i), 0, pairs, group_pairs, out);
+    return out;
+  }
+  const bf16* step(int64_t i, int64_t p) const {
+    bf16* out = widened_step();
+    widen_int4_pairs(codes_of(i), scales_of(i), p, p + kAmxPairs, group_pairs, out);
+    return out;
+  }
+};
 #endif
 
 // K a multiple of gs, gs a multiple of 16. x is quantized once per call (quantize_row), the
@@ -989,7 +1027,7 @@ void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint16_t*
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
     if (takes_amx(P, g_amx_int4_rows)) {
-      amx_int4_pass(P, codes, scales, gs);
+      amx_passes(P, AmxInt4{codes, scales, P.K / 2, gs / 2});
       return;
     }
 #endif
@@ -1135,13 +1173,14 @@ void int8_pass(const Problem& P, const uint8_t* codes) {
   });
 }
 #if defined(__x86_64__)
-// int8 panels on AMX: each thread widens a panel's codes to the bf16 panel layout (exact: every
-// code is a bf16; 2 x its bytes, in L2), once a pass, and the bf16 blocks multiply x as it is
-// on it (no rounding of x to int8 codes: tdpbf16ps does 8x the multiply-adds of vpdpbusd a
-// cycle, and the groups' rescaling would cost more than the products; so these rows' outputs
-// are W times x itself, up to fp32 sums). Source quad q, block b: 16 columns x 4 codes + 128 at
-// 4c + i; destination k-pair 2q + h, block b: 16 columns x 2 at 2c + e, code i = 2h + e.
-__attribute__((target("avx512vbmi"))) void widen_int8_panel(const uint8_t* codes, int64_t quads, bf16* out) {
+// int8 panels on AMX: the codes widened to the bf16 panel layout (exact: every code is a bf16),
+// a panel at a time into L2 or a step at a time into L1 (`amx_pass`), and the bf16 blocks
+// multiply x as it is on it (no rounding of x to int8 codes: tdpbf16ps does 8x the
+// multiply-adds of vpdpbusd a cycle, and the groups' rescaling would cost more than the
+// products; so these rows' outputs are W times x itself, up to fp32 sums). Writes `quads` quads
+// from `codes`. Source quad q, block b: 16 columns x 4 codes + 128 at 4c + i; destination k-pair
+// 2q + h, block b: 16 columns x 2 at 2c + e, code i = 2h + e.
+__attribute__((target("avx512vbmi"))) void widen_int8_quads(const uint8_t* codes, int64_t quads, bf16* out) {
   // NOTE: idx[h][half]: dword j of a half (columns 8 * half + j / 2, element j % 2) takes byte
   // 4 (j / 2) + j % 2 + 2h + 32 half into its low byte; the mask zeroes the other three.
   alignas(64) static const std::array<std::array<std::array<uint8_t, 64>, 2>, 2> idx = [] {
@@ -1169,15 +1208,23 @@ __attribute__((target("avx512vbmi"))) void widen_int8_panel(const uint8_t* codes
   }
 }
 
-void amx_int8_pass(const Problem& P, const uint8_t* codes) {
-  const int64_t quads = num_quads(P.K);
-  amx_passes(P, [&](int64_t i) {
-    static thread_local std::vector<bf16> panel;
-    panel.resize(2 * quads * kPanelPair);
-    widen_int8_panel(codes + i * kQuadBytes * quads, quads, panel.data());
-    return static_cast<const bf16*>(panel.data());
-  });
-}
+// int8 panels for the AMX blocks.
+struct AmxInt8 {
+  static constexpr bool kWidens = true;
+  const uint8_t* codes;
+  int64_t quads;
+  const uint8_t* codes_of(int64_t i) const { return codes + i * kQuadBytes * quads; }
+  const bf16* panel(int64_t i) const {
+    bf16* out = widened_panel(2 * quads);
+    widen_int8_quads(codes_of(i), quads, out);
+    return out;
+  }
+  const bf16* step(int64_t i, int64_t p) const {
+    bf16* out = widened_step();
+    widen_int8_quads(codes_of(i) + p / 2 * kQuadBytes, kAmxPairs / 2, out);
+    return out;
+  }
+};
 #endif
 #endif
 
@@ -1187,7 +1234,7 @@ void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* sca
   all_passes(x, xs, scales, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI)
     if (takes_amx(P, g_amx_int8_rows))
-      amx_int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
+      amx_passes(P, AmxInt8{reinterpret_cast<const uint8_t*>(codes), num_quads(P.K)});
     else
       int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
 #else

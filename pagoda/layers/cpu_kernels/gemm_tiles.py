@@ -12,7 +12,7 @@ the same panels also multiply on the tile units (gemm.cpp's `amx_pass`), a third
 alongside from one row: steps from the smallest probed count where AMX beats the better vector
 tile at that count and every larger one take it (`decide_amx`), the vector kinds below.
 int8 and int4 panels likewise: their `vpdpbusd` tiles against AMX on the weight widened to
-bf16 (`amx_int8_pass`, `amx_int4_pass`), each timed on a weight of its kind and the same shape,
+bf16 (gemm.cpp's `AmxInt8`, `AmxInt4`), each timed on a weight of its kind and the same shape,
 AMX from the smallest count where it wins at that count and every larger one.
 `PAGODA_GEMM_TILE` forces it: `dpbf16`, `fma`, `fma:ROWS`, `amx` or `amx:ROWS` (AMX from ROWS,
 every kind alike, vdpbf16ps and vpdpbusd below). Other builds have one tile kind and ignore this.
