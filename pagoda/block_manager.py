@@ -30,6 +30,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from pagoda.kv_cache import group_block_ids
 from pagoda.request import Request
 
 ExtraKeys = bytes | tuple[int | str | bytes, ...]
@@ -122,7 +123,7 @@ class BlockManager:
 
     def block_ids_of(self, request: Request) -> list[int]:
         """The request's table in this manager's group."""
-        return request.block_ids if self.group == 0 else request.sliding_block_ids
+        return group_block_ids(request, self.group)
 
     def _set_block_ids(self, request: Request, block_ids: list[int]) -> None:
         if self.group == 0:

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -181,3 +182,16 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, block_size: int, devic
         return memory.untouched(nbytes).view(spec.dtype).view(shape)
 
     return [(make(), make()) for _ in range(spec.num_layers)]
+
+
+class HasBlockTables(Protocol):
+    """A request as the engine holds it (request.Request: both groups' tables) or as a worker
+    sees it for one step (worker_step.WorkerRequest: group 0's only; parallel ranks keep one group)."""
+
+    block_ids: list[int]
+
+
+def group_block_ids(request: HasBlockTables, group: int) -> list[int]:
+    """The request's block table in KV cache group `group`: 0 `block_ids`, 1 a mixed model's
+    `sliding_block_ids` (the sliding-window layers')."""
+    return request.block_ids if group == 0 else request.sliding_block_ids  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 
+from pagoda.kv_cache import group_block_ids
 from pagoda.layers.attention_backend import (
     AttentionBackend,
     AttentionMetadata,
@@ -110,7 +111,7 @@ class InputPreparer:
         if self.num_kv_groups == 1:
             return meta
         bs = self.block_size
-        slots = [r.sliding_block_ids[p // bs] * bs + p % bs
+        slots = [group_block_ids(r, 1)[p // bs] * bs + p % bs
                  for r, n in zip(reqs, counts, strict=True)
                  for p in range(r.num_computed_tokens, r.num_computed_tokens + n)]
         sliding = self.backend.build(reqs, counts, self._tensor(slots), group=1)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from pagoda.kv_cache import group_block_ids
 from pagoda.layers import cpu_kernels
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ class AttentionBackend(Protocol):
 
 def block_table(reqs: list[Request], num_blocks: int, group: int = 0) -> torch.Tensor:
     """[len(reqs), num_blocks] block ids of KV cache group `group` (0-padded)."""
-    tables = [r.block_ids if group == 0 else r.sliding_block_ids for r in reqs]
+    tables = [group_block_ids(r, group) for r in reqs]
     rows = [t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks])) for t in tables]
     return torch.tensor(rows, dtype=torch.long)
 
