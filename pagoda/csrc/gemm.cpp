@@ -30,7 +30,7 @@
 // and a tile (up to kInt8TileRows rows) sums each group in int32 registers, started at -128 * the
 // group's sum of x codes, then scales it by x's step into fp32 sums held in registers. y is W
 // times the rounded x, up to fp32 sums. On CPUs with AMX, steps from a row count measured at load
-// (`pagoda_gemm_set_amx_int8_rows`) widen each panel's codes to bf16 instead and multiply x as it
+// (`pagoda_gemm_set_amx_integer_rows`) widen each panel's codes to bf16 instead and multiply x as it
 // is on the tile units (`AmxInt8`). The portable build (format 0) keeps the bf16 layout with
 // one two's complement byte an element, decoded a chunk at a time into bf16 (exact) for the bf16
 // tiles. Codes are in [-127, 127] (what per-channel quantization gives). The scale multiplies each
@@ -845,22 +845,22 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64
   }
 }
 
-// Where the AMX blocks read panels: bf16 panels in place.
+// Where the AMX blocks read panels in the bf16 layout: `panel(i)` all of panel i, `step(i, p)`
+// its k-pairs [p, p + 16); each valid until the thread's next call. bf16 panels in place.
 struct AmxBf16 {
-  static constexpr bool kWidens = false;
   const bf16* packed;
   int64_t panel_size;
   const bf16* panel(int64_t i) const { return packed + i * panel_size; }
-  const bf16* step(int64_t, int64_t) const { return nullptr; }
+  const bf16* step(int64_t i, int64_t p) const { return panel(i) + p * kPanelPair; }
 };
 
-// Rows [0, P.M) (at most kAmxPassRows) x every panel of `source`. A source that widens its
-// panels (integer codes) widens each panel once into a thread-local bf16 panel for every row
-// block (L2), or, for one block of rows, each 16-pair step just before its tiles read it (L1).
+// Rows [0, P.M) (at most kAmxPassRows) x every panel of `source`: one block of rows reads each
+// panel a step at a time (a source that widens integer codes widens just that step, into L1),
+// more blocks read it whole (widened once into L2 for all of them).
 template <class Source>
 void amx_pass(const Problem& P, const Source& source) {
   const int64_t pairs = num_pairs(P.K), panels = padded_cols(P.N) / kPanel;
-  const bool stepwise = Source::kWidens && P.M <= kAmxBlockRows;
+  const bool stepwise = P.M <= kAmxBlockRows;
   parallel_ranges(panels, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) static thread_local float sums[kAmxBlockRows * kSumsRow];
     int configured = 0;  // rows the tiles are configured for (ldtilecfg per call: other code shares the thread)
@@ -892,6 +892,20 @@ void amx_passes(const Problem& P, const Source& source) {
     part.M = std::min(kAmxPassRows, P.M - m0);
     amx_pass(part, source);
   }
+}
+
+// Index vectors of a zero-masked vpermb (kLowBytes) that leaves in dword j of vector [h][half]
+// the source byte byte_of(h, half, j), zero-extended: how the widening reads codes.
+using LowByteIndex = std::array<std::array<std::array<uint8_t, 64>, 2>, 2>;
+constexpr __mmask64 kLowBytes = 0x1111111111111111ull;
+
+template <class ByteOf>
+LowByteIndex low_byte_index(ByteOf byte_of) {
+  LowByteIndex t{};
+  for (int h = 0; h < 2; ++h)
+    for (int half = 0; half < 2; ++half)
+      for (int j = 0; j < 16; ++j) t[h][half][4 * j] = static_cast<uint8_t>(byte_of(h, half, j));
+  return t;
 }
 
 // A thread's widened bf16 panel, or step (16 k-pairs).
@@ -948,20 +962,14 @@ __attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes
                                                            int64_t p1, int64_t group_pairs, bf16* out) {
   // NOTE: dword j of a half (column 8 * half + j / 2, element j % 2) of k-pair p + h takes byte
   // 4 (j / 2) + 2 (j % 2) + h + 32 half; `spread` repeats a column's d or m for its two elements.
-  alignas(64) static const std::array<std::array<std::array<uint8_t, 64>, 2>, 2> idx = [] {
-    std::array<std::array<std::array<uint8_t, 64>, 2>, 2> t{};
-    for (int h = 0; h < 2; ++h)
-      for (int half = 0; half < 2; ++half)
-        for (int j = 0; j < 16; ++j) t[h][half][4 * j] = static_cast<uint8_t>(4 * (j / 2) + 2 * (j % 2) + h + 32 * half);
-    return t;
-  }();
+  alignas(64) static const LowByteIndex idx =
+      low_byte_index([](int h, int half, int j) { return 4 * (j / 2) + 2 * (j % 2) + h + 32 * half; });
   alignas(64) static const std::array<std::array<int32_t, 16>, 2> spread = [] {
     std::array<std::array<int32_t, 16>, 2> t{};
     for (int half = 0; half < 2; ++half)
       for (int j = 0; j < 16; ++j) t[half][j] = 8 * half + j / 2;
     return t;
   }();
-  constexpr __mmask64 kLowBytes = 0x1111111111111111ull;
   const __m512i low = _mm512_set1_epi8(0x0F);
   // NOTE: groups hold an even count of k-pairs (gs a multiple of 16), so pairs of k-pairs never straddle two.
   for (int64_t g0 = p0; g0 < p1;) {
@@ -998,7 +1006,6 @@ __attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes
 
 // int4 panels for the AMX blocks (gs / 2 k-pairs a group).
 struct AmxInt4 {
-  static constexpr bool kWidens = true;
   const uint8_t* codes;
   const uint16_t* scales;
   int64_t pairs, group_pairs;
@@ -1181,16 +1188,10 @@ void int8_pass(const Problem& P, const uint8_t* codes) {
 // from `codes`. Source quad q, block b: 16 columns x 4 codes + 128 at 4c + i; destination k-pair
 // 2q + h, block b: 16 columns x 2 at 2c + e, code i = 2h + e.
 __attribute__((target("avx512vbmi"))) void widen_int8_quads(const uint8_t* codes, int64_t quads, bf16* out) {
-  // NOTE: idx[h][half]: dword j of a half (columns 8 * half + j / 2, element j % 2) takes byte
-  // 4 (j / 2) + j % 2 + 2h + 32 half into its low byte; the mask zeroes the other three.
-  alignas(64) static const std::array<std::array<std::array<uint8_t, 64>, 2>, 2> idx = [] {
-    std::array<std::array<std::array<uint8_t, 64>, 2>, 2> t{};
-    for (int h = 0; h < 2; ++h)
-      for (int half = 0; half < 2; ++half)
-        for (int j = 0; j < 16; ++j) t[h][half][4 * j] = static_cast<uint8_t>(4 * (j / 2) + j % 2 + 2 * h + 32 * half);
-    return t;
-  }();
-  constexpr __mmask64 kLowBytes = 0x1111111111111111ull;
+  // NOTE: dword j of a half (column 8 * half + j / 2, element j % 2) of k-pair 2q + h takes byte
+  // 4 (j / 2) + j % 2 + 2h + 32 half.
+  alignas(64) static const LowByteIndex idx =
+      low_byte_index([](int h, int half, int j) { return 4 * (j / 2) + j % 2 + 2 * h + 32 * half; });
   const __m512i offset = _mm512_set1_epi32(128);
   for (int64_t q = 0; q < quads; ++q) {
     for (int b = 0; b < 2; ++b) {
@@ -1210,7 +1211,6 @@ __attribute__((target("avx512vbmi"))) void widen_int8_quads(const uint8_t* codes
 
 // int8 panels for the AMX blocks.
 struct AmxInt8 {
-  static constexpr bool kWidens = true;
   const uint8_t* codes;
   int64_t quads;
   const uint8_t* codes_of(int64_t i) const { return codes + i * kQuadBytes * quads; }
@@ -1227,7 +1227,6 @@ struct AmxInt8 {
 };
 #endif
 #endif
-
 
 void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const bf16* bias, bf16* y,
                 int64_t ys, int64_t M, int64_t N, int64_t K) {
