@@ -27,6 +27,7 @@ namespace {
 // keeps larger heads on the torch path (PagedAttention.supports_native, MAX_NATIVE_HEAD_DIM).
 constexpr int kMaxHeadDim = 256;
 constexpr int kQueryTile = 16;
+constexpr int kAmxQueryTile = 32;  // query rows of a prefill item on AMX (amx_query_tile)
 constexpr int kKeyTile = 16;
 constexpr int kSpanKeys = 128;  // keys a step of the AMX prefill path (several key tiles)
 constexpr int kPrefetchTiles = 4;
@@ -296,10 +297,9 @@ void list_tiles(const AttnArgs& a, int64_t seq, int64_t lo, int64_t hi, std::vec
 // block edge; the tile kPrefetchTiles ahead is touched while this one is computed.
 template <int DC, typename T, typename C>
 void attend_item(const T* q, const C* k_cache, const C* v_cache, T* out, const AttnArgs& a,
-                 int64_t seq, int h0, int nh, int64_t row0) {
+                 int64_t seq, int h0, int nh, int64_t row0, int rows) {
   const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
   const int64_t q_begin = a.query_start_loc[seq], qlen = a.query_start_loc[seq + 1] - q_begin;
-  const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, qlen - row0));
   const int64_t pos0 = a.seq_lens[seq] - qlen + row0;
   const int64_t kv_stride = int64_t(a.num_kv_heads) * d;
   thread_local std::vector<Scratch> heads;
@@ -351,7 +351,7 @@ struct BlockScratch {
   std::vector<float> qt, kf, vf, st, m, l, acc;
   // bf16 pairs for vdpbf16ps: query vectors qp[(i / 2) * 2 r16 + 2 r + i % 2]; a tile's values
   // vp[(j / 2) * 2 d + 2 i + j % 2] and probabilities pp[(j / 2) * 2 r16 + 2 r + j % 2].
-  std::vector<bf16> qp, vp, pp;
+  std::vector<bf16> qp, vp, pp, kspan;  // kspan: a span's keys copied into whole tiles (AMX)
   int r16 = 0;
   void reset(int vectors, int d, bool pairs) {
     r16 = (vectors + kLanes - 1) / kLanes * kLanes;
@@ -359,6 +359,7 @@ struct BlockScratch {
       qp.assign(size_t(d) * r16, bf16{0});
       vp.resize(size_t(kSpanKeys) * d);  // NOTE: sized for AMX's spans, the pairs path uses a tile's
       pp.resize(size_t(kSpanKeys) * r16);
+      kspan.resize(size_t(kSpanKeys + kKeyTile) * d);
     } else {
       qt.assign(size_t(d) * r16, 0.f);
       kf.resize(size_t(kKeyTile) * d);  // the key tile widened to fp32 (the FMA path only)
@@ -440,22 +441,60 @@ void pair_values(BlockScratch& w, const bf16* v, int64_t kv_stride, int d, int n
     pair_rows(v + j * kv_stride, j + 1 < n ? v + (j + 1) * kv_stride : nullptr, &w.vp[size_t(j) * d], d);
 }
 
-// The tile's probabilities (st, fp32) rounded to bf16 key pairs (pp), as torch's CPU flash
-// attention rounds them for its bf16 product with V.
-void pair_probabilities(BlockScratch& w, int n) {
+// 2^t for t in [-150, 0] (-inf clamped): 2^n times a degree-5 polynomial in the remainder
+// (|rem| <= 0.5, relative error < 3e-6: far below the bf16 rounding the probabilities get next).
+inline __m512 exp2_for_pairs(__m512 t) {
+  t = _mm512_max_ps(t, _mm512_set1_ps(-150.f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln2^k / k!
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Online softmax over n scores down the lanes, as softmax_block (times `scale`; corr, l and m
+// alike), its probabilities written as they are made straight into bf16 key pairs (pp), the
+// layout the pair products read (rounded as torch's CPU flash attention rounds P for its bf16
+// product with V); st is only read. The sums take the fp32 probabilities.
+void softmax_pairs(BlockScratch& w, int n, float scale, float* corr) {
   alignas(64) static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  constexpr float kLog2e = 1.44269504088896341f;
   const __m512i order = _mm512_load_si512(kPairs);
   const float* st = w.st.data();  // NOTE: w is thread_local: its fields read once, not per store
   bf16* pp = w.pp.data();
+  float *m = w.m.data(), *l = w.l.data();
   const int64_t r16 = w.r16;
-  for (int j = 0; j < n; j += 2) {
-    for (int c = 0; c < r16; c += kLanes) {
-      const __m512 a = _mm512_loadu_ps(&st[j * r16 + c]);
-      const __m512 b = j + 1 < n ? _mm512_loadu_ps(&st[(j + 1) * r16 + c]) : _mm512_setzero_ps();
+  const __m512 f = _mm512_set1_ps(scale), f2 = _mm512_set1_ps(scale * kLog2e);
+  for (int c = 0; c < r16; c += kLanes) {
+    const __m512 m_old = _mm512_loadu_ps(&m[c]);
+    __m512 raw[4];  // NOTE: four running maxima, so that the loads do not wait on one chain
+    for (auto& x : raw) x = _mm512_set1_ps(kNegInf);
+    int j = 0;
+    for (; j + 4 <= n; j += 4)
+      for (int u = 0; u < 4; ++u) raw[u] = _mm512_max_ps(raw[u], _mm512_loadu_ps(&st[(j + u) * r16 + c]));
+    for (; j < n; ++j) raw[0] = _mm512_max_ps(raw[0], _mm512_loadu_ps(&st[j * r16 + c]));
+    const __m512 top = _mm512_max_ps(_mm512_max_ps(raw[0], raw[1]), _mm512_max_ps(raw[2], raw[3]));
+    const __m512 mx = _mm512_max_ps(m_old, _mm512_mul_ps(top, f));
+    const __m512 off = _mm512_mul_ps(mx, _mm512_set1_ps(-kLog2e));
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    for (j = 0; j < n; j += 2) {
+      const __m512 a = exp2_for_pairs(_mm512_fmadd_ps(_mm512_loadu_ps(&st[j * r16 + c]), f2, off));
+      const __m512 b = j + 1 < n ? exp2_for_pairs(_mm512_fmadd_ps(_mm512_loadu_ps(&st[(j + 1) * r16 + c]), f2, off))
+                                 : _mm512_setzero_ps();
+      sum0 = _mm512_add_ps(sum0, a);
+      sum1 = _mm512_add_ps(sum1, b);
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in the low half
       _mm512_storeu_si512(&pp[j * r16 + 2 * c], _mm512_permutexvar_epi16(order, both));
     }
+    const __m512 g = vexp(Vf{_mm512_sub_ps(m_old, mx)}).v;
+    _mm512_storeu_ps(&corr[c], g);
+    _mm512_storeu_ps(&l[c], _mm512_fmadd_ps(_mm512_loadu_ps(&l[c]), g, _mm512_add_ps(sum0, sum1)));
+    _mm512_storeu_ps(&m[c], mx);
   }
 }
 
@@ -497,15 +536,18 @@ void accumulate_block_bf16(BlockScratch& w, const float* corr, int vectors, int 
 }
 
 // ---- Spans on AMX (CPUs with AMX-BF16, where the GEMM's measured choice takes it): up to
-// kSpanKeys keys (consecutive key tiles) at a time. Scores as S^T = K Q^T tile by tile, so that
-// they land in st[j][r] for the softmax down the lanes: the A tiles the key rows read in place
-// from the pool (a tile of fewer than 16 keys copied into zeroed rows first), 32 head dims each;
-// the B tiles the query pairs qp. One softmax over the span (the scale applied there). P.V as
-// O = P V with the span's probabilities as A tiles: pp's key pairs transposed 16 x 16 into rows
-// (pa), the value pairs vp as B tiles, and a query chunk's output (up to 64 head dims) kept in
-// four sums tiles through the span's 32-key steps, loaded from and stored back to acc once.
-// Every tile is 16 rows of 64 bytes (one configuration an item): 0 and 3 scores (alternating
-// chunks), 1 keys or values, 2 queries or values, 3 probabilities, 4-7 outputs.
+// kSpanKeys keys (consecutive key tiles) at a time, for query tiles of kAmxQueryTile rows.
+// Scores as S^T = K Q^T, so that they land in st[j][r] for the softmax down the lanes: the A
+// tiles the key rows read in place from the pool (a span with a tile of fewer than 16 keys
+// copied into zeroed rows first), 32 head dims each; the B tiles the query pairs qp; two key
+// tiles by two query chunks a block. One softmax over the span (the scale applied there) that
+// writes the probabilities as bf16 pairs (pp). P.V as O = P V with the span's probabilities as
+// A tiles: pp's key pairs transposed 16 x 16 into rows (pa), the value pairs vp as B tiles, and
+// two query chunks' outputs, 32 head dims at a time, kept in four sums tiles through the span's
+// 32-key steps, loaded from and stored back to acc once. Every tile is 16 rows of 64 bytes (one
+// configuration an item): 0-1 keys or probabilities, 1-2 values, 2-3 queries or probabilities,
+// 4-7 sums. On the Sapphire Rapids of docs/performance.md a tile load costs about what a
+// product does, so a block that loads each operand tile once for two products is what counts.
 constexpr int kSpanPairs = kSpanKeys / 2;
 constexpr int kPairStep = 16;  // key pairs a tile step
 
@@ -527,35 +569,58 @@ AmxTiles::~AmxTiles() {
   if (configured) release_tiles();
 }
 
-// Query chunk q's (16 vectors of pairs, r16 apart) raw scores against the 16 keys at k into dst,
-// summed in tile S (a macro: GCC's tile intrinsics take literal tile numbers only).
-#define PAGODA_SCORE_CHUNK_AMX(NAME, S)                                                                       \
-  __attribute__((target("amx-tile,amx-bf16"))) void NAME(const bf16* k, int64_t kv_stride, const bf16* q, \
-                                                         int64_t r16, int d, float* dst) {                  \
-    _tile_zero(S);                                                                                           \
-    for (int i = 0; i < d; i += 32) {                                                                        \
-      _tile_loadd(1, k + i, kv_stride * 2);                                                                  \
-      _tile_loadd(2, q + (i / 2) * 2 * r16, 4 * r16);                                                        \
-      _tile_dpbf16ps(S, 1, 2);                                                                               \
-    }                                                                                                        \
-    _tile_stored(S, dst, 4 * r16);                                                                           \
+// Raw scores of key tiles k0 and k1 (16 keys each, row strides s0 and s1 elements) against the
+// query chunk at q (16 vectors of pairs, r16 apart) and, when TWO, the next chunk too, into st
+// at dst (the first tile's first row, the chunk's column; the second tile's rows follow): a
+// 2 x 2 block, keys in tiles 0-1, queries in 2-3, sums in 4-7.
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16"))) void score_block_amx(const bf16* k0, int64_t s0, const bf16* k1,
+                                                                 int64_t s1, const bf16* q, int64_t r16, int d,
+                                                                 float* dst) {
+  _tile_zero(4);
+  _tile_zero(6);
+  if constexpr (TWO) {
+    _tile_zero(5);
+    _tile_zero(7);
   }
-PAGODA_SCORE_CHUNK_AMX(score_chunk_amx0, 0)
-PAGODA_SCORE_CHUNK_AMX(score_chunk_amx3, 3)
-#undef PAGODA_SCORE_CHUNK_AMX
+  for (int i = 0; i < d; i += 32) {
+    const bf16* qi = q + (i / 2) * 2 * r16;
+    _tile_loadd(0, k0 + i, s0 * 2);
+    _tile_loadd(2, qi, 4 * r16);
+    _tile_loadd(1, k1 + i, s1 * 2);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(6, 1, 2);
+    if constexpr (TWO) {
+      _tile_loadd(3, qi + 32, 4 * r16);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+  }
+  float* second = dst + kKeyTile * r16;
+  _tile_stored(4, dst, 4 * r16);
+  _tile_stored(6, second, 4 * r16);
+  if constexpr (TWO) {
+    _tile_stored(5, dst + 16, 4 * r16);
+    _tile_stored(7, second + 16, 4 * r16);
+  }
+}
 
-// Raw scores of the 16 keys at k (row stride kv_stride) into st rows [j0, j0 + 16); rows past
-// the tile's own keys are overwritten by the next tile's or lie past the span. Chunks alternate
-// sums tiles, so that one chunk's store overlaps the next one's products.
-void score_keys_amx(BlockScratch& w, const bf16* k, int64_t kv_stride, int d, int j0) {
-  tile_sources_written();  // qp, a copied tile's keys
+// Raw scores of a span's key tiles (kt[t]: 16 rows `stride` elements apart) into st, two key
+// tiles by two query chunks at a time (an odd last tile paired with `zeros`, whose scores land
+// past the span's).
+void score_span_amx(BlockScratch& w, const bf16* const* kt, int tiles, int64_t stride, const bf16* zeros, int d) {
+  tile_sources_written();  // qp, the copied keys
   const int64_t r16 = w.r16;
-  for (int c = 0; c < r16; c += kLanes) {
-    float* dst = &w.st[j0 * r16 + c];
-    if ((c / kLanes) % 2 == 0)
-      score_chunk_amx0(k, kv_stride, &w.qp[2 * c], r16, d, dst);
-    else
-      score_chunk_amx3(k, kv_stride, &w.qp[2 * c], r16, d, dst);
+  const bf16* qp = w.qp.data();
+  float* st = w.st.data();  // NOTE: w is thread_local: its fields read once, not per store
+  for (int t = 0; t < tiles; t += 2) {
+    const bf16* k1 = t + 1 < tiles ? kt[t + 1] : zeros;
+    const int64_t s1 = t + 1 < tiles ? stride : d;
+    float* d0 = st + int64_t(t) * kKeyTile * r16;
+    int c = 0;
+    for (; c + 2 * kLanes <= r16; c += 2 * kLanes)
+      score_block_amx<true>(kt[t], stride, k1, s1, qp + 2 * c, r16, d, d0 + c);
+    if (c < r16) score_block_amx<false>(kt[t], stride, k1, s1, qp + 2 * c, r16, d, d0 + c);
   }
 }
 
@@ -588,97 +653,143 @@ inline void transpose16(const int32_t* src, int64_t ss, int32_t* dst, int64_t ds
   }
 }
 
-// Output dims [i0, i0 + 16 NT) of query chunk c += P (pa, steps x 16 key pairs) . V (vp).
-template <int NT>
-__attribute__((target("amx-tile,amx-bf16"))) void values_amx(BlockScratch& w, const int32_t* pa, int c, int i0,
-                                                            int d, int steps) {
-  float* o = &w.acc[size_t(c) * d + i0];
-  const int64_t ob = 4 * int64_t(d), vb = 4 * int64_t(d);
-  _tile_loadd(4, o, ob);
-  if constexpr (NT > 1) _tile_loadd(5, o + 16, ob);
-  if constexpr (NT > 2) _tile_loadd(6, o + 32, ob);
-  if constexpr (NT > 3) _tile_loadd(7, o + 48, ob);
+// Output dims [i, i + 32) of the query chunk at o (acc rows, d apart) += P (pa0: steps x 16 key
+// pairs a row) . V (vp at dim i), and when TWO of the next chunk (o1, pa1) too: a 2 x 2 block of
+// products over the span's steps, sums in tiles 4-7, probabilities in 0 and 3, values in 1-2.
+template <bool TWO>
+__attribute__((target("amx-tile,amx-bf16"))) void values_block_amx(float* o0, float* o1, const int32_t* pa0,
+                                                                  const int32_t* pa1, const bf16* vp, int d,
+                                                                  int steps) {
+  const int64_t ob = 4 * int64_t(d), vb = 4 * int64_t(d), pb = kSpanPairs * 4;
+  _tile_loadd(4, o0, ob);
+  _tile_loadd(5, o0 + 16, ob);
+  if constexpr (TWO) {
+    _tile_loadd(6, o1, ob);
+    _tile_loadd(7, o1 + 16, ob);
+  }
   for (int s = 0; s < steps; ++s) {
-    _tile_loadd(3, pa + kPairStep * s, kSpanPairs * 4);
-    const bf16* v = &w.vp[size_t(kPairStep * s) * 2 * d + 2 * i0];
+    const bf16* v = vp + size_t(kPairStep * s) * 2 * d;
+    _tile_loadd(0, pa0 + kPairStep * s, pb);
     _tile_loadd(1, v, vb);
-    _tile_dpbf16ps(4, 3, 1);
-    if constexpr (NT > 1) {
-      _tile_loadd(2, v + 32, vb);
-      _tile_dpbf16ps(5, 3, 2);
-    }
-    if constexpr (NT > 2) {
-      _tile_loadd(1, v + 64, vb);
+    _tile_loadd(2, v + 32, vb);
+    _tile_dpbf16ps(4, 0, 1);
+    _tile_dpbf16ps(5, 0, 2);
+    if constexpr (TWO) {
+      _tile_loadd(3, pa1 + kPairStep * s, pb);
       _tile_dpbf16ps(6, 3, 1);
-    }
-    if constexpr (NT > 3) {
-      _tile_loadd(2, v + 96, vb);
       _tile_dpbf16ps(7, 3, 2);
     }
   }
-  _tile_stored(4, o, ob);
-  if constexpr (NT > 1) _tile_stored(5, o + 16, ob);
-  if constexpr (NT > 2) _tile_stored(6, o + 32, ob);
-  if constexpr (NT > 3) _tile_stored(7, o + 48, ob);
+  _tile_stored(4, o0, ob);
+  _tile_stored(5, o0 + 16, ob);
+  if constexpr (TWO) {
+    _tile_stored(6, o1, ob);
+    _tile_stored(7, o1 + 16, ob);
+  }
 }
 
-// acc = acc * corr + P V over the span's n keys (pp and vp zero past n up to whole steps).
+// acc = acc * corr + P V over the span's n keys (pp and vp zero past n up to whole steps), two
+// query chunks at a time.
 void accumulate_span_amx(BlockScratch& w, const float* corr, int n, int d) {
   const int steps = (n + 2 * kPairStep - 1) / (2 * kPairStep);
-  alignas(64) int32_t pa[kLanes * kSpanPairs];  // a query chunk's probabilities, a row each
+  alignas(64) int32_t pa[2][kLanes * kSpanPairs];  // two query chunks' probabilities, a row each
   const auto* pp = reinterpret_cast<const int32_t*>(w.pp.data());
+  const bf16* vp = w.vp.data();
   float* acc = w.acc.data();  // NOTE: w is thread_local: its fields read once, not per store
   const int64_t r16 = w.r16;
-  for (int c = 0; c < r16; c += kLanes) {
-    bool moved = false;  // NOTE: once the running max settles, corr is 1 and the rescale is skipped
-    for (int r = c; r < c + kLanes; ++r) moved |= corr[r] != 1.f;
-    if (moved)
-      for (int64_t r = c; r < c + kLanes; ++r) {
-        const __m512 f = _mm512_set1_ps(corr[r]);
-        for (int i = 0; i < d; i += kLanes) _mm512_storeu_ps(&acc[r * d + i], _mm512_mul_ps(_mm512_loadu_ps(&acc[r * d + i]), f));
-      }
-    for (int s = 0; s < steps; ++s) transpose16(pp + kPairStep * s * r16 + c, r16, pa + kPairStep * s, kSpanPairs);
+  for (int c = 0; c < r16; c += 2 * kLanes) {
+    const bool two = c + kLanes < r16;
+    for (int h = 0; h < (two ? 2 : 1); ++h) {
+      const int c0 = c + h * kLanes;
+      bool moved = false;  // NOTE: once the running max settles, corr is 1 and the rescale is skipped
+      for (int r = c0; r < c0 + kLanes; ++r) moved |= corr[r] != 1.f;
+      if (moved)
+        for (int64_t r = c0; r < c0 + kLanes; ++r) {
+          const __m512 f = _mm512_set1_ps(corr[r]);
+          for (int i = 0; i < d; i += kLanes)
+            _mm512_storeu_ps(&acc[r * d + i], _mm512_mul_ps(_mm512_loadu_ps(&acc[r * d + i]), f));
+        }
+      for (int s = 0; s < steps; ++s)
+        transpose16(pp + kPairStep * s * r16 + c0, r16, pa[h] + kPairStep * s, kSpanPairs);
+    }
     tile_sources_written();  // pa, the rescaled acc, vp
-    int i = 0;
-    for (; i + 64 <= d; i += 64) values_amx<4>(w, pa, c, i, d, steps);
-    if (d - i == 32) values_amx<2>(w, pa, c, i, d, steps);
+    float *o0 = acc + c * int64_t(d), *o1 = two ? o0 + kLanes * int64_t(d) : o0;
+    for (int i = 0; i < d; i += 32) {
+      if (two)
+        values_block_amx<true>(o0 + i, o1 + i, pa[0], pa[1], vp + 2 * i, d, steps);
+      else
+        values_block_amx<false>(o0 + i, o1 + i, pa[0], pa[1], vp + 2 * i, d, steps);
+    }
   }
 }
 
 void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64_t pos0, int64_t window);
 void softmax_block(BlockScratch& w, int n, float scale, float* corr);
 
-// A head's key tiles in spans on AMX (see above). A tile of fewer than 16 keys is copied into
-// zeroed rows first, so that a tile never reads past its block.
+// Prefetches the K and V rows of head h of the span that starts at tiles[t0], while this one is
+// computed: the tile loads read 16 rows far apart, which the hardware's prefetchers do not follow.
+void prefetch_span(const bf16* k_cache, const bf16* v_cache, int64_t kv_stride, const std::vector<KeyTile>& tiles,
+                   size_t t0, int h, int d) {
+  int n = 0;
+  for (size_t t = t0; t < tiles.size() && n + tiles[t].n <= kSpanKeys; n += tiles[t].n, ++t) {
+    const auto* k = reinterpret_cast<const char*>(k_cache + tiles[t].offset + int64_t(h) * d);
+    const auto* v = reinterpret_cast<const char*>(v_cache + tiles[t].offset + int64_t(h) * d);
+    for (int64_t j = 0; j < tiles[t].n * kv_stride * 2; j += kv_stride * 2)
+      for (int b = 0; b < d * 2; b += 64) {
+        _mm_prefetch(k + j + b, _MM_HINT_T0);
+        _mm_prefetch(v + j + b, _MM_HINT_T0);
+      }
+  }
+}
+
+// The key tiles [t0, t1) of a span (k: the head's first row) as whole 16-row tiles into kt: read
+// in place from the pool, or, when one of them is short, all copied into zeroed rows (w.kspan).
+// Returns their row stride.
+int64_t span_key_tiles(BlockScratch& w, const bf16* k, int64_t kv_stride, const std::vector<KeyTile>& tiles,
+                       size_t t0, size_t t1, int d, const bf16** kt) {
+  bool whole = true;
+  for (size_t t = t0; t < t1; ++t) whole &= tiles[t].n == kKeyTile;
+  if (whole) {
+    for (size_t t = t0; t < t1; ++t) kt[t - t0] = k + tiles[t].offset;
+    return kv_stride;
+  }
+  bf16* ks = w.kspan.data();
+  int j = 0;
+  for (size_t t = t0; t < t1; ++t)
+    for (int r = 0; r < tiles[t].n; ++r, ++j)
+      std::memcpy(ks + size_t(j) * d, k + tiles[t].offset + r * kv_stride, sizeof(bf16) * d);
+  const int key_tiles = (j + kKeyTile - 1) / kKeyTile;
+  std::memset(ks + size_t(j) * d, 0, sizeof(bf16) * d * (key_tiles * kKeyTile - j));
+  for (int t = 0; t < key_tiles; ++t) kt[t] = ks + size_t(t) * kKeyTile * d;
+  return d;
+}
+
+// A head's key tiles in spans on AMX (see above). A span with a tile of fewer than 16 keys has
+// its keys copied into zeroed rows first (w.kspan), so that no tile reads past its block.
 void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache, int64_t kv_stride,
                       const AttnArgs& a, int rows, int group, const std::vector<KeyTile>& tiles, int h, int64_t pos0,
                       float* corr, AmxTiles& amx) {
   const int d = a.head_dim;
   amx.configure();
-  alignas(64) bf16 kpad[kKeyTile * kMaxHeadDim];
+  alignas(64) static const bf16 zeros[kKeyTile * kMaxHeadDim] = {};
   const bf16* vrow[kSpanKeys];
+  const bf16* kt[kSpanKeys / kKeyTile];
   for (size_t t0 = 0; t0 < tiles.size();) {
     int n = 0;
     size_t t1 = t0;
     for (; t1 < tiles.size() && n + tiles[t1].n <= kSpanKeys; ++t1) {
       const KeyTile& t = tiles[t1];
-      const bf16* k = k_cache + t.offset + int64_t(h) * d;
       const bf16* v = v_cache + t.offset + int64_t(h) * d;
-      if (t.n < kKeyTile) {
-        std::memset(kpad, 0, sizeof(bf16) * kKeyTile * d);
-        for (int j = 0; j < t.n; ++j) std::memcpy(kpad + j * d, k + j * kv_stride, sizeof(bf16) * d);
-        score_keys_amx(w, kpad, d, d, n);
-      } else {
-        score_keys_amx(w, k, kv_stride, d, n);
-      }
       for (int j = 0; j < t.n; ++j) vrow[n + j] = v + j * kv_stride;
       n += t.n;
     }
+    prefetch_span(k_cache, v_cache, kv_stride, tiles, t1, h, d);
+    const int64_t stride = span_key_tiles(w, k_cache + int64_t(h) * d, kv_stride, tiles, t0, t1, d, kt);
+    score_span_amx(w, kt, (n + kKeyTile - 1) / kKeyTile, stride, zeros, d);
     mask_block(w, rows, group, n, tiles[t0].key0, pos0, a.window);
-    softmax_block(w, n, a.scale, corr);
+    softmax_pairs(w, n, a.scale, corr);
     const int pairs = (n + 1) / 2, padded = (pairs + kPairStep - 1) / kPairStep * kPairStep;
     for (int j = 0; j < n; j += 2) pair_rows(vrow[j], j + 1 < n ? vrow[j + 1] : nullptr, &w.vp[size_t(j) * d], d);
-    pair_probabilities(w, n);
     std::memset(&w.vp[size_t(pairs) * 2 * d], 0, sizeof(bf16) * 2 * d * (padded - pairs));
     std::memset(&w.pp[size_t(pairs) * 2 * w.r16], 0, sizeof(bf16) * 2 * w.r16 * (padded - pairs));
     accumulate_span_amx(w, corr, n, d);
@@ -688,7 +799,7 @@ void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache,
 #else
 void score_tile_bf16(BlockScratch&, const bf16*, int64_t, int, int, float) { std::abort(); }
 void pair_values(BlockScratch&, const bf16*, int64_t, int, int) { std::abort(); }
-void pair_probabilities(BlockScratch&, int) { std::abort(); }
+void softmax_pairs(BlockScratch&, int, float, float*) { std::abort(); }
 void accumulate_block_bf16(BlockScratch&, const float*, int, int, int) { std::abort(); }
 struct AmxTiles {
   void configure() { std::abort(); }
@@ -780,9 +891,8 @@ void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_strid
     if (products == Products::kPairs) {
       score_tile_bf16(w, k, kv_stride, d, n, a.scale);
       mask_block(w, rows, group, n, key0, pos0, a.window);
-      softmax_block(w, n, 1.f, corr);
+      softmax_pairs(w, n, 1.f, corr);
       pair_values(w, v, kv_stride, d, n);
-      pair_probabilities(w, n);
       accumulate_block_bf16(w, corr, rows * group, n, d);
       return;
     }
@@ -804,10 +914,9 @@ void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_strid
 // One prefill work item (see attend_item), head by head.
 template <typename T, typename C>
 void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, const AttnArgs& a,
-                       int64_t seq, int h0, int nh, int64_t row0) {
+                       int64_t seq, int h0, int nh, int64_t row0, int rows) {
   const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
   const int64_t q_begin = a.query_start_loc[seq], qlen = a.query_start_loc[seq + 1] - q_begin;
-  const int rows = static_cast<int>(std::min<int64_t>(kQueryTile, qlen - row0));
   const int vectors = rows * group;
   const int64_t pos0 = a.seq_lens[seq] - qlen + row0;
   const int64_t kv_stride = int64_t(a.num_kv_heads) * d;
@@ -861,22 +970,33 @@ void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, c
   }
 }
 
+// Whether a prefill tile of kAmxQueryTile rows of this call multiplies on AMX (as
+// attend_block_item decides): those items take twice the rows, so that each span's keys and
+// paired values serve twice the query vectors.
+template <typename T, typename C>
+bool amx_query_tile(const AttnArgs& a) {
+  const int group = a.num_heads / a.num_kv_heads;
+  return kNativeBf16Dot && std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && a.head_dim % 32 == 0 &&
+         amx_dot_wins(int64_t(kAmxQueryTile) * group);
+}
+
 template <typename T, typename C>
 void paged_attention(const void* q, const void* k_cache, const void* v_cache, void* out, int num_seqs,
                      const AttnArgs& a) {
   if (a.head_dim > kMaxHeadDim) std::abort();  // NOTE: refused in Python first; never overrun
+  const int query_tile = amx_query_tile<T, C>(a) ? kAmxQueryTile : kQueryTile;
   // NOTE: items are (sequence, query tile) x KV head, listed once per call so that a long
   // prefill's tiles spread over threads like separate sequences.
   std::vector<std::pair<int64_t, int64_t>> tiles;
   int64_t key_rows = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t qlen = a.query_start_loc[s + 1] - a.query_start_loc[s];
-    for (int64_t r = 0; r < qlen; r += kQueryTile) {
+    for (int64_t r = 0; r < qlen; r += query_tile) {
       tiles.emplace_back(s, r);
       // NOTE: a tile's work is its query rows times the keys they read (a decode: one row).
       const int64_t keys = a.seq_lens[s] - qlen + r + 1;
-      const int64_t seen = a.window > 0 ? std::min(keys, a.window + kQueryTile) : keys;
-      key_rows += std::min<int64_t>(kQueryTile, qlen - r) * seen;
+      const int64_t seen = a.window > 0 ? std::min<int64_t>(keys, a.window + query_tile) : keys;
+      key_rows += std::min<int64_t>(query_tile, qlen - r) * seen;
     }
   }
   // NOTE: a call with less work than this (K/V rows read, times the query rows reading them)
@@ -897,14 +1017,15 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
     auto* ot = static_cast<T*>(out);
     const int h0 = static_cast<int>(i % groups) * nh;
     const int64_t qlen = a.query_start_loc[seq + 1] - a.query_start_loc[seq];
-    if (std::min<int64_t>(kQueryTile, qlen - row0) * (a.num_heads / kv) >= kBlockMinVectors) {
-      attend_block_item(qt, kt, vt, ot, a, seq, h0, nh, row0);
+    const int rows = static_cast<int>(std::min<int64_t>(query_tile, qlen - row0));
+    if (rows * (a.num_heads / kv) >= kBlockMinVectors) {
+      attend_block_item(qt, kt, vt, ot, a, seq, h0, nh, row0, rows);
       return;
     }
     switch (a.head_dim) {
-      case 64: attend_item<4>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;
-      case 128: attend_item<8>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;
-      default: attend_item<0>(qt, kt, vt, ot, a, seq, h0, nh, row0); break;
+      case 64: attend_item<4>(qt, kt, vt, ot, a, seq, h0, nh, row0, rows); break;
+      case 128: attend_item<8>(qt, kt, vt, ot, a, seq, h0, nh, row0, rows); break;
+      default: attend_item<0>(qt, kt, vt, ot, a, seq, h0, nh, row0, rows); break;
     }
   }, max_threads);
 }
