@@ -11,6 +11,7 @@
 // group, and every row of the tile, is scored against one read of each K/V row. A small batch
 // takes one KV head per item, so two cores share even a single sequence; a large batch takes
 // all KV heads per item, so that each item reads whole pool blocks.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -986,19 +987,25 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
   if (a.head_dim > kMaxHeadDim) std::abort();  // NOTE: refused in Python first; never overrun
   const int query_tile = amx_query_tile<T, C>(a) ? kAmxQueryTile : kQueryTile;
   // NOTE: items are (sequence, query tile) x KV head, listed once per call so that a long
-  // prefill's tiles spread over threads like separate sequences.
-  std::vector<std::pair<int64_t, int64_t>> tiles;
+  // prefill's tiles spread over threads like separate sequences, the most work first: a causal
+  // prefill's last tiles read the most keys, and taken last they left one thread working alone.
+  struct QueryTile {
+    int64_t seq, row0, work;
+  };
+  std::vector<QueryTile> tiles;
   int64_t key_rows = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t qlen = a.query_start_loc[s + 1] - a.query_start_loc[s];
     for (int64_t r = 0; r < qlen; r += query_tile) {
-      tiles.emplace_back(s, r);
       // NOTE: a tile's work is its query rows times the keys they read (a decode: one row).
       const int64_t keys = a.seq_lens[s] - qlen + r + 1;
       const int64_t seen = a.window > 0 ? std::min<int64_t>(keys, a.window + query_tile) : keys;
-      key_rows += std::min<int64_t>(query_tile, qlen - r) * seen;
+      const int64_t work = std::min<int64_t>(query_tile, qlen - r) * seen;
+      tiles.push_back({s, r, work});
+      key_rows += work;
     }
   }
+  std::stable_sort(tiles.begin(), tiles.end(), [](const QueryTile& x, const QueryTile& y) { return x.work > y.work; });
   // NOTE: a call with less work than this (K/V rows read, times the query rows reading them)
   // runs on the calling thread: waking a worker cost more than it saved for one short
   // sequence, and lost badly on a busy machine.
@@ -1010,7 +1017,7 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
   const int nh = int64_t(tiles.size()) * kv >= kItemsPerThread * max_threads ? kv : 1;
   const int groups = kv / nh;
   parallel_items(int64_t(tiles.size()) * groups, [&](int64_t i) {
-    const auto [seq, row0] = tiles[i / groups];
+    const auto [seq, row0, work] = tiles[i / groups];
     const auto* qt = static_cast<const T*>(q);
     const auto* kt = static_cast<const C*>(k_cache);
     const auto* vt = static_cast<const C*>(v_cache);
