@@ -689,13 +689,12 @@ __attribute__((target("amx-tile,amx-bf16"))) void values_block_amx(float* o0, fl
   }
 }
 
-// acc = acc * corr + P V over the span's n keys (pp and vp zero past n up to whole steps), two
-// query chunks at a time.
-void accumulate_span_amx(BlockScratch& w, const float* corr, int n, int d) {
+// acc = acc * corr + P V over the span's n keys (vp: their value pairs; pp zero past n up to
+// whole steps, so that the finite values there add nothing), two query chunks at a time.
+void accumulate_span_amx(BlockScratch& w, const float* corr, const bf16* vp, int n, int d) {
   const int steps = (n + 2 * kPairStep - 1) / (2 * kPairStep);
   alignas(64) int32_t pa[2][kLanes * kSpanPairs];  // two query chunks' probabilities, a row each
   const auto* pp = reinterpret_cast<const int32_t*>(w.pp.data());
-  const bf16* vp = w.vp.data();
   float* acc = w.acc.data();  // NOTE: w is thread_local: its fields read once, not per store
   const int64_t r16 = w.r16;
   for (int c = 0; c < r16; c += 2 * kLanes) {
@@ -727,10 +726,11 @@ void accumulate_span_amx(BlockScratch& w, const float* corr, int n, int d) {
 void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64_t pos0, int64_t window);
 void softmax_block(BlockScratch& w, int n, float scale, float* corr);
 
-// Prefetches the K and V rows of head h of the span that starts at tiles[t0], while this one is
-// computed: the tile loads read 16 rows far apart, which the hardware's prefetchers do not follow.
-void prefetch_span(const bf16* k_cache, const bf16* v_cache, int64_t kv_stride, const std::vector<KeyTile>& tiles,
-                   size_t t0, int h, int d) {
+// Prefetches the K rows of head h of the span that starts at tiles[t0], and its values (the
+// paired ones when given, else the V rows), while this one is computed: the tile loads read 16
+// rows far apart, which the hardware's prefetchers do not follow.
+void prefetch_span(const bf16* k_cache, const bf16* v_cache, const bf16* paired, int64_t kv_stride,
+                   const std::vector<KeyTile>& tiles, size_t t0, int h, int d) {
   int n = 0;
   for (size_t t = t0; t < tiles.size() && n + tiles[t].n <= kSpanKeys; n += tiles[t].n, ++t) {
     const auto* k = reinterpret_cast<const char*>(k_cache + tiles[t].offset + int64_t(h) * d);
@@ -738,9 +738,12 @@ void prefetch_span(const bf16* k_cache, const bf16* v_cache, int64_t kv_stride, 
     for (int64_t j = 0; j < tiles[t].n * kv_stride * 2; j += kv_stride * 2)
       for (int b = 0; b < d * 2; b += 64) {
         _mm_prefetch(k + j + b, _MM_HINT_T0);
-        _mm_prefetch(v + j + b, _MM_HINT_T0);
+        if (paired == nullptr) _mm_prefetch(v + j + b, _MM_HINT_T0);
       }
   }
+  if (paired == nullptr || t0 >= tiles.size()) return;
+  const auto* v = reinterpret_cast<const char*>(paired + tiles[t0].key0 * d);
+  for (int64_t b = 0; b < int64_t(n) * d * 2; b += 64) _mm_prefetch(v + b, _MM_HINT_T0);
 }
 
 // The key tiles [t0, t1) of a span (k: the head's first row) as whole 16-row tiles into kt: read
@@ -766,10 +769,12 @@ int64_t span_key_tiles(BlockScratch& w, const bf16* k, int64_t kv_stride, const 
 }
 
 // A head's key tiles in spans on AMX (see above). A span with a tile of fewer than 16 keys has
-// its keys copied into zeroed rows first (w.kspan), so that no tile reads past its block.
-void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache, int64_t kv_stride,
-                      const AttnArgs& a, int rows, int group, const std::vector<KeyTile>& tiles, int h, int64_t pos0,
-                      float* corr, AmxTiles& amx) {
+// its keys copied into zeroed rows first (w.kspan), so that no tile reads past its block. Its
+// values from `paired` (this head's, pair_sequence_values) where given and the span starts on
+// an even key, else paired here.
+void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache, const bf16* paired,
+                      int64_t kv_stride, const AttnArgs& a, int rows, int group, const std::vector<KeyTile>& tiles,
+                      int h, int64_t pos0, float* corr, AmxTiles& amx) {
   const int d = a.head_dim;
   amx.configure();
   alignas(64) static const bf16 zeros[kKeyTile * kMaxHeadDim] = {};
@@ -784,16 +789,21 @@ void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache,
       for (int j = 0; j < t.n; ++j) vrow[n + j] = v + j * kv_stride;
       n += t.n;
     }
-    prefetch_span(k_cache, v_cache, kv_stride, tiles, t1, h, d);
+    prefetch_span(k_cache, v_cache, paired, kv_stride, tiles, t1, h, d);
     const int64_t stride = span_key_tiles(w, k_cache + int64_t(h) * d, kv_stride, tiles, t0, t1, d, kt);
     score_span_amx(w, kt, (n + kKeyTile - 1) / kKeyTile, stride, zeros, d);
     mask_block(w, rows, group, n, tiles[t0].key0, pos0, a.window);
     softmax_pairs(w, n, a.scale, corr);
     const int pairs = (n + 1) / 2, padded = (pairs + kPairStep - 1) / kPairStep * kPairStep;
-    for (int j = 0; j < n; j += 2) pair_rows(vrow[j], j + 1 < n ? vrow[j + 1] : nullptr, &w.vp[size_t(j) * d], d);
-    std::memset(&w.vp[size_t(pairs) * 2 * d], 0, sizeof(bf16) * 2 * d * (padded - pairs));
+    const bf16* vp = w.vp.data();
+    if (paired != nullptr && tiles[t0].key0 % 2 == 0) {
+      vp = paired + tiles[t0].key0 * d;  // pair key0 / 2: rows of 2d
+    } else {
+      for (int j = 0; j < n; j += 2) pair_rows(vrow[j], j + 1 < n ? vrow[j + 1] : nullptr, &w.vp[size_t(j) * d], d);
+      std::memset(&w.vp[size_t(pairs) * 2 * d], 0, sizeof(bf16) * 2 * d * (padded - pairs));
+    }
     std::memset(&w.pp[size_t(pairs) * 2 * w.r16], 0, sizeof(bf16) * 2 * w.r16 * (padded - pairs));
-    accumulate_span_amx(w, corr, n, d);
+    accumulate_span_amx(w, corr, vp, n, d);
     t0 = t1;
   }
 }
@@ -805,10 +815,69 @@ void accumulate_block_bf16(BlockScratch&, const float*, int, int, int) { std::ab
 struct AmxTiles {
   void configure() { std::abort(); }
 };
-void attend_spans_amx(BlockScratch&, const bf16*, const bf16*, int64_t, const AttnArgs&, int, int,
+void attend_spans_amx(BlockScratch&, const bf16*, const bf16*, const bf16*, int64_t, const AttnArgs&, int, int,
                       const std::vector<KeyTile>&, int, int64_t, float*, AmxTiles&) {
   std::abort();
 }
+#endif
+
+// A sequence's values already in key pairs (pair_rows' layout, pair p at 2 p d), every KV head
+// `head_stride` elements apart, zero rows past its keys; data null: each span pairs its own.
+struct PairedValues {
+  const bf16* data = nullptr;
+  int64_t head_stride = 0;
+  const bf16* head(int h) const { return data == nullptr ? nullptr : data + h * head_stride; }
+};
+
+// Pairs, once a call, the values of every sequence that at least two AMX query tiles of this
+// call read (without a window), into buf (paired[s]): each tile paired the spans it read again.
+// NOTE: P.V reads whole steps of 32 keys past a span's last key, where P is zero: those rows hold
+// the sequence's next keys (finite) or the zeros after its last.
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+void pair_sequence_values(const bf16* v_cache, const AttnArgs& a, int num_seqs, std::vector<bf16>& buf,
+                          std::vector<PairedValues>& paired) {
+  const int d = a.head_dim, kv = a.num_kv_heads;
+  std::vector<int64_t> offset(num_seqs, -1);
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t qlen = a.query_start_loc[s + 1] - a.query_start_loc[s];
+    if (a.window > 0 || qlen <= kAmxQueryTile) continue;
+    offset[s] = total;
+    total += kv * ((a.seq_lens[s] + 2 * kSpanKeys - 1) / kSpanKeys * kSpanKeys) * d;  // zeros after
+  }
+  paired.assign(num_seqs, {});
+  if (total == 0) return;
+  buf.resize(total);
+  struct Range {
+    int64_t seq;
+    int h;
+    int64_t k0;
+  };
+  std::vector<Range> ranges;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    if (offset[s] < 0) continue;
+    const int64_t padded = (a.seq_lens[s] + 2 * kSpanKeys - 1) / kSpanKeys * kSpanKeys;
+    paired[s] = {buf.data() + offset[s], padded * d};
+    for (int h = 0; h < kv; ++h)
+      for (int64_t k0 = 0; k0 < padded; k0 += kSpanKeys) ranges.push_back({s, h, k0});
+  }
+  parallel_items(int64_t(ranges.size()), [&](int64_t i) {
+    const auto [s, h, k0] = ranges[i];
+    const int64_t len = a.seq_lens[s];
+    const int64_t* table = a.block_tables + s * a.max_blocks;
+    const int bs = a.block_size;
+    auto row = [&](int64_t key) { return v_cache + ((table[key / bs] * bs + key % bs) * kv + h) * d; };
+    bf16* dst = const_cast<bf16*>(paired[s].head(h));
+    for (int64_t j = k0; j < k0 + kSpanKeys; j += 2) {
+      if (j < len)
+        pair_rows(row(j), j + 1 < len ? row(j + 1) : nullptr, dst + j * d, d);
+      else
+        std::memset(dst + j * d, 0, sizeof(bf16) * 2 * d);
+    }
+  });
+}
+#else
+void pair_sequence_values(const bf16*, const AttnArgs&, int, std::vector<bf16>&, std::vector<PairedValues>&) {}
 #endif
 
 // Masks (to -inf) the scores a row may not see: only tiles on the causal diagonal or the
@@ -915,7 +984,7 @@ void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_strid
 // One prefill work item (see attend_item), head by head.
 template <typename T, typename C>
 void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, const AttnArgs& a,
-                       int64_t seq, int h0, int nh, int64_t row0, int rows) {
+                       int64_t seq, int h0, int nh, int64_t row0, int rows, const PairedValues& paired) {
   const int d = a.head_dim, group = a.num_heads / a.num_kv_heads;
   const int64_t q_begin = a.query_start_loc[seq], qlen = a.query_start_loc[seq + 1] - q_begin;
   const int vectors = rows * group;
@@ -951,7 +1020,8 @@ void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, c
     }
     if (products == Products::kAmx) {  // a bf16 pool (bf16_pool above)
       if constexpr (std::is_same_v<C, bf16>)
-        attend_spans_amx(w, k_cache, v_cache, kv_stride, a, rows, group, tiles, h, pos0, corr.data(), amx);
+        attend_spans_amx(w, k_cache, v_cache, paired.head(h), kv_stride, a, rows, group, tiles, h, pos0,
+                         corr.data(), amx);
     } else {
       for (const KeyTile& t : tiles) {
         const int64_t offset = t.offset + int64_t(h) * d;
@@ -1006,6 +1076,15 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
     }
   }
   std::stable_sort(tiles.begin(), tiles.end(), [](const QueryTile& x, const QueryTile& y) { return x.work > y.work; });
+  // NOTE: the caller's buffers, reached from the workers through these locals (a thread_local
+  // named inside the lambda would be each worker's own)
+  thread_local std::vector<bf16> paired_buf;
+  thread_local std::vector<PairedValues> paired_seqs;
+  paired_seqs.assign(num_seqs, {});
+  if constexpr (std::is_same_v<C, bf16>)
+    if (query_tile == kAmxQueryTile)
+      pair_sequence_values(static_cast<const bf16*>(v_cache), a, num_seqs, paired_buf, paired_seqs);
+  const PairedValues* paired = paired_seqs.data();
   // NOTE: a call with less work than this (K/V rows read, times the query rows reading them)
   // runs on the calling thread: waking a worker cost more than it saved for one short
   // sequence, and lost badly on a busy machine.
@@ -1026,7 +1105,7 @@ void paged_attention(const void* q, const void* k_cache, const void* v_cache, vo
     const int64_t qlen = a.query_start_loc[seq + 1] - a.query_start_loc[seq];
     const int rows = static_cast<int>(std::min<int64_t>(query_tile, qlen - row0));
     if (rows * (a.num_heads / kv) >= kBlockMinVectors) {
-      attend_block_item(qt, kt, vt, ot, a, seq, h0, nh, row0, rows);
+      attend_block_item(qt, kt, vt, ot, a, seq, h0, nh, row0, rows, paired[seq]);
       return;
     }
     switch (a.head_dim) {

@@ -3,20 +3,17 @@ at a 512-token budget (SmolLM2 heads, bf16, two threads), fp32 FMAs (`set_gemm_f
 bf16 pairs (the choice where vdpbf16ps wins), alternating, best of 5 per chunk, ms a layer.
 Usage: python docs/benchmarks/kernels/prefill_attention_tiles.py   (the avx512bf16 build has both kinds)
 """
-import time, torch
+import time
+
+import torch
+from prefill_chunks import PROMPT_CHUNKS, chunk_case
+
 from pagoda.layers import cpu_kernels
 from pagoda.layers.cpu_kernels import ops
+
 cpu_kernels.library(); ops.set_num_threads(2); torch.set_num_threads(2)
-H, KV, D, BS = 9, 3, 64, 16
 NEVER = 1 << 62
-cases = []
-for n, c in [(512,0),(512,512),(512,1024),(464,1536)]:
-    L = c + n; nb = -(-L//BS)
-    g = torch.Generator().manual_seed(0)
-    kc = torch.randn(nb+2, BS, KV, D, generator=g).bfloat16(); vc = torch.randn(nb+2, BS, KV, D, generator=g).bfloat16()
-    table = torch.arange(nb)[None].contiguous(); lens = torch.tensor([L]); qsl = torch.tensor([0, n])
-    q = torch.randn(n, H, D, generator=g).bfloat16()
-    cases.append(lambda q=q,kc=kc,vc=vc,table=table,lens=lens,qsl=qsl: ops.paged_attention(q, kc, vc, table, lens, qsl, D**-0.5, 0))
+cases = [chunk_case(n, c) for n, c in PROMPT_CHUNKS]
 def t(f, n=5):
     f(); best = float("inf")
     for _ in range(n):

@@ -7,6 +7,7 @@ import sys
 import time
 
 import torch
+from prefill_chunks import chunk_case
 
 from pagoda.layers import cpu_kernels
 from pagoda.layers.cpu_kernels import ops
@@ -16,15 +17,7 @@ ops.set_num_threads(2)
 torch.set_num_threads(2)
 if not ops.set_gemm_amx_rows(1):
     sys.exit("no AMX tiles here (amx_bf16), or Linux refused the tile data")
-H, KV, D, BS = 9, 3, 64, 16
-n, c = 464, 1536
-L = c + n
-nb = -(-L // BS)
-g = torch.Generator().manual_seed(0)
-kc = torch.randn(nb + 2, BS, KV, D, generator=g).bfloat16()
-vc = torch.randn(nb + 2, BS, KV, D, generator=g).bfloat16()
-table, lens, qsl = torch.arange(nb)[None].contiguous(), torch.tensor([L]), torch.tensor([0, n])
-q = torch.randn(n, H, D, generator=g).bfloat16()
+attend = chunk_case(464, 1536)
 t0 = time.time()
 while time.time() - t0 < float(sys.argv[1] if len(sys.argv) > 1 else 8):
-    ops.paged_attention(q, kc, vc, table, lens, qsl, D**-0.5, 0)
+    attend()
