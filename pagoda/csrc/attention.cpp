@@ -830,22 +830,24 @@ struct PairedValues {
 };
 
 // Pairs, once a call, the values of every sequence that at least two AMX query tiles of this
-// call read (without a window), into buf (paired[s]): each tile paired the spans it read again.
+// call read (without a window), into buf (paired[s]; the others' entries left as they are, null):
+// each tile paired the spans it read again.
 // NOTE: P.V reads whole steps of 32 keys past a span's last key, where P is zero: those rows hold
 // the sequence's next keys (finite) or the zeros after its last.
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
 void pair_sequence_values(const bf16* v_cache, const AttnArgs& a, int num_seqs, std::vector<bf16>& buf,
                           std::vector<PairedValues>& paired) {
   const int d = a.head_dim, kv = a.num_kv_heads;
+  // keys a head's pairs hold: whole spans, and one span of zeros after the last key
+  auto padded = [&](int64_t s) { return (a.seq_lens[s] + 2 * kSpanKeys - 1) / kSpanKeys * kSpanKeys; };
   std::vector<int64_t> offset(num_seqs, -1);
   int64_t total = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t qlen = a.query_start_loc[s + 1] - a.query_start_loc[s];
     if (a.window > 0 || qlen <= kAmxQueryTile) continue;
     offset[s] = total;
-    total += kv * ((a.seq_lens[s] + 2 * kSpanKeys - 1) / kSpanKeys * kSpanKeys) * d;  // zeros after
+    total += kv * padded(s) * d;
   }
-  paired.assign(num_seqs, {});
   if (total == 0) return;
   buf.resize(total);
   struct Range {
@@ -856,18 +858,18 @@ void pair_sequence_values(const bf16* v_cache, const AttnArgs& a, int num_seqs, 
   std::vector<Range> ranges;
   for (int64_t s = 0; s < num_seqs; ++s) {
     if (offset[s] < 0) continue;
-    const int64_t padded = (a.seq_lens[s] + 2 * kSpanKeys - 1) / kSpanKeys * kSpanKeys;
-    paired[s] = {buf.data() + offset[s], padded * d};
+    paired[s] = {buf.data() + offset[s], padded(s) * d};
     for (int h = 0; h < kv; ++h)
-      for (int64_t k0 = 0; k0 < padded; k0 += kSpanKeys) ranges.push_back({s, h, k0});
+      for (int64_t k0 = 0; k0 < padded(s); k0 += kSpanKeys) ranges.push_back({s, h, k0});
   }
+  bf16* out = buf.data();
   parallel_items(int64_t(ranges.size()), [&](int64_t i) {
     const auto [s, h, k0] = ranges[i];
     const int64_t len = a.seq_lens[s];
     const int64_t* table = a.block_tables + s * a.max_blocks;
     const int bs = a.block_size;
     auto row = [&](int64_t key) { return v_cache + ((table[key / bs] * bs + key % bs) * kv + h) * d; };
-    bf16* dst = const_cast<bf16*>(paired[s].head(h));
+    bf16* dst = out + offset[s] + h * paired[s].head_stride;
     for (int64_t j = k0; j < k0 + kSpanKeys; j += 2) {
       if (j < len)
         pair_rows(row(j), j + 1 < len ? row(j + 1) : nullptr, dst + j * d, d);
