@@ -200,6 +200,8 @@ class LimitsConfig:
         max_grammar_bytes: longest grammar, regex or choice list (in UTF-8 bytes).
         max_grammar_rules: most rules in a Lark or GBNF grammar.
         max_schema_depth: deepest nesting of a JSON schema (objects and arrays).
+        max_schema_properties: most properties in a JSON schema (every `properties` object's
+            names, summed); its `enum` values, summed, count against max_guided_choices.
         grammar_compile_workers: processes that compile grammars (0: compile in the engine's
             own process, unprotected).
         grammar_compile_timeout: longest one grammar may take to compile, in seconds.
@@ -221,6 +223,7 @@ class LimitsConfig:
     max_grammar_bytes: int = 65536
     max_grammar_rules: int = 1000
     max_schema_depth: int = 128
+    max_schema_properties: int = 2048
     grammar_compile_workers: int = 2
     grammar_compile_timeout: float = 10.0
     grammar_compile_memory: int = 2048
@@ -232,7 +235,8 @@ class LimitsConfig:
             _check(value is None or value > 0, name, value, "must be positive")
         for name in ("max_stop_sequences", "max_stop_str_chars", "max_logit_bias",
                      "max_queued_requests", "max_guided_choices", "max_grammar_bytes",
-                     "max_grammar_rules", "max_schema_depth", "grammar_compile_timeout"):
+                     "max_grammar_rules", "max_schema_depth", "max_schema_properties",
+                     "grammar_compile_timeout"):
             value = getattr(self, name)
             _check(value > 0, name, value, "must be positive")
         for name in ("grammar_compile_workers", "grammar_compile_memory"):

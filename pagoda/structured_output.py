@@ -314,23 +314,46 @@ def check_limits(params: StructuredOutputsParams, limits: LimitsConfig, param: s
                 return  # NOTE: the compile step reports an invalid schema text as such
         else:
             schema = params.json
-        refuse("levels of nesting", nesting_depth(schema, limits.max_schema_depth + 1), "max-schema-depth",
-               limits.max_schema_depth)
+        shape = schema_shape(schema, limits.max_schema_depth + 1)
+        refuse("levels of nesting", shape.depth, "max-schema-depth", limits.max_schema_depth)
+        if not isinstance(params.json, str):  # NOTE: its depth checked first, so dumps is safe
+            try:
+                size = len(json.dumps(schema).encode("utf-8", "surrogatepass"))
+            except (TypeError, ValueError):
+                size = 0  # NOTE: the compile step reports what is not JSON, as above
+            refuse("bytes", size, "max-grammar-bytes", limits.max_grammar_bytes * 16)
+        refuse("properties", shape.properties, "max-schema-properties", limits.max_schema_properties)
+        refuse("enum values", shape.enum_values, "max-guided-choices", limits.max_guided_choices)
 
 
-def nesting_depth(value: Any, stop: int) -> int:
-    """How deep dicts and lists nest in `value` (a scalar: 0), counted without recursion and
-    no further than `stop`."""
-    deepest, stack = 0, [(value, 1)]
+@dataclass(frozen=True)
+class SchemaShape:
+    """What a JSON schema costs to compile: its nesting depth, its properties (every
+    `properties` object's names, summed) and its `enum` values (summed)."""
+
+    depth: int
+    properties: int
+    enum_values: int
+
+
+def schema_shape(value: Any, stop: int) -> SchemaShape:
+    """`value`'s shape, walked without recursion; the depth counts dicts and lists (a scalar:
+    0), and the walk goes no deeper than `stop`."""
+    deepest, properties, enum_values, stack = 0, 0, 0, [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if not isinstance(item, (dict, list)):
             continue
         deepest = max(deepest, depth)
         if depth >= stop:
-            return deepest
+            break
+        if isinstance(item, dict):
+            if isinstance(item.get("properties"), dict):
+                properties += len(item["properties"])
+            if isinstance(item.get("enum"), list):
+                enum_values += len(item["enum"])
         stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
-    return deepest
+    return SchemaShape(deepest, properties, enum_values)
 
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -185,6 +185,42 @@ def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_server_lives(tiny_
         engine.shutdown()
 
 
+def test_slow_grammar_compiles_leave_plain_requests_and_tokenize_free(engine: AsyncLLM,
+                                                                     monkeypatch: pytest.MonkeyPatch):
+    """Issue 23, finding 2: eight requests with big choice lists held the threads tokenizing
+    needs, and plain completions and /tokenize waited 17-60 s. Eight compiles that do not end
+    until released: a plain completion and /tokenize answer while all eight still wait."""
+    compiler = engine.processor.grammars
+    build, release, started = compiler._build, threading.Event(), threading.Semaphore(0)
+
+    def slow_build(*args: object) -> object:
+        started.release()
+        release.wait(60)
+        return build(*args)
+
+    monkeypatch.setattr(compiler, "_build", slow_build)
+
+    async def main() -> tuple[list[httpx.Response], httpx.Response, httpx.Response, bool]:
+        async with app_client(engine) as client:
+            choices = [[f"slow{i}-a", f"slow{i}-b"] for i in range(8)]
+            slow = [asyncio.create_task(client.post("/v1/completions", json={
+                "prompt": "hi", "max_tokens": 4, "guided_choice": c})) for c in choices]
+            while not started.acquire(blocking=False):  # NOTE: a compile has begun
+                await asyncio.sleep(0.01)
+            plain = await client.post("/v1/completions", json=INNOCENT[0])
+            tokens = await client.post("/tokenize", json={"prompt": "The quick brown fox"})
+            still_waiting = not any(task.done() for task in slow)
+            release.set()
+            return list(await asyncio.gather(*slow)), plain, tokens, still_waiting
+
+    slow, plain, tokens, still_waiting = asyncio.run(main())
+    assert still_waiting, "a compile ended before it was released"
+    assert plain.status_code == 200 and tokens.status_code == 200, (plain.text, tokens.text)
+    assert tokens.json()["count"] > 0
+    for r in slow:
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("slow"), r.text
+
+
 async def _post_all(engine: AsyncLLM, bodies: list[dict]) -> list[httpx.Response]:
     async with app_client(engine) as client:
         return [await client.post("/v1/completions", json=body) for body in bodies]

@@ -211,6 +211,15 @@ def _deep_schema(depth: int) -> dict:
     (StructuredOutputsParams(regex="a" * 70_000), r"--max-grammar-bytes"),
     (StructuredOutputsParams(json=_deep_schema(10_000)), r"levels of nesting; the limit is 128 \(--max-schema-depth\)"),
     (StructuredOutputsParams(json=json.dumps(_deep_schema(100))), r"--max-schema-depth"),
+    (StructuredOutputsParams(json={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2049)}}),
+     r"2049 properties; the limit is 2048 \(--max-schema-properties\)"),
+    (StructuredOutputsParams(json={"type": "object", "properties": {
+        f"p{i}": {"type": "object", "properties": {f"q{j}": {"type": "null"} for j in range(50)}} for i in range(41)}}),
+     r"2091 properties; the limit is 2048"),
+    (StructuredOutputsParams(json={"anyOf": [{"enum": list(range(1500))}, {"enum": [str(i) for i in range(600)]}]}),
+     r"2100 enum values; the limit is 2048 \(--max-guided-choices\)"),
+    (StructuredOutputsParams(json={"type": "string", "description": "x" * 1_100_000}),
+     r"bytes; the limit is 1048576 \(--max-grammar-bytes\)"),
 ])
 def test_constraints_over_a_limit_are_refused_before_compiling(smollm2_tokenizer_dir, monkeypatch, so, message):
     """A 3,000-rule grammar crashed the grammar library (issue 23), a 60,000-entry choice held a
@@ -231,12 +240,19 @@ def test_limits_follow_the_config_and_an_input_within_them_compiles(smollm2_toke
     from pagoda.config import LimitsConfig
 
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
-    tight = GrammarCompiler(tok, 49152, limits=LimitsConfig(max_guided_choices=2, max_schema_depth=3))
+    tight = GrammarCompiler(tok, 49152, limits=LimitsConfig(max_guided_choices=2, max_schema_depth=3,
+                                                            max_schema_properties=2))
     with pytest.raises(GrammarError, match="3 choices; the limit is 2"):
         tight.compile(StructuredOutputsParams(choice=["a", "b", "c"]))
     with pytest.raises(GrammarError, match="levels of nesting; the limit is 3"):
         tight.compile(StructuredOutputsParams(json=_deep_schema(2)))
+    with pytest.raises(GrammarError, match="3 properties; the limit is 2"):
+        tight.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {}, "b": {}, "c": {}}}))
     tight.compile(StructuredOutputsParams(choice=["a", "b"]))
+    tight.compile(StructuredOutputsParams(json={"type": "object", "properties": {"a": {}, "b": {}}}))
+    tight.compile(StructuredOutputsParams(json={"enum": ["x", "y"]}))
+    with pytest.raises(GrammarError, match="3 enum values; the limit is 2"):
+        tight.compile(StructuredOutputsParams(json={"enum": ["x", "y", "z"]}))
     GrammarCompiler(tok, 49152).compile(StructuredOutputsParams(json=_deep_schema(30)))
     with pytest.raises(ValueError, match="max_schema_depth"):
         LimitsConfig(max_schema_depth=0)

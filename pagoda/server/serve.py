@@ -68,6 +68,7 @@ ENGINE_FLAGS = {
     "max_logit_bias": "max_logit_bias", "max_queued_requests": "max_queued_requests",
     "max_guided_choices": "max_guided_choices", "max_grammar_bytes": "max_grammar_bytes",
     "max_grammar_rules": "max_grammar_rules", "max_schema_depth": "max_schema_depth",
+    "max_schema_properties": "max_schema_properties",
     "grammar_compile_workers": "grammar_compile_workers",
     "grammar_compile_timeout": "grammar_compile_timeout",
     "grammar_compile_memory": "grammar_compile_memory",
@@ -310,6 +311,9 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most rules in a Lark or GBNF grammar (default 1000)")
     limits.add_argument("--max-schema-depth", type=positive_int, default=None,
                         help="deepest nesting of a JSON schema, in objects and lists (default 128)")
+    limits.add_argument("--max-schema-properties", type=positive_int, default=None,
+                        help="most properties in a JSON schema, all objects together (default "
+                             "2048; its enum values count against --max-guided-choices)")
     limits.add_argument("--grammar-compile-workers", type=non_negative_int, default=None,
                         help="processes that compile grammars, so a grammar that crashes or "
                              "hangs the compiler costs one of them, not the server (default 2; "
