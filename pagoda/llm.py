@@ -3,8 +3,8 @@ the pooled ones, `.embed(prompts)` and `.encode(prompts)` (pooling.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
 
 from tqdm import tqdm
 
@@ -28,6 +28,11 @@ from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+# vLLM's TextPrompt / TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids} (a token prompt
+# may carry its text under "prompt" too; the ids are what runs).
+PromptDict = Mapping[str, Any]
+_NOT_SERVED = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds",
+               "cache_salt")
 
 
 def merge_delta(into: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -73,11 +78,12 @@ class LLM:
         defaults (generation_config.py; plain SamplingParams under generation_config='vllm')."""
         return self.engine.generation_defaults.sampling_params()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None
                  ) -> list[RequestOutput]:
-        """Generates for every prompt; returns outputs in the prompts' order.
+        """Generates for every prompt (a text, token ids, or vLLM's `{"prompt": ...}` /
+        `{"prompt_token_ids": ...}` dicts); returns outputs in the prompts' order.
 
         Without `sampling_params`, `get_default_sampling_params()`. `priority` (one per
         prompt, lower is sooner) needs `scheduling_policy="priority"`."""
@@ -92,7 +98,7 @@ class LLM:
                for p, sp, pr in zip(prompt_list, params, priorities, strict=True)]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
 
-    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    def beam_search(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], params: BeamSearchParams
                     ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search` (pagoda/beam_search.py): per prompt, the best
         `params.beam_width` sequences, best first."""
@@ -106,21 +112,21 @@ class LLM:
             advance_all(searches, live, [(out.outputs[0].logprobs or [{}])[0] for out in outputs])
         return [search.result(self.tokenizer) for search in searches]
 
-    def embed(self, prompts: Prompt | Sequence[Prompt],
+    def embed(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
               use_tqdm: bool | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's `LLM.embed`: one embedding per prompt (`.outputs.embedding`), in order."""
         return [PoolingRequestOutput(out.request_id, EmbeddingOutput(vector), out.prompt_token_ids)
                 for out, vector in self._pool(prompts, pooling_params, use_tqdm)]
 
-    def encode(self, prompts: Prompt | Sequence[Prompt],
+    def encode(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
                pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
                use_tqdm: bool | None = None) -> list[PoolingRequestOutput]:
         """vLLM's `LLM.encode`: each prompt's pooled vector (`.outputs.data`), in order."""
         return [PoolingRequestOutput(out.request_id, PoolingOutput(vector), out.prompt_token_ids)
                 for out, vector in self._pool(prompts, pooling_params, use_tqdm)]
 
-    def _pool(self, prompts: Prompt | Sequence[Prompt],
+    def _pool(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
               pooling_params: PoolingParams | Sequence[PoolingParams] | None,
               use_tqdm: bool | None) -> list[tuple[RequestOutput, list[float]]]:
         prompt_list = _as_prompt_list(prompts)
@@ -165,12 +171,35 @@ class LLM:
         return [results[i] for i in ids]
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]) -> list[Prompt]:
+    if isinstance(prompts, (str, Mapping)):
+        return [_as_prompt(prompts)]
     if prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
         return [prompts]  # type: ignore[list-item]
-    return list(prompts)  # type: ignore[arg-type]
+    return [_as_prompt(p) for p in prompts]  # type: ignore[arg-type]
+
+
+def _as_prompt(prompt: Prompt | PromptDict) -> Prompt:
+    """A text, a list of token ids, or vLLM's prompt dicts as one of them (ValueError for a
+    field pagoda does not serve: it must not be dropped silently)."""
+    if not isinstance(prompt, Mapping):
+        return prompt
+    unserved = [k for k in _NOT_SERVED if prompt.get(k) is not None]
+    if unserved:
+        raise ValueError(f"Prompt field {unserved[0]!r} is not supported: pagoda serves text "
+                         "prompts ('prompt') and token ids ('prompt_token_ids').")
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", *_NOT_SERVED})
+    if unknown:
+        raise ValueError(f"Unknown prompt field {unknown[0]!r}: a prompt dict takes 'prompt' "
+                         "(text) or 'prompt_token_ids' (a list of token ids).")
+    if (ids := prompt.get("prompt_token_ids")) is not None:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+            raise ValueError("'prompt_token_ids' must be a list of token ids.")
+        return list(ids)
+    text = prompt.get("prompt")
+    if not isinstance(text, str):
+        raise ValueError("A prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids).")
+    return text
 
 
 P = TypeVar("P", SamplingParams, PoolingParams)

@@ -176,3 +176,28 @@ def test_priority_needs_the_priority_policy_and_orders_requests(tiny_llama):
         fcfs.generate([PROMPT], params, priority=[2])
     with pytest.raises(ValueError, match="scheduling_policy must be fcfs or priority"):
         LLM(str(tiny_llama), scheduling_policy="lifo")
+
+
+def test_vllm_prompt_dicts_run_as_their_text_or_token_ids(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    text = llm.tokenizer.decode(PROMPT[1:])
+    plain = [out.outputs[0].token_ids for out in llm.generate([PROMPT, text], params, use_tqdm=False)]
+    dicts = llm.generate([{"prompt_token_ids": PROMPT, "prompt": "its text, not run"}, {"prompt": text}],
+                         params, use_tqdm=False)
+    assert [out.outputs[0].token_ids for out in dicts] == plain
+    alone = llm.generate({"prompt_token_ids": PROMPT}, params, use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == plain[0]
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": "hi", "multi_modal_data": {"image": 1}}, "'multi_modal_data' is not supported"),
+    ({"prompt_token_ids": PROMPT, "cache_salt": "user-1"}, "'cache_salt' is not supported"),
+    ({"prompt_embeds": [[0.0]]}, "'prompt_embeds' is not supported"),
+    ({"promt": "hi"}, "Unknown prompt field 'promt'"),
+    ({"prompt_token_ids": "1 2 3"}, "must be a list of token ids"),
+    ({}, "needs 'prompt'"),
+])
+def test_a_prompt_dict_pagoda_cannot_serve_is_refused_by_name(llm, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
