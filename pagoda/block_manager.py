@@ -136,12 +136,15 @@ class BlockManager:
 
     # ---- prefix cache --------------------------------------------------------------------
     def block_hashes(self, request: Request) -> list[bytes]:
-        """Extends and returns the hashes of the request's full blocks."""
+        """Extends and returns the hashes of the request's full blocks; the first takes the
+        request's cache salt (vLLM's `cache_salt`), which every later one chains on."""
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
+        salt = request.cache_salt.encode("utf-8", "surrogatepass") if request.cache_salt else b""
         for i in range(len(hashes), len(tokens) // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            block = tokens[i * bs:(i + 1) * bs]
+            hashes.append(hash_block(hashes[-1], block) if hashes else hash_block(None, block, salt))
         return hashes
 
     def takes_prefix_hits(self, request: Request) -> bool:

@@ -100,8 +100,10 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0) -> str:
-        """Validates and queues a request; returns its id.
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> str:
+        """Validates and queues a request; returns its id (`cache_salt`: vLLM's; only requests
+        with the same salt share cached prefixes).
 
         Raises:
             ValueError: an invalid prompt or params (`param` names the field), or an id in use.
@@ -110,7 +112,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.new_id()
         self._check_new_id(request_id)
         return self.add_processed(self.processor.process(request_id, prompt, params, arrival_time,
-                                                         priority=priority))
+                                                         priority=priority, cache_salt=cache_salt))
 
     def new_id(self) -> str:
         """A request id of this engine's own numbering."""

@@ -118,7 +118,8 @@ class EngineCore:
         children = [
             Request(req.request_id, req.prompt_token_ids, params, self.eos_token_ids,
                     req.arrival_time, self.max_model_len, sample_index=i, grammar=grammars[i],
-                    priority=req.priority, group=req.group, pooling_params=req.pooling_params)
+                    priority=req.priority, group=req.group, pooling_params=req.pooling_params,
+                    cache_salt=req.cache_salt)
             for i, params in enumerate(samples)
         ]
         self._requests[req.request_id] = children

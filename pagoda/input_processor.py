@@ -56,6 +56,7 @@ class EngineRequest:
     priority: int = 0
     group: str | None = None  # requests that share one share the scheduler's turns
     pooling_params: PoolingParams | None = None  # a pooled request (pooling.py): no tokens
+    cache_salt: str | None = None  # only requests with the same salt share cached prefixes
 
 
 def check_unicode(text: str, param: str) -> None:
@@ -129,6 +130,11 @@ class InputProcessor:
         self.check_token_ids(token_ids, "prompt")
         if len(token_ids) > self.max_model_len - (0 if pooled else 1):
             raise PromptTooLongError(len(token_ids), self.max_model_len)
+
+    @staticmethod
+    def check_cache_salt(cache_salt: str | None) -> None:
+        if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+            raise SamplingParamError("cache_salt", "cache_salt must be a non-empty string.")
 
     def check_priority(self, priority: int) -> None:
         if priority != 0 and self.scheduling_policy != "priority":
@@ -206,7 +212,8 @@ class InputProcessor:
 
     def process_pooling(self, request_id: str, prompt: str | list[int], params: PoolingParams,
                         arrival_time: float | None = None, prompt_text: str | None = None,
-                        priority: int = 0, group: str | None = None) -> EngineRequest:
+                        priority: int = 0, group: str | None = None,
+                        cache_salt: str | None = None) -> EngineRequest:
         """Tokenizes (when given text), truncates and validates one pooled request.
 
         Raises:
@@ -224,21 +231,23 @@ class InputProcessor:
             token_ids = token_ids[-keep:]
         self.check_priority(priority)
         self.check_prompt(token_ids, pooled=True)
+        self.check_cache_salt(cache_salt)
         self.pooler.check(params)
         return EngineRequest(request_id, token_ids, SamplingParams(max_tokens=1),
                              time.time() if arrival_time is None else arrival_time, prompt_text,
-                             None, priority, group, params)
+                             None, priority, group, params, cache_salt)
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float | None = None, prompt_text: str | None = None,
                 structured_param: str = "structured_outputs", priority: int = 0,
-                group: str | None = None) -> EngineRequest:
+                group: str | None = None, cache_salt: str | None = None) -> EngineRequest:
         """Tokenizes (when given text), validates and compiles one request's constraint.
 
         Args:
             structured_param: the request field a grammar error names (e.g. response_format).
             priority: vLLM's (lower is sooner); only under the "priority" policy.
             group: the requests one client sent at once share one (default: this request).
+            cache_salt: vLLM's; only requests with the same salt share cached prefixes.
 
         Raises:
             ValueError: with `param` naming the offending field.
@@ -251,10 +260,11 @@ class InputProcessor:
             token_ids = list(prompt)
         self.check_priority(priority)
         self.check_prompt(token_ids)
+        self.check_cache_salt(cache_salt)
         params = self.check_params(params)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammars.compile(params.structured_outputs, structured_param)
         return EngineRequest(request_id, token_ids, params,
                              time.time() if arrival_time is None else arrival_time, prompt_text,
-                             grammar, priority, group)
+                             grammar, priority, group, cache_salt=cache_salt)

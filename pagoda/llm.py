@@ -31,8 +31,8 @@ Prompt = str | list[int]
 # vLLM's TextPrompt / TokensPrompt: {"prompt": text} or {"prompt_token_ids": ids} (a token prompt
 # may carry its text under "prompt" too; the ids are what runs).
 PromptDict = Mapping[str, Any]
-_NOT_SERVED = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds",
-               "cache_salt")
+_NOT_SERVED = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds")
+Salted = tuple[Prompt, str | None]  # a prompt and its cache salt (vLLM's `cache_salt`)
 
 
 def merge_delta(into: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -94,16 +94,19 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts.")
-        ids = [self.engine.add_request(None, p, sp, priority=pr)
-               for p, sp, pr in zip(prompt_list, params, priorities, strict=True)]
+        ids = [self.engine.add_request(None, p, sp, priority=pr, cache_salt=salt)
+               for (p, salt), sp, pr in zip(prompt_list, params, priorities, strict=True)]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
 
     def beam_search(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], params: BeamSearchParams
                     ) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search` (pagoda/beam_search.py): per prompt, the best
         `params.beam_width` sequences, best first."""
+        prompt_list = _as_prompt_list(prompts)
+        if any(salt is not None for _, salt in prompt_list):
+            raise ValueError("Prompt field 'cache_salt' is not supported by beam_search.")
         searches = [BeamSearch(self._token_ids(p), params, self.engine.eos_token_ids)
-                    for p in _as_prompt_list(prompts)]
+                    for p, _ in prompt_list]
         step = params.step_params()
         for _ in range(params.max_tokens):
             if not (live := live_beams(searches)):
@@ -132,8 +135,9 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params = _as_list(pooling_params, PoolingParams, len(prompt_list))
         engine = self.engine
-        ids = [engine.add_processed(engine.processor.process_pooling(engine.new_id(), p, pp))
-               for p, pp in zip(prompt_list, params, strict=True)]
+        ids = [engine.add_processed(engine.processor.process_pooling(engine.new_id(), p, pp,
+                                                                     cache_salt=salt))
+               for (p, salt), pp in zip(prompt_list, params, strict=True)]
         results = self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
         failed = next((out for out in results if out.pooled is None), None)
         if failed is not None:
@@ -171,35 +175,36 @@ class LLM:
         return [results[i] for i in ids]
 
 
-def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]) -> list[Prompt]:
+def _as_prompt_list(prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict]) -> list[Salted]:
     if isinstance(prompts, (str, Mapping)):
         return [_as_prompt(prompts)]
     if prompts and isinstance(prompts, list) and isinstance(prompts[0], int):
-        return [prompts]  # type: ignore[list-item]
+        return [(prompts, None)]  # type: ignore[list-item]
     return [_as_prompt(p) for p in prompts]  # type: ignore[arg-type]
 
 
-def _as_prompt(prompt: Prompt | PromptDict) -> Prompt:
-    """A text, a list of token ids, or vLLM's prompt dicts as one of them (ValueError for a
-    field pagoda does not serve: it must not be dropped silently)."""
+def _as_prompt(prompt: Prompt | PromptDict) -> Salted:
+    """A text, a list of token ids, or vLLM's prompt dicts as one of them, with the dict's
+    `cache_salt` (ValueError for a field pagoda does not serve: none is dropped silently)."""
     if not isinstance(prompt, Mapping):
-        return prompt
+        return prompt, None
     unserved = [k for k in _NOT_SERVED if prompt.get(k) is not None]
     if unserved:
         raise ValueError(f"Prompt field {unserved[0]!r} is not supported: pagoda serves text "
                          "prompts ('prompt') and token ids ('prompt_token_ids').")
-    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", *_NOT_SERVED})
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", *_NOT_SERVED})
     if unknown:
         raise ValueError(f"Unknown prompt field {unknown[0]!r}: a prompt dict takes 'prompt' "
-                         "(text) or 'prompt_token_ids' (a list of token ids).")
+                         "(text) or 'prompt_token_ids' (a list of token ids), and 'cache_salt'.")
+    salt = prompt.get("cache_salt")
     if (ids := prompt.get("prompt_token_ids")) is not None:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise ValueError("'prompt_token_ids' must be a list of token ids.")
-        return list(ids)
+        return list(ids), salt
     text = prompt.get("prompt")
     if not isinstance(text, str):
         raise ValueError("A prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids).")
-    return text
+    return text, salt
 
 
 P = TypeVar("P", SamplingParams, PoolingParams)

@@ -49,6 +49,7 @@ class Request:
         priority: int = 0,
         group: str | None = None,
         pooling_params: PoolingParams | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
@@ -67,6 +68,7 @@ class Request:
         # left the window are NULL_BLOCK.
         self.sliding_block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
+        self.cache_salt = cache_salt  # NOTE: hashed into the first block's name (block_manager.py)
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())

@@ -191,7 +191,7 @@ def test_vllm_prompt_dicts_run_as_their_text_or_token_ids(llm):
 
 @pytest.mark.parametrize("prompt, message", [
     ({"prompt": "hi", "multi_modal_data": {"image": 1}}, "'multi_modal_data' is not supported"),
-    ({"prompt_token_ids": PROMPT, "cache_salt": "user-1"}, "'cache_salt' is not supported"),
+    ({"prompt_token_ids": PROMPT, "cache_salt": ""}, "cache_salt must be a non-empty string"),
     ({"prompt_embeds": [[0.0]]}, "'prompt_embeds' is not supported"),
     ({"promt": "hi"}, "Unknown prompt field 'promt'"),
     ({"prompt_token_ids": "1 2 3"}, "must be a list of token ids"),

@@ -227,3 +227,24 @@ def test_benchmark_command_runs(tiny_llama, tmp_path):
     assert shared >= 100
     assert [r[2] for r in rows if r[1] != "warmup"] == [0, shared // 16 * 16, shared // 16 * 16, 0, 0, 0]
     assert saved["summary"]["warm_over_cold"] > 0
+
+
+def test_a_cache_salt_shares_cached_prefixes_only_with_its_own_salt(tiny_llama, reference):
+    """vLLM's `cache_salt`: a prefix cached under one salt (or none) is a miss for any other,
+    so one tenant cannot reuse, or time, another's prompts; the same salt hits, and the
+    outputs stay transformers'."""
+    llm = make_llm(tiny_llama, block_size=16, num_kv_blocks=256)
+    warm = PROMPTS[0]
+    expected = expected_hit(PROMPTS[1], 16)
+
+    def run(prompt: list[int], salt: str | None) -> RequestOutput:
+        request = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt, "cache_salt": salt}
+        return llm.generate([request], GREEDY, use_tqdm=False)[0]
+
+    run(warm, None)
+    first = [run(PROMPTS[1], salt) for salt in ("tenant-a", "tenant-b", "tenant-a", None)]
+    again = (len(PROMPTS[1]) - 1) // 16 * 16  # NOTE: tenant-a's first run cached the whole prompt
+    assert [o.num_cached_tokens for o in first] == [0, 0, again, expected]
+    assert all(o.outputs[0].token_ids == reference[1] for o in first)
+    assert run(PROMPTS[3], "tenant-b").num_cached_tokens == expected_hit(PROMPTS[3], 16)
+    assert_pool_clean(llm)

@@ -235,6 +235,23 @@ def test_sampling_parameters(client: openai.OpenAI, model_id: str):
     assert stopped.choices[0].finish_reason == "stop" and stop not in stopped.choices[0].text
 
 
+def test_a_cache_salt_keeps_cached_prefixes_apart(client: openai.OpenAI, model_id: str):
+    """vLLM's `cache_salt`: a prompt cached under one salt is a miss under another or none."""
+    prompt = "A salted system prompt that several tenants send, word for word. " * 4
+
+    def cached_tokens(salt: str | None) -> int:
+        chunks = list(client.completions.create(
+            model=model_id, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={} if salt is None else {"cache_salt": salt}))
+        return chunks[-1].usage.prompt_tokens_details.cached_tokens
+
+    counts = [cached_tokens(salt) for salt in ("s1", "s2", "s1", None, None)]
+    assert counts[:2] == [0, 0] and counts[3] == 0, counts
+    assert counts[2] >= 16 and counts[4] == counts[2], counts
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        client.completions.create(model=model_id, prompt=prompt, max_tokens=1, extra_body={"cache_salt": ""})
+
+
 # ---- chat ---------------------------------------------------------------------------------
 
 

@@ -216,7 +216,7 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, inputs: Cha
     params = build_sampling_params(ctx, inputs.fields, len(inputs.prompt.token_ids),
                                    inputs.max_tokens, _num_logprobs(req))
     return await Generation.create(ctx, request_id, [inputs.prompt], [params],
-                                   inputs.structured_param, req.priority, req.user)
+                                   inputs.structured_param, req.priority, req.user, req.cache_salt)
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request

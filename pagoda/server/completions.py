@@ -134,7 +134,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     params = [build_sampling_params(ctx, fields, len(p.token_ids), max_tokens, req.logprobs)
               for p in prompts]
     gen = await Generation.create(ctx, random_id("cmpl"), prompts, params, structured_param,
-                                  req.priority, req.user)
+                                  req.priority, req.user, req.cache_salt)
     model = req.model or ctx.model_name
     if req.stream:
         return StreamingResponse(sse(stream_completion(gen, req, model)),

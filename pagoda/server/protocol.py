@@ -167,6 +167,9 @@ class SamplingFields(RequestModel):
     length_penalty: float = 1.0
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
+    # NOTE: vLLM's: salts the prefix cache's block hashes, so that requests without the same
+    # salt never share (or time) each other's cached prefixes.
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto `SamplingParams`, without unset ones."""

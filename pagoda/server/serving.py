@@ -269,10 +269,12 @@ class Generation:
     @classmethod
     async def create(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
                      params: list[SamplingParams], structured_param: str = "structured_outputs",
-                     priority: int = 0, user: str | None = None) -> Generation:
+                     priority: int = 0, user: str | None = None,
+                     cache_salt: str | None = None) -> Generation:
         """Validates and compiles every prompt's request. The prompts share one scheduling
         group (they take turns with other requests), and so do all requests naming the same
-        OpenAI `user`: one client's many requests cannot starve another's."""
+        OpenAI `user`: one client's many requests cannot starve another's. `cache_salt`: only
+        requests with the same salt share cached prefixes."""
         try:
             # NOTE: grammars compile on their own threads first, never holding tokenizing ones.
             for sp in params:
@@ -283,7 +285,7 @@ class Generation:
         def one(i: int, request_id: str, group: str) -> EngineRequest:
             return ctx.processor.process(request_id, prompts[i].token_ids, params[i],
                                          prompt_text=prompts[i].text, structured_param=structured_param,
-                                         priority=priority, group=group)
+                                         priority=priority, group=group, cache_salt=cache_salt)
 
         return await cls._start(ctx, request_id, prompts, one, params[0].n, user)
 
@@ -444,7 +446,8 @@ async def run_beam_search(ctx: ServerContext, raw: Any, request_id: str, prompts
         if not (live := live_beams(searches)):
             break
         gen = await Generation.create(ctx, f"{request_id}-step{step}", [Prompt(b.tokens) for _, b in live],
-                                      [params.step_params()] * len(live), priority=req.priority, user=req.user)
+                                      [params.step_params()] * len(live), priority=req.priority, user=req.user,
+                                      cache_salt=req.cache_salt)
         if await until_disconnect(raw, gen.run()) is None:
             return None
         advance_all(searches, live, [(choice.logprobs or [{}])[0] for choice in gen.choices])
