@@ -1,4 +1,4 @@
-"""Median LLMEngine.step() time in steady decode: --batch sequences of --prompt random tokens,
+"""Median LLMEngine.step() time in steady decode (--model, default smollm2): --batch sequences of --prompt random tokens,
 after the prefill and 5 warm-up steps; --profile prints torch.profiler's operator table for 5
 steps first; --scheme takes `pagoda bench quality`'s names (bf16, int8, int4, gguf, kv-fp8, ...);
 --layer-path runs decode steps layer by layer instead of the one-call native decoder stack;
@@ -14,6 +14,7 @@ from pagoda.engine import LLMEngine
 from pagoda.sampling_params import SamplingParams
 
 ap = argparse.ArgumentParser()
+ap.add_argument("--model", default="smollm2")
 ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--prompt", type=int, default=32)
 ap.add_argument("--steps", type=int, default=60)
@@ -35,7 +36,7 @@ if a.small_pages:
         for m in modules:
             m.gemm_weight = ops.PackedWeight(m.weight.detach())
     linear._pack_in_huge_pages = each_on_its_own
-eng = LLMEngine.from_engine_args("smollm2", (), dtype=a.dtype, log_stats=False, enable_prefix_caching=False,
+eng = LLMEngine.from_engine_args(a.model, (), dtype=a.dtype, log_stats=False, enable_prefix_caching=False,
                                  max_num_batched_tokens=max(4096, a.batch * a.prompt), **SCHEME_ARGS[a.scheme])
 if a.layer_path:
     eng.runner.model.native_decoder = None
