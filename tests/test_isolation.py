@@ -265,3 +265,26 @@ def test_a_step_that_fails_for_everyone_stops_the_engine(tiny_llama, monkeypatch
     engine.add_request("f", PROMPTS["b"], greedy())
     with pytest.raises(EngineStuckError, match="3 steps in a row failed for every request.*device lost"):
         engine.step()
+
+
+def test_a_fatal_error_is_never_rerun(tiny_llama, monkeypatch: pytest.MonkeyPatch):
+    """Issue 24: an error marked `fatal` (a dead parallel worker, a stuck engine) means no
+    request can run any more; rerunning the batch a request at a time would only repeat it.
+    The step raises it at once, after one call."""
+    llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=256)
+    engine = llm.engine
+    calls = []
+
+    class WorkerDied(RuntimeError):
+        fatal = True
+
+    def dead(out):
+        calls.append(len(out.requests))
+        raise WorkerDied("worker 1 died")
+
+    monkeypatch.setattr(engine.runner, "execute", dead)
+    for name, prompt in PROMPTS.items():
+        engine.add_request(name, prompt, greedy())
+    with pytest.raises(WorkerDied, match="worker 1 died"):
+        engine.step()
+    assert calls == [len(PROMPTS)]
