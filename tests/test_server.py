@@ -578,29 +578,42 @@ def test_bodies_nested_deep_get_a_clear_answer_never_a_500(http: httpx.Client, m
 
 
 def test_streams_cut_at_the_drain_timeout_end_with_an_error_then_done(tiny_llama: Path):
-    """SIGTERM with --drain-timeout 0.2 while a long stream runs: the stream ends with an error
-    event naming the cut, then [DONE] (never a silent close that passes for a whole answer);
-    the log has one line per cut request and no traceback; the process exits 0."""
+    """SIGTERM with --drain-timeout 0.2 while a long stream and a long non-streamed request
+    run: the stream ends with an error event naming the cut, then [DONE] (never a silent close
+    that passes for a whole answer), the other gets a 5xx naming it; the log has one line per
+    cut request and no traceback; the process exits 0."""
     srv = start_server(tiny_llama, "--num-kv-blocks", "512", "--drain-timeout", "0.2")
     try:
         # NOTE: 16 sequences of 480 tokens: seconds of work, far more than the 0.2 s drain
         body = {"prompt": "cut", "max_tokens": 480, "n": 16, "ignore_eos": True, "stream": True}
         lines: list[str] = []
+        whole: list[httpx.Response] = []
         with httpx.Client(base_url=srv.base_url, timeout=60) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]
+
+            def post_whole() -> None:
+                with httpx.Client(base_url=srv.base_url, timeout=60) as other:
+                    whole.append(other.post("/v1/completions", json={**body, "model": model, "stream": False, "n": 2}))
+
+            unstreamed = threading.Thread(target=post_whole)
             with c.stream("POST", "/v1/completions", json={**body, "model": model}) as r:
                 it = r.iter_lines()
                 lines.extend(next(it) for _ in range(2))
+                unstreamed.start()
+                time.sleep(0.3)  # NOTE: the second request admitted before the signal
                 srv.proc.send_signal(signal.SIGTERM)
                 lines.extend(it)
+            unstreamed.join(60)
         events = sse_events(lines)
         assert events[-1] == "[DONE]"
         error = events[-2]
         assert isinstance(error, dict) and "error" in error, events[-3:]
         assert "cut" in error["error"]["message"] and "drain-timeout" in error["error"]["message"]
+        assert whole and whole[0].status_code >= 500, whole and whole[0].text
+        assert "drain-timeout" in whole[0].json()["error"]["message"], whole[0].text
         assert srv.proc.wait(30) == 0
         log = srv.log()
-        assert log.count(" cut: the server is shutting down") == 1, log[-2000:]
+        assert log.count(" cut: the server is shutting down") == 2, log[-2000:]
         assert "Traceback" not in log and "CancelledError" not in log, log[-3000:]
     finally:
         srv.stop()
