@@ -104,7 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    from pagoda.server.serve import vllm_spelling
+
+    args = build_parser().parse_args(vllm_spelling(sys.argv[1:] if argv is None else argv))
     return int(args.func(args) or 0)
 
 

@@ -246,10 +246,33 @@ def test_vllm_flags_pagoda_implements_under_vllms_names():
     assert config.parallel.core_process
 
 
+def test_vllm_spellings_start_as_vllm_would():
+    """vLLM's parser takes `--max_model_len` for `--max-model-len`, `--no-X` for every boolean
+    flag, and short spellings such as `-O`; a launch script using them must not exit with
+    "unrecognized arguments"."""
+    from pagoda.server.serve import vllm_spelling
+
+    argv = vllm_spelling(["serve", "m", "--max_model_len", "4096", "--enable_prefix_caching",
+                          "--served_model_name=my_model", "--no-enforce-eager", "--no-trust-remote-code",
+                          "-O3", "--max-log-len", "100", "--async-scheduling", "--disable-uvicorn-access-log"])
+    assert argv[2:4] == ["--max-model-len", "4096"] and "--served-model-name=my_model" in argv
+    args = serve_parser().parse_args(argv)
+    assert args.served_model_name == ["my_model"] and args.disable_uvicorn_access_log
+    assert engine_kwargs(args) == {"max_model_len": 4096, "enable_prefix_caching": True}
+    lines = no_effect_lines(args)
+    assert [line.split(":")[0] for line in lines] == [
+        "--no-enforce-eager", "--no-trust-remote-code", "--max-log-len 100", "--async-scheduling",
+        "--compilation-config 3"]
+    assert vllm_spelling(["--api-key", "a_b", "--", "--x_y"]) == ["--api-key", "a_b", "--", "--x_y"]
+
+
 @pytest.mark.parametrize("argv, refused", [
     (["--enable-lora", "--lora-modules", "a=/x"], "--enable-lora: LoRA adapters are not supported yet"),
     (["--data-parallel-size", "2"], "--data-parallel-size: one server is one engine"),
+    (["-dp", "4"], "--data-parallel-size: one server is one engine"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb: weights are not offloaded"),
+    (["--enable-sleep-mode"], "--enable-sleep-mode: sleep mode"),
+    (["--logits-processors", "my.Processor"], "--logits-processors: custom logits processors"),
 ])
 def test_vllm_features_pagoda_lacks_are_refused_at_start(argv: list[str], refused: str,
                                                          capsys: pytest.CaptureFixture[str]):
@@ -258,7 +281,7 @@ def test_vllm_features_pagoda_lacks_are_refused_at_start(argv: list[str], refuse
     assert refused in capsys.readouterr().err
     # NOTE: the values that ask for nothing start as usual (here: up to loading the model).
     harmless = serve_parser().parse_args(["serve", "m", "--data-parallel-size", "1", "--cpu-offload-gb", "0.0",
-                                          "--api-server-count", "1"])
+                                          "-asc", "1", "--no-enable-lora", "--no-enable-sleep-mode"])
     assert unsupported_flag_error(harmless) is None
 
 

@@ -168,6 +168,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help="seconds running requests may take to finish after SIGTERM")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
+    net.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
+                     help="no access-log line per HTTP call")
     net.add_argument("--disable-log-stats", action="store_true",
                      help="turn off the periodic engine stats log")
     net.add_argument("--disable-web-ui", action="store_true",
@@ -351,19 +353,30 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
 # vLLM flags that launch scripts pass and that mean nothing to pagoda: (flag, how it parses,
 # why it has no effect). Each is accepted, and named in one log line at start when given.
 NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("--enforce-eager", "flag", "pagoda captures no CUDA graphs, so every step already runs eagerly"),
-    ("--enable-prompt-tokens-details", "flag", "usage always carries prompt_tokens_details.cached_tokens"),
-    ("--trust-remote-code", "flag", "pagoda runs its own code for each architecture it supports; a "
+    ("--enforce-eager", "bool", "pagoda captures no CUDA graphs, so every step already runs eagerly"),
+    ("--enable-prompt-tokens-details", "bool", "usage always carries prompt_tokens_details.cached_tokens"),
+    ("--trust-remote-code", "bool", "pagoda runs its own code for each architecture it supports; a "
                                     "checkpoint's Python code is never executed"),
-    ("--disable-log-requests", "flag", "pagoda does not log request contents"),
-    ("--enable-log-requests", "flag", "pagoda does not log request contents (the access log names each call)"),
-    ("--disable-frontend-multiprocessing", "flag", "the API server and the engine core share one "
+    ("--disable-log-requests", "bool", "pagoda does not log request contents"),
+    ("--enable-log-requests", "bool", "pagoda does not log request contents (the access log names each call)"),
+    ("--enable-log-outputs", "bool", "pagoda does not log request contents"),
+    ("--max-log-len", "value", "pagoda does not log prompts"),
+    ("--disable-frontend-multiprocessing", "bool", "the API server and the engine core share one "
                                                    "process already, unless --core-process"),
-    ("--disable-custom-all-reduce", "flag", "tensor parallelism reduces with torch.distributed"),
-    ("--disable-async-output-proc", "flag", "outputs are processed once per step in the engine loop"),
+    ("--disable-custom-all-reduce", "bool", "tensor parallelism reduces with torch.distributed"),
+    ("--disable-async-output-proc", "bool", "outputs are processed once per step in the engine loop"),
+    ("--async-scheduling", "bool", "the engine loop schedules each step after the last one's outputs"),
     ("--enable-chunked-prefill", "bool", "prefills are always chunked under --max-num-batched-tokens"),
+    ("--stream-interval", "value", "every token is streamed as soon as its step ends"),
     ("--swap-space", "value", "preempted requests are recomputed, never swapped to host memory"),
     ("--max-seq-len-to-capture", "value", "pagoda captures no CUDA graphs"),
+    ("--cuda-graph-sizes", "list", "pagoda captures no CUDA graphs"),
+    ("--max-cudagraph-capture-size", "value", "pagoda captures no CUDA graphs"),
+    ("--compilation-config -O", "value", "pagoda compiles no graphs (no torch.compile, no CUDA graphs)"),
+    ("--disable-cascade-attn", "bool", "pagoda has no cascade attention"),
+    ("--attention-backend", "value", "the attention backend follows the device: the native CPU "
+                                     "kernels where they load, else torch's"),
+    ("--model-impl", "value", "pagoda runs its own implementation of each architecture"),
     ("--guided-decoding-backend", "value", "structured outputs always compile with llguidance"),
     ("--distributed-executor-backend", "value", "parallel workers are torch.distributed processes "
                                                 "(docs/scaling.md)"),
@@ -372,6 +385,12 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--download-dir", "value", "pagoda loads local models and aliases, never downloads"),
     ("--revision", "value", "pagoda loads local models and aliases, never downloads"),
     ("--tokenizer-revision", "value", "pagoda loads local models and aliases, never downloads"),
+    ("--hf-token", "value", "pagoda loads local models and aliases, never downloads"),
+    ("--use-tqdm-on-load", "bool", "weights load without a progress bar"),
+    ("--max-parallel-loading-workers", "value", "weights load in one pass"),
+    ("--limit-mm-per-prompt", "value", "pagoda serves text-only models"),
+    ("--mm-processor-kwargs", "value", "pagoda serves text-only models"),
+    ("--disable-mm-preprocessor-cache", "bool", "pagoda serves text-only models"),
     ("--preemption-mode", "value", "a preempted request is always recomputed, never swapped"),
     ("--prefix-caching-hash-algo", "value", "prefix-cache blocks are keyed by pagoda's own chained "
                                             "hashes of their token ids"),
@@ -381,16 +400,23 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
 
 # vLLM flags for features pagoda does not have: given with a value that asks for the feature,
 # the server refuses to start and says so (rather than "unrecognized arguments", or silently
-# serving without it). (flag, how it parses, the value that asks for nothing, why)
+# serving without it). (flag and its short spellings, how it parses, the value that asks for
+# nothing, why)
 UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
-    ("--enable-lora", "flag", None, "LoRA adapters are not supported yet"),
+    ("--enable-lora", "bool", None, "LoRA adapters are not supported yet"),
     ("--lora-modules", "list", None, "LoRA adapters are not supported yet"),
     ("--max-loras", "value", None, "LoRA adapters are not supported yet"),
     ("--max-lora-rank", "value", None, "LoRA adapters are not supported yet"),
-    ("--data-parallel-size", "value", "1", "one server is one engine; for data parallelism run "
-                                           "replicas behind a load balancer (docs/scaling.md)"),
-    ("--api-server-count", "value", "1", "one API server process serves each engine"),
+    ("--data-parallel-size -dp", "value", "1", "one server is one engine; for data parallelism run "
+                                               "replicas behind a load balancer (docs/scaling.md)"),
+    ("--api-server-count -asc", "value", "1", "one API server process serves each engine"),
     ("--cpu-offload-gb", "value", "0", "weights are not offloaded"),
+    ("--enable-sleep-mode", "bool", None, "sleep mode (releasing the weights and the KV pool) is "
+                                          "not supported"),
+    ("--enable-prompt-embeds", "bool", None, "prompts are text or token ids; embeddings as prompts "
+                                             "are not supported"),
+    ("--logits-processors", "list", None, "custom logits processors are not supported"),
+    ("--kv-transfer-config", "value", None, "KV transfer between instances is not supported"),
 )
 
 
@@ -407,19 +433,33 @@ def add_unsupported_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_table_flag(group: Any, flag: str, kind: str, text: str) -> None:
-    """One flag of the tables above: "flag" (store_true), "bool" (--x / --no-x), "value" or
-    "list" (one value or several)."""
-    if kind == "flag":
-        group.add_argument(flag, action="store_true", help=text)
-    elif kind == "bool":
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+    """One flag of the tables above (its name, then any short spellings): "bool" (--x / --no-x,
+    as vLLM's boolean flags), "value" or "list" (one value or several)."""
+    names = flag.split()
+    if kind == "bool":
+        group.add_argument(*names, action=argparse.BooleanOptionalAction, default=None, help=text)
     else:
-        group.add_argument(flag, default=None, metavar="VALUE", nargs="+" if kind == "list" else None,
+        group.add_argument(*names, default=None, metavar="VALUE", nargs="+" if kind == "list" else None,
                            help=text)
 
 
 def _flag_value(args: argparse.Namespace, flag: str) -> Any:
-    return getattr(args, flag.lstrip("-").replace("-", "_"), None)
+    return getattr(args, flag.split()[0].lstrip("-").replace("-", "_"), None)
+
+
+def vllm_spelling(argv: list[str]) -> list[str]:
+    """vLLM's parser's spelling rule: an option named with underscores (`--max_model_len`,
+    `--max_model_len=512`) is the dashed one; values are left as they are."""
+    out: list[str] = []
+    for arg in argv:
+        if arg == "--":
+            out.extend(argv[len(out):])
+            break
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            key, sep, value = arg.partition("=")
+            arg = key.replace("_", "-") + sep + value
+        out.append(arg)
+    return out
 
 
 def unsupported_flag_error(args: argparse.Namespace) -> str | None:
@@ -428,7 +468,7 @@ def unsupported_flag_error(args: argparse.Namespace) -> str | None:
         value = _flag_value(args, flag)
         if value in (None, False) or (harmless is not None and _same_number(value, harmless)):
             continue
-        return f"{flag}: {why}"
+        return f"{flag.split()[0]}: {why}"
     return None
 
 
@@ -442,11 +482,12 @@ def _same_number(value: str, expected: str) -> bool:
 def no_effect_lines(args: argparse.Namespace) -> list[str]:
     """One line for each no-effect vLLM flag given, saying why it changes nothing."""
     lines = []
-    for flag, kind, why in NO_EFFECT_FLAGS:
+    for flag, _, why in NO_EFFECT_FLAGS:
         value = _flag_value(args, flag)
-        if value is None or (value is False and kind == "flag"):
+        if value is None:
             continue
-        shown = flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
+        name = flag.split()[0]
+        shown = name if value is True else f"--no-{name[2:]}" if value is False else f"{name} {value}"
         lines.append(f"{shown}: accepted for vLLM launch scripts, no effect here: {why}")
     return lines
 
@@ -570,6 +611,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                         api_docs=not args.disable_fastapi_docs, cors=cors_policy(args))
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
+                                   access_log=not args.disable_uvicorn_access_log,
                                    timeout_graceful_shutdown=2, root_path=args.root_path or "",
                                    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
         server = DrainingServer(uv_config, ctx, args.drain_timeout)
