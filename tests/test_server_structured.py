@@ -7,6 +7,7 @@ The Hermes tool-call parser and stream assembly are checked on written outputs.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 from collections.abc import Iterator
@@ -279,3 +280,42 @@ def test_chat_template_content_format(engine: AsyncLLM, setting, template, expec
     body = chat([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])  # type: ignore[arg-type]
     assert _rendered(engine, body, chat_template=template, chat_template_content_format=setting) == expected
     assert content_format("auto", template) == ("openai" if "for p" in template else "string")
+
+
+def test_default_chat_template_kwargs_sit_under_the_requests_own(engine: AsyncLLM):
+    """vLLM's --default-chat-template-kwargs (e.g. a Qwen3 server started without thinking):
+    every chat's template gets them; a request's chat_template_kwargs win key by key."""
+    template = "{{ messages[0]['content'] }}|{{ 'think' if enable_thinking else 'plain' }}|{{ tone or '-' }}"
+    ctx = {"chat_template": template, "default_chat_template_kwargs": {"enable_thinking": False, "tone": "dry"}}
+    assert _rendered(engine, chat("hi"), **ctx) == "hi|plain|dry"
+    assert _rendered(engine, chat("hi", chat_template_kwargs={"enable_thinking": True}), **ctx) == "hi|think|dry"
+    assert _rendered(engine, chat("hi"), chat_template=template) == "hi|plain|-"
+
+
+def test_default_chat_template_kwargs_flag_takes_a_json_object():
+    from pagoda.server.serve import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "m", "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "m", "--default-chat-template-kwargs", "[1]"])
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", chat("hi")),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_forced_usage_ends_every_stream_with_a_usage_chunk(engine: AsyncLLM, path: str, body: dict):
+    """vLLM's --enable-force-include-usage: a stream's last chunk before [DONE] is its usage,
+    asked for or not."""
+    def usage_chunks(**ctx: object) -> list[dict]:
+        r = post(engine, path, {**body, "max_tokens": 3, "stream": True}, **ctx)
+        assert r.status_code == 200, r.text
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        return [e["usage"] for e in events if not e["choices"] and e.get("usage")]
+
+    assert usage_chunks() == []
+    forced = usage_chunks(force_include_usage=True)
+    assert len(forced) == 1 and forced[0]["completion_tokens"] == 3

@@ -116,13 +116,15 @@ async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_gener
     """Applies the chat template (--chat-template, else the tokenizer's), in a worker thread.
 
     The messages' text is size-checked first (`--max-prompt-chars`), so a huge conversation
-    is refused before any templating or tokenizing. Tools go to a template that renders them;
+    is refused before any templating or tokenizing. `template_kwargs` (the request's) go over
+    the server's `--default-chat-template-kwargs`. Tools go to a template that renders them;
     for one that cannot, a call's tools are described in a system message.
     """
     template = template or ctx.chat_template
     fmt = content_format(ctx.chat_template_content_format, _template_source(ctx, template))
     conversation = [_message_dict(m, fmt) for m in messages]
-    template_kwargs = {k: v for k, v in (template_kwargs or {}).items() if k != "chat_template"}
+    template_kwargs = {k: v for k, v in {**ctx.default_chat_template_kwargs, **(template_kwargs or {})}.items()
+                       if k != "chat_template"}
     if tools is not None and tools.tools:
         if template_has_tools(ctx, template):
             template_kwargs["tools"] = tools.template_tools()
@@ -331,7 +333,7 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
                 index, piece, logprobs if i == 0 else NULL,
                 _finish_reason(plan, delta.finish_reason, called) if last else None,
                 delta.stop_reason if last else None, ids if i == 0 else ""))
-    if req.include_usage:
+    if req.include_usage or gen.ctx.force_include_usage:
         yield chunks.encode(None, part_json(gen.usage()))
 
 

@@ -188,7 +188,7 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
             extra = ids_members(token_ids=list(delta.token_ids), prompt_token_ids=prompt_ids)
         choice = completion_choice(index, text, logprobs, reason, stop_reason, extra)
         yield chunks.encode(choice, part_json(gen.usage() if req.continuous_usage else None))
-    if req.include_usage:
+    if req.include_usage or ctx.force_include_usage:
         yield chunks.encode(None, part_json(gen.usage()))
 
 

@@ -35,6 +35,7 @@ from pagoda.config import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     EngineConfig,
+    json_object,
     parse_bytes,
 )
 from pagoda.metrics import LiveStatLogger, default_stat_loggers, format_kv_memory_report
@@ -126,6 +127,14 @@ def positive_seconds(text: str) -> float:
     return seconds
 
 
+def template_kwargs(text: str) -> dict:
+    """A JSON object of chat-template keyword arguments (vLLM's --default-chat-template-kwargs)."""
+    try:
+        return json_object(text, "--default-chat-template-kwargs")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def positive_int(text: str) -> int:
     value = int(text) if text.isdigit() else 0
     if value <= 0:
@@ -170,6 +179,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="no access-log line per HTTP call")
+    net.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
+                     help="every stream ends with a usage chunk, as if it asked with "
+                          "stream_options.include_usage")
     net.add_argument("--disable-log-stats", action="store_true",
                      help="turn off the periodic engine stats log")
     net.add_argument("--disable-web-ui", action="store_true",
@@ -214,6 +226,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             "the template loops over message['content'])")
     model.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a request carry its own chat_template (refused otherwise, as vLLM)")
+    model.add_argument("--default-chat-template-kwargs", type=template_kwargs, default=None, metavar="JSON",
+                       help="keyword arguments every chat's template gets, under the request's "
+                            "own chat_template_kwargs, e.g. '{\"enable_thinking\": false}'")
     model.add_argument("--tokenizer", default=None,
                        help="load the tokenizer from this directory, .gguf file or alias "
                             "(default: the model's own)")
@@ -592,6 +607,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                             chat_template=load_chat_template(config.model.chat_template),
                             chat_template_content_format=args.chat_template_content_format,
                             trust_request_chat_template=args.trust_request_chat_template,
+                            default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+                            force_include_usage=args.enable_force_include_usage,
                             tool_parser=auto_tool_parser(args),
                             reasoning_parser=(get_reasoning_parser(args.reasoning_parser)
                                               if args.reasoning_parser else None),

@@ -93,6 +93,8 @@ class ServerContext:
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
     trust_request_chat_template: bool = False
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    force_include_usage: bool = False  # NOTE: a stream's usage chunk without stream_options
     tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None
     api_keys: list[str] = field(default_factory=list)
