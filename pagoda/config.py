@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.generation_config import check_generation_values, check_source
 
@@ -78,6 +79,8 @@ class ModelConfig:
             --generation-config, generation_config.py): 'auto' (the model's
             generation_config.json), 'vllm' (none) or a folder holding one.
         override_generation_config: generation-config keys laid over it (a dict, or its JSON).
+        hf_overrides: keys laid over the model's config (vLLM's --hf-overrides; a dict, or its
+            JSON), e.g. {"rope_scaling": {...}} or {"max_position_embeddings": 65536}.
     """
 
     model: str = DEFAULT_MODEL
@@ -91,9 +94,11 @@ class ModelConfig:
     tokenizer: str | None = None
     generation_config: str = "auto"
     override_generation_config: dict[str, float | int] = field(default_factory=dict)
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_source(self.generation_config)
+        object.__setattr__(self, "hf_overrides", json_object(self.hf_overrides, "hf_overrides"))
         override = json_object(self.override_generation_config, "override_generation_config")
         object.__setattr__(self, "override_generation_config",
                            check_generation_values(override, "override_generation_config"))

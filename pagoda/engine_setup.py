@@ -120,7 +120,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     """
     start = time.time()
     path = resolve_model_path(config.model.model)
-    hf_config = load_hf_config(path)
+    hf_config = load_hf_config(path, config.model.hf_overrides)
     tokenizer = load_tokenizer(path, config.model.chat_template, config.model.tokenizer)
     max_model_len = resolve_max_model_len(config.model.max_model_len, hf_config)
     config = config.with_max_model_len(max_model_len)

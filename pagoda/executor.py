@@ -240,7 +240,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 def start_parallel_engine_parts(config: EngineConfig) -> EngineParts:
     """Node 0's engine parts, with this node's workers started and ready."""
     path = resolve_model_path(config.model.model)
-    hf_config = load_hf_config(path)
+    hf_config = load_hf_config(path, config.model.hf_overrides)
     tokenizer = load_tokenizer(path, config.model.chat_template, config.model.tokenizer)
     config = config.with_max_model_len(resolve_max_model_len(config.model.max_model_len,
                                                              hf_config))

@@ -81,7 +81,8 @@ class Shard:
         launch.join(spec.rank, par.world_size, spec.init_addr, resolve_device(config.model.device))
         from pagoda.models.loader import load_hf_config, resolve_model_path
 
-        num_layers = int(load_hf_config(resolve_model_path(config.model.model)).num_hidden_layers)  # type: ignore[attr-defined]
+        hf_config = load_hf_config(resolve_model_path(config.model.model), config.model.hf_overrides)
+        num_layers = int(hf_config.num_hidden_layers)  # type: ignore[attr-defined]
         self.tp, self.stage = launch.layout(spec.rank, par.tensor_parallel_size,
                                             par.pipeline_parallel_size, num_layers)
         self.parts = build_model_parts(config, self.tp, self.stage, agree=_agree_min)

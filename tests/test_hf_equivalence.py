@@ -91,3 +91,40 @@ def test_unwritten_slots_are_never_read(tiny_model_factory, references):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references("llama")
+
+
+def test_hf_overrides_reach_the_model_as_transformers_reads_them(tiny_model_factory, tmp_path):
+    """vLLM's --hf-overrides (and its older --rope-theta / --rope-scaling): the keys laid over
+    config.json; greedy output equals transformers' on a config with the same keys, and differs
+    from the model without them (so the override took effect)."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from pagoda.models.loader import apply_hf_overrides
+
+    source = tiny_model_factory("llama")
+    overrides = {"rope_theta": 50.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    changed = tmp_path / "overridden"
+    shutil.copytree(source, changed)
+    config = AutoConfig.from_pretrained(changed)
+    apply_hf_overrides(config, overrides)
+    assert config.rope_parameters["rope_theta"] == 50.0 and config.rope_parameters["factor"] == 4.0
+    config.save_pretrained(changed)
+    prompts = _prompts(3)
+    expected = hf_greedy(changed, prompts, MAX_TOKENS)
+    assert expected != hf_greedy(source, prompts, MAX_TOKENS)
+    assert pagoda_greedy(source, prompts, MAX_TOKENS, num_kv_blocks=64, hf_overrides=overrides) == expected
+
+
+def test_hf_overrides_refuse_rope_keys_a_per_layer_config_cannot_take():
+    from transformers import Gemma3TextConfig
+
+    from pagoda.config import ModelConfig
+    from pagoda.models.loader import apply_hf_overrides
+
+    with pytest.raises(ValueError, match="per layer type; override 'rope_parameters' whole"):
+        apply_hf_overrides(Gemma3TextConfig(), {"rope_theta": 1.0})
+    assert ModelConfig(hf_overrides='{"max_position_embeddings": 64}').hf_overrides == {"max_position_embeddings": 64}
+    with pytest.raises(ValueError, match="hf_overrides"):
+        ModelConfig(hf_overrides="[1]")  # type: ignore[arg-type]

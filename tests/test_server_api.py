@@ -266,6 +266,18 @@ def test_vllm_spellings_start_as_vllm_would():
     assert vllm_spelling(["--api-key", "a_b", "--", "--x_y"]) == ["--api-key", "a_b", "--", "--x_y"]
 
 
+def test_hf_overrides_and_vllms_older_rope_flags_reach_the_model_config():
+    args = serve_parser().parse_args(["serve", "m", "--rope-theta", "5e5", "--rope-scaling",
+                                      '{"rope_type": "linear", "factor": 2}', "--hf-overrides",
+                                      '{"max_position_embeddings": 65536, "rope_theta": 1e6}'])
+    kwargs = engine_kwargs(args)
+    assert kwargs == {"hf_overrides": {"rope_theta": 1e6, "rope_scaling": {"rope_type": "linear", "factor": 2},
+                                       "max_position_embeddings": 65536}}
+    assert EngineConfig.from_kwargs("m", **kwargs).model.hf_overrides == kwargs["hf_overrides"]
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["serve", "m", "--hf-overrides", "{not json"])
+
+
 @pytest.mark.parametrize("argv, refused", [
     (["--enable-lora", "--lora-modules", "a=/x"], "--enable-lora: LoRA adapters are not supported yet"),
     (["--data-parallel-size", "2"], "--data-parallel-size: one server is one engine"),

@@ -108,16 +108,46 @@ def gguf_metadata_dir(path: str) -> Path:
     return target
 
 
-def load_hf_config(path: str) -> object:
+def load_hf_config(path: str, overrides: dict[str, Any] | None = None) -> object:
     """The model's transformers config (with an older GPTQ/AWQ checkpoint's own
-    quantize_config.json or quant_config.json as its `quantization_config`)."""
+    quantize_config.json or quant_config.json as its `quantization_config`), with
+    `overrides` (vLLM's --hf-overrides) laid over it."""
     from transformers import AutoConfig
 
     if is_gguf(path):
-        return AutoConfig.from_pretrained(gguf_metadata_dir(path))
-    config = AutoConfig.from_pretrained(path)
-    attach_legacy_config(config, path)
+        config = AutoConfig.from_pretrained(gguf_metadata_dir(path))
+    else:
+        config = AutoConfig.from_pretrained(path)
+        attach_legacy_config(config, path)
+    apply_hf_overrides(config, overrides or {})
     return config
+
+
+_ROPE_KEYS = ("rope_scaling", "rope_theta")
+
+
+def apply_hf_overrides(config: object, overrides: dict[str, Any]) -> None:
+    """Sets each key on the config. `rope_scaling` and `rope_theta` (vLLM's older names) also
+    reach `rope_parameters`, where transformers keeps what the rotary embedding reads.
+
+    Raises:
+        ValueError: a rope key for a model whose rope parameters are per layer type (Gemma 3):
+            they must be overridden as `rope_parameters` whole.
+    """
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    rope = getattr(config, "rope_parameters", None)
+    if not any(key in overrides for key in _ROPE_KEYS) or "rope_parameters" in overrides or not rope:
+        return
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError("hf_overrides: this model keeps rope parameters per layer type; override "
+                         f"'rope_parameters' whole (now {sorted(rope)}), not {list(_ROPE_KEYS)}.")
+    merged = dict(rope)
+    if isinstance(overrides.get("rope_scaling"), dict):
+        merged.update(overrides["rope_scaling"])
+    if "rope_theta" in overrides:
+        merged["rope_theta"] = overrides["rope_theta"]
+    config.rope_parameters = merged  # type: ignore[attr-defined]
 
 
 def load_tokenizer(path: str, chat_template: str | None = None, tokenizer: str | None = None) -> Any:

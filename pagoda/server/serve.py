@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -77,7 +78,7 @@ ENGINE_FLAGS = {
     "quantization_group_size": "quantization_group_size", "kv_cache_dtype": "kv_cache_dtype",
     "max_logprobs": "max_logprobs", "tokenizer": "tokenizer",
     "generation_config": "generation_config",
-    "override_generation_config": "override_generation_config",
+    "override_generation_config": "override_generation_config", "hf_overrides": "hf_overrides",
 }
 
 
@@ -127,12 +128,15 @@ def positive_seconds(text: str) -> float:
     return seconds
 
 
-def template_kwargs(text: str) -> dict:
-    """A JSON object of chat-template keyword arguments (vLLM's --default-chat-template-kwargs)."""
-    try:
-        return json_object(text, "--default-chat-template-kwargs")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def json_arg(flag: str) -> Callable[[str], dict]:
+    """An argparse type: a JSON object's text, as a dict (a clear error naming `flag`)."""
+    def parse(text: str) -> dict:
+        try:
+            return json_object(text, flag)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def positive_int(text: str) -> int:
@@ -226,7 +230,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             "the template loops over message['content'])")
     model.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a request carry its own chat_template (refused otherwise, as vLLM)")
-    model.add_argument("--default-chat-template-kwargs", type=template_kwargs, default=None, metavar="JSON",
+    model.add_argument("--default-chat-template-kwargs", type=json_arg("--default-chat-template-kwargs"), default=None, metavar="JSON",
                        help="keyword arguments every chat's template gets, under the request's "
                             "own chat_template_kwargs, e.g. '{\"enable_thinking\": false}'")
     model.add_argument("--tokenizer", default=None,
@@ -237,6 +241,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="where omitted sampling fields get their defaults: 'auto' (the "
                             "default: the model's generation_config.json), 'vllm' (none) or a "
                             "folder holding a generation_config.json")
+    model.add_argument("--hf-overrides", type=json_arg("--hf-overrides"), default=None, metavar="JSON",
+                       help="keys laid over the model's config.json, e.g. "
+                            "'{\"max_position_embeddings\": 65536}' or a rope_scaling")
+    model.add_argument("--rope-scaling", type=json_arg("--rope-scaling"), default=None, metavar="JSON",
+                       help="the model's rope scaling (an --hf-overrides key, vLLM's older flag)")
+    model.add_argument("--rope-theta", type=float, default=None,
+                       help="the model's rope base (an --hf-overrides key, vLLM's older flag)")
     model.add_argument("--override-generation-config", default=None, metavar="JSON",
                        help="generation-config keys over it, e.g. '{\"temperature\": 0.5}' "
                             "(temperature, top_p, top_k, min_p, repetition_penalty, "
@@ -550,6 +561,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               if getattr(args, dest, None) is not None}
     if args.disable_log_stats:
         kwargs["log_stats"] = False
+    rope = {key: value for key, value in (("rope_scaling", args.rope_scaling), ("rope_theta", args.rope_theta))
+            if value is not None}
+    if rope:
+        kwargs["hf_overrides"] = {**rope, **kwargs.get("hf_overrides", {})}
     return kwargs
 
 
