@@ -252,13 +252,13 @@ def test_vllm_spellings_start_as_vllm_would():
     "unrecognized arguments"."""
     from pagoda.server.serve import vllm_spelling
 
-    argv = vllm_spelling(["serve", "m", "--max_model_len", "4096", "--enable_prefix_caching",
+    argv = vllm_spelling(["serve", "m", "--max_model_len", "4096", "--enable_prefix_caching", "--max-num-batched-tokens", "2k",
                           "--served_model_name=my_model", "--no-enforce-eager", "--no-trust-remote-code",
                           "-O3", "--max-log-len", "100", "--async-scheduling", "--disable-uvicorn-access-log"])
     assert argv[2:4] == ["--max-model-len", "4096"] and "--served-model-name=my_model" in argv
     args = serve_parser().parse_args(argv)
     assert args.served_model_name == ["my_model"] and args.disable_uvicorn_access_log
-    assert engine_kwargs(args) == {"max_model_len": 4096, "enable_prefix_caching": True}
+    assert engine_kwargs(args) == {"max_model_len": 4096, "enable_prefix_caching": True, "max_num_batched_tokens": 2000}
     lines = no_effect_lines(args)
     assert [line.split(":")[0] for line in lines] == [
         "--no-enforce-eager", "--no-trust-remote-code", "--max-log-len 100", "--async-scheduling",

@@ -273,7 +273,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help="K/V storage: auto (the model's dtype) or fp8 (= fp8_e4m3), "
                             "fp8_e5m2: one byte a value with a per-tensor scale, twice the tokens")
     cache.add_argument("--max-num-seqs", type=int, default=None)
-    cache.add_argument("--max-num-batched-tokens", type=int, default=None,
+    cache.add_argument("--max-num-batched-tokens", type=human_int, default=None,
                        help="token budget of one step (default 512: sooner first tokens; raise it for throughput)")
     cache.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default=None,
                        help="fcfs (default): arrival order, with the requests of a many-prompt "
