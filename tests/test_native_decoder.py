@@ -80,6 +80,9 @@ class Recorder:
     ("llama", {"kv_cache_dtype": "fp8"}),
     ("llama", {"kv_cache_dtype": "fp8_e5m2", "quantization": "int4"}),
     ("llama", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}}),
+    ("gemma3", {}),  # q/k norms, Gemma norms, GeGLU, local (8-token window) and global layers, 256-wide heads
+    ("gemma3_hd64", {"quantization": "int8"}),
+    ("gemma3_w32", {"kv_cache_dtype": "fp8"}),  # hybrid KV groups: blocks leave the local layers' window
 ])
 def test_native_stack_equals_the_layer_path(arch: str, engine: dict, tiny_model_factory) -> None:
     # NOTE: without quantized panels (the avx2 build) the stack multiplies the int8/int4 records
@@ -109,7 +112,7 @@ def test_native_stack_equals_the_layer_path(arch: str, engine: dict, tiny_model_
 
 
 @pytest.mark.parametrize(("arch", "engine", "why"), [
-    ("qwen3", {}, "per-head q/k norms"),
+    ("qwen3", {}, "per-head q/k norms (Qwen3's plain RMSNorm)"),
     ("llama", {"dtype": "float32"}, "fp32 activations"),
 ])
 def test_models_the_stack_does_not_take_run_their_layers(arch: str, engine: dict, why: str,

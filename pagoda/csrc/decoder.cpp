@@ -1,5 +1,5 @@
-// A step's whole stack of Llama decoder layers in one call (bf16 activations): decodes and
-// prefill chunks alike, whatever the paged-attention kernel takes.
+// A step's whole stack of decoder layers in one call (bf16 activations), Llama family or
+// Gemma 3: decodes and prefill chunks alike, whatever the paged-attention kernel takes.
 //
 // The Python path calls ~10 kernels a layer through ctypes and nn.Module (~60 us a layer,
 // ~2 ms a step for 30 layers: as much as the attention at one stream). This runs the same
@@ -9,6 +9,13 @@
 //   rotation of PagedAttention); write k, v to their slots; attn = paged
 //   attention; h = attn . Wo^T; residual += h, h = rms_norm(residual); gate_up = h . Wgu^T;
 //   act = silu(gate) * up; h = act . Wdown^T
+// Gemma 3 (kGemma3; pagoda/models/gemma3.py) differs per layer: its norms are Gemma's (fp32
+// scales 1 + w), q and k heads are normalized before the rotary (each layer with its own table
+// and window, local or global), attention and MLP outputs are normalized before the residual
+// add, and the MLP is GeGLU (tanh GELU):
+//   h = norm(residual) as above; qkv = h . Wqkv^T; q, k = q_norm(q), k_norm(k) per head;
+//   rotary, cache, attention; h = post_attention_norm(attn . Wo^T); residual += h,
+//   h = pre_ff_norm(residual); act = gelu(gate) * up; h = post_ff_norm(act . Wdown^T)
 // so its results are bit for bit those of the Python path. The caller applies the final norm.
 // Each linear is a packed weight of the small-M GEMM (bf16, int8 or int4 panels: gemm.h).
 #include <cstdint>
@@ -20,7 +27,11 @@ extern "C" {
 void pagoda_rms_norm_bf16(const void* x, const void* weight, void* out, int64_t rows, int n, int64_t x_stride,
                           int64_t out_stride, float eps);
 void pagoda_fused_add_rms_norm_bf16(void* x, void* residual, const void* weight, int64_t rows, int n, float eps);
+void pagoda_gemma_rms_norm_bf16(const void* x, const void* scale, void* out, int64_t rows, int n, int64_t x_stride,
+                                int64_t out_stride, float eps);
+void pagoda_fused_add_gemma_rms_norm_bf16(void* x, void* residual, const void* scale, int64_t rows, int n, float eps);
 void pagoda_silu_and_mul_bf16(const void* x, void* out, int64_t rows, int n);
+void pagoda_gelu_tanh_and_mul_bf16(const void* x, void* out, int64_t rows, int n);
 void pagoda_rotary_bf16(void* x, const int64_t* positions, const float* cos, const float* sin, int64_t num_tokens,
                         int num_heads, int head_dim, int64_t token_stride, int64_t head_stride);
 void pagoda_hadamard_bf16(void* x, int64_t num_tokens, int num_heads, int head_dim, int64_t token_stride,
@@ -46,6 +57,7 @@ namespace {
 
 // Mirrored by ctypes Structures in pagoda/models/native_decoder.py: keep the field order.
 enum CacheKind : int64_t { kCacheBf16 = 0, kCacheE4m3 = 1, kCacheE5m2 = 2 };
+enum Arch : int64_t { kLlama = 0, kGemma3 = 1 };
 
 struct LinearWeight {
   GemmWeight weight;
@@ -54,11 +66,20 @@ struct LinearWeight {
 
 struct DecoderLayer {
   const void* input_norm;
-  const void* post_norm;
+  const void* post_norm;  // Llama: before the MLP; Gemma 3: after attention (Gemma's: fp32 1 + w)
   LinearWeight qkv, o, gate_up, down;
   void* k_cache;
   void* v_cache;
   float k_scale, v_scale;
+  const float* cos;  // this layer's rotary table, fp32 [max_positions, head_dim]
+  const float* sin;
+  int64_t window;  // sliding window in tokens, 0 for none
+  int64_t group;   // the KV cache group whose slots and block tables it reads (DecodeStep::groups)
+  // Gemma 3 only (null otherwise): fp32 scales 1 + w
+  const void* q_norm;
+  const void* k_norm;
+  const void* pre_ff_norm;
+  const void* post_ff_norm;
 };
 
 struct DecoderStack {
@@ -68,17 +89,21 @@ struct DecoderStack {
   int64_t num_heads, num_kv_heads, head_dim, block_size;
   int64_t cache_kind;
   int64_t rotate_qk;  // 1: q and k rotated by the Hadamard matrix after rotary (an fp8 pool)
+  int64_t arch;       // Arch
   float eps, scale;
-  const float* cos;  // fp32 [max_positions, head_dim]
-  const float* sin;
+};
+
+// One KV cache group's view of the step (a hybrid cache gives sliding-window layers their own).
+struct StepGroup {
+  const int64_t* slots;
+  const int64_t* block_tables;  // [num_seqs, max_blocks]
+  int64_t max_blocks;
 };
 
 struct DecodeStep {
-  int64_t num_tokens, num_seqs, max_blocks;
-  int64_t window;  // sliding window in tokens, 0 for none
+  int64_t num_tokens, num_seqs;
+  const StepGroup* groups;
   const int64_t* positions;
-  const int64_t* slots;
-  const int64_t* block_tables;
   const int64_t* seq_lens;
   const int64_t* query_start_loc;
   void* h;         // [T, hidden]: in, the embedded tokens; out, the last layer's MLP output
@@ -101,17 +126,24 @@ void attend(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, c
   char* v = k + kv_size * 2;
   const int H = static_cast<int>(s.num_heads), KV = static_cast<int>(s.num_kv_heads);
   const int D = static_cast<int>(s.head_dim), B = static_cast<int>(s.block_size);
-  pagoda_rotary_bf16(q, t.positions, s.cos, s.sin, T, H, D, row, D);
-  pagoda_rotary_bf16(k, t.positions, s.cos, s.sin, T, KV, D, row, D);
+  if (l.q_norm) {  // Gemma 3: each head normalized in place, token by token
+    for (int64_t i = 0; i < T; ++i) {
+      pagoda_gemma_rms_norm_bf16(q + i * row * 2, l.q_norm, q + i * row * 2, H, D, D, D, s.eps);
+      pagoda_gemma_rms_norm_bf16(k + i * row * 2, l.k_norm, k + i * row * 2, KV, D, D, D, s.eps);
+    }
+  }
+  pagoda_rotary_bf16(q, t.positions, l.cos, l.sin, T, H, D, row, D);
+  pagoda_rotary_bf16(k, t.positions, l.cos, l.sin, T, KV, D, row, D);
   if (s.rotate_qk) {
     pagoda_hadamard_bf16(q, T, H, D, row, D);
     pagoda_hadamard_bf16(k, T, KV, D, row, D);
   }
+  const StepGroup& g = t.groups[l.group];
   auto run = [&](auto write, auto attention) {
-    write(k, v, l.k_cache, l.v_cache, t.slots, T, kv_size, row, row, l.k_scale, l.v_scale);
-    attention(q, l.k_cache, l.v_cache, t.attn, t.block_tables, t.seq_lens, t.query_start_loc,
-              static_cast<int>(t.num_seqs), H, KV, D, B, static_cast<int>(t.max_blocks), row, q_size, s.scale,
-              t.window, l.k_scale, l.v_scale);
+    write(k, v, l.k_cache, l.v_cache, g.slots, T, kv_size, row, row, l.k_scale, l.v_scale);
+    attention(q, l.k_cache, l.v_cache, t.attn, g.block_tables, t.seq_lens, t.query_start_loc,
+              static_cast<int>(t.num_seqs), H, KV, D, B, static_cast<int>(g.max_blocks), row, q_size, s.scale,
+              l.window, l.k_scale, l.v_scale);
   };
   switch (s.cache_kind) {
     case kCacheE4m3: run(pagoda_reshape_and_cache_bf16_e4m3, pagoda_paged_attention_bf16_e4m3); break;
@@ -138,6 +170,30 @@ void decode_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep
   project(l.down, t.act, t.h, T);
 }
 
+// Gemma 3's layer (see the top of this file); its norms' weights are fp32 scales 1 + w.
+void gemma3_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, bool first) {
+  const int64_t T = t.num_tokens;
+  const int n = static_cast<int>(s.hidden);
+  auto norm_in_place = [&](const void* scale) {
+    pagoda_gemma_rms_norm_bf16(t.h, scale, t.h, T, n, s.hidden, s.hidden, s.eps);
+  };
+  if (first) {
+    std::memcpy(t.residual, t.h, size_t(T * s.hidden) * 2);
+    norm_in_place(l.input_norm);
+  } else {
+    pagoda_fused_add_gemma_rms_norm_bf16(t.h, t.residual, l.input_norm, T, n, s.eps);
+  }
+  project(l.qkv, t.h, t.qkv, T);
+  attend(s, l, t, static_cast<char*>(t.qkv), l.qkv.weight.n);
+  project(l.o, t.attn, t.h, T);
+  norm_in_place(l.post_norm);
+  pagoda_fused_add_gemma_rms_norm_bf16(t.h, t.residual, l.pre_ff_norm, T, n, s.eps);
+  project(l.gate_up, t.h, t.gate_up, T);
+  pagoda_gelu_tanh_and_mul_bf16(t.gate_up, t.act, T, static_cast<int>(s.intermediate));
+  project(l.down, t.act, t.h, T);
+  norm_in_place(l.post_ff_norm);
+}
+
 }  // namespace
 }  // namespace pagoda
 
@@ -146,7 +202,8 @@ void decode_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep
 extern "C" void pagoda_decoder_stack_bf16(const void* stack, const void* step, int64_t has_residual) {
   const auto& s = *static_cast<const pagoda::DecoderStack*>(stack);
   const auto& t = *static_cast<const pagoda::DecodeStep*>(step);
-  for (int64_t i = 0; i < s.num_layers; ++i) pagoda::decode_layer(s, s.layers[i], t, i == 0 && !has_residual);
+  const auto layer = s.arch == pagoda::kGemma3 ? pagoda::gemma3_layer : pagoda::decode_layer;
+  for (int64_t i = 0; i < s.num_layers; ++i) layer(s, s.layers[i], t, i == 0 && !has_residual);
 }
 
 // The sizes of the structs Python mirrors with ctypes (pagoda/layers/cpu_kernels/ops.py,
@@ -157,4 +214,5 @@ extern "C" void pagoda_abi_sizes(int64_t* out) {
   out[2] = sizeof(pagoda::DecoderLayer);
   out[3] = sizeof(pagoda::DecoderStack);
   out[4] = sizeof(pagoda::DecodeStep);
+  out[5] = sizeof(pagoda::StepGroup);
 }

@@ -7,6 +7,10 @@
 // Gemma's RMSNorm: h as above, out = T(h * scale) with scale = 1 + weight in fp32 (one rounding,
 // as Hugging Face's Gemma3RMSNorm); fused with the residual add as the plain one.
 // SiLU-and-mul: out = T(T(silu(gate)) * up) over x = [gate | up].
+// GELU(tanh)-and-mul (Gemma's GeGLU): out = T(T(gelu(gate)) * up), with
+// gelu(g) = 0.5 g (1 + tanh(u)) = g / (1 + exp(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3): torch's
+// approximate='tanh' function, without the cancellation of 1 + tanh(u) that makes torch's values
+// for g below about -4 (under 1e-4 in size) inexact; elsewhere the two agree to the rounding.
 // Rows are contiguous, `stride` elements apart; every row is handled by one thread.
 #include "parallel.h"
 #include "vec.h"
@@ -74,6 +78,17 @@ void silu_mul_row(const T* x, T* out, int n) {
   }
 }
 
+template <typename T>
+void gelu_tanh_mul_row(const T* x, T* out, int n) {
+  const Vf c = vset1(-2.f * 0.7978845608028654f), k = vset1(0.044715f), one = vset1(1.f);
+  for (int i = 0; i < n; i += kLanes) {
+    const Mask m = tail_mask(n - i);
+    const Vf g = load(x + i, m);
+    const Vf gelu = round_as<T>(vdiv(g, one + vexp(c * (g + k * (g * (g * g))))));
+    store(out + i, gelu * load(x + n + i, m), m);
+  }
+}
+
 }  // namespace
 }  // namespace pagoda
 
@@ -125,6 +140,11 @@ void fused_add_norm_rows(void* x, void* residual, const void* weight, int64_t ro
   extern "C" void pagoda_silu_and_mul_##SUFFIX(const void* x, void* out, int64_t rows, int n) {         \
     pagoda::over_rows(rows, [&](int64_t r) {                                                            \
       pagoda::silu_mul_row(static_cast<const T*>(x) + r * 2 * n, static_cast<T*>(out) + r * n, n);      \
+    });                                                                                                 \
+  }                                                                                                     \
+  extern "C" void pagoda_gelu_tanh_and_mul_##SUFFIX(const void* x, void* out, int64_t rows, int n) {    \
+    pagoda::over_rows(rows, [&](int64_t r) {                                                            \
+      pagoda::gelu_tanh_mul_row(static_cast<const T*>(x) + r * 2 * n, static_cast<T*>(out) + r * n, n); \
     });                                                                                                 \
   }
 

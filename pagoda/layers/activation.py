@@ -32,5 +32,7 @@ class GeluAndMul(nn.Module):
         self.approximate = approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.approximate == "tanh" and x.is_contiguous() and cpu_kernels.takes(x):
+            return cpu_kernels.ops.gelu_tanh_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate=self.approximate) * up

@@ -194,13 +194,16 @@ class Gemma3ForCausalLM(DecoderOnlyLM):
                 intermediate: Intermediate | None = None,
                 fused: FusedLayers | None = None) -> torch.Tensor | Intermediate:
         """The final hidden states, or this stage's `Intermediate` (see LlamaForCausalLM);
-        `fused` is never taken (the native decoder stack does not build for Gemma 3)."""
+        `fused` (the runner's native decoder stack), when it takes the step, runs every layer."""
         if intermediate is None:
             assert self.embed_tokens is not None
             h = self.embed_tokens(input_ids)
             h, residual = h * torch.tensor(self.dims.hidden_size**0.5, dtype=h.dtype), None
         else:
             h, residual = intermediate
+        if fused is not None and fused.takes(h, positions, meta):
+            h, residual = fused(h, residual, positions, meta)
+            return self.finish(h, residual)
         ropes = {kind: rotary(positions, h.dtype) for kind, rotary in self.rotary.items()}
         for layer in self.layers:
             if isinstance(layer, Gemma3DecoderLayer):

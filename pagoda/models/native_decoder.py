@@ -1,4 +1,6 @@
-"""A step's whole stack of Llama decoder layers as one native call (CPU, bf16).
+"""A step's whole stack of decoder layers as one native call (CPU, bf16): the Llama family
+and Gemma 3 (its q/k norms, Gemma norms around attention and MLP, GeGLU, each layer's own
+rotary table and window).
 
 The layer-by-layer path makes ~10 kernel calls a layer through ctypes and nn.Module, ~2 ms
 a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention at one stream.
@@ -6,8 +8,8 @@ a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention a
 on the same buffers, so its output is bit for bit the layer path's (tested).
 `NativeDecoder.build` returns None unless the whole model fits: one process (no tensor or
 pipeline parallelism), bf16, every linear on the small-M GEMM's packed weights (bf16, int8 or
-int4 panels), no per-head q/k norm (Qwen3), no mixture-of-experts layer, a bf16 or fp8 KV
-pool bound. It takes steps of at most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
+int4 panels), no per-head q/k norm outside Gemma 3 (Qwen3's), no mixture-of-experts layer,
+a bf16 or fp8 KV pool bound. It takes steps of at most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
 builds it when it binds the KV pool; the model calls it in place of its layer loop for steps
 the paged-attention kernel attends whole (on the native path every step: decodes and prefill
 chunks alike) of at most `max_rows` rows (`takes`), and runs its layers otherwise.
@@ -22,13 +24,19 @@ import torch
 from torch import nn
 
 from pagoda.layers import cpu_kernels
-from pagoda.layers.attention_backend import AttentionMetadata, NativeAttentionMetadata
+from pagoda.layers.attention_backend import (
+    AttentionMetadata,
+    GroupedAttentionMetadata,
+    NativeAttentionMetadata,
+)
 from pagoda.layers.cpu_kernels import checks
 from pagoda.layers.linear import Linear
+from pagoda.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3MLP
 from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 CACHE_KINDS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+ARCH_LLAMA, ARCH_GEMMA3 = 0, 1  # decoder.cpp's Arch
 
 
 # NOTE: these mirror the structs of pagoda/csrc/decoder.cpp field for field.
@@ -39,19 +47,22 @@ class _LinearWeight(ctypes.Structure):
 class _DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _LinearWeight), ("o", _LinearWeight),
                 ("gate_up", _LinearWeight), ("down", _LinearWeight), ("k_cache", _PTR), ("v_cache", _PTR),
-                ("k_scale", _F32), ("v_scale", _F32)]
+                ("k_scale", _F32), ("v_scale", _F32), ("cos", _PTR), ("sin", _PTR), ("window", _I64),
+                ("group", _I64), ("q_norm", _PTR), ("k_norm", _PTR), ("pre_ff_norm", _PTR), ("post_ff_norm", _PTR)]
 
 
 class _DecoderStack(ctypes.Structure):
     _fields_ = [("layers", _PTR), ("num_layers", _I64), ("hidden", _I64), ("intermediate", _I64),
                 ("num_heads", _I64), ("num_kv_heads", _I64), ("head_dim", _I64), ("block_size", _I64),
-                ("cache_kind", _I64), ("rotate_qk", _I64), ("eps", _F32), ("scale", _F32), ("cos", _PTR),
-                ("sin", _PTR)]
+                ("cache_kind", _I64), ("rotate_qk", _I64), ("arch", _I64), ("eps", _F32), ("scale", _F32)]
+
+
+class _StepGroup(ctypes.Structure):
+    _fields_ = [("slots", _PTR), ("block_tables", _PTR), ("max_blocks", _I64)]
 
 
 class _DecodeStep(ctypes.Structure):
-    _fields_ = [("num_tokens", _I64), ("num_seqs", _I64), ("max_blocks", _I64), ("window", _I64),
-                ("positions", _PTR), ("slots", _PTR), ("block_tables", _PTR), ("seq_lens", _PTR),
+    _fields_ = [("num_tokens", _I64), ("num_seqs", _I64), ("groups", _PTR), ("positions", _PTR), ("seq_lens", _PTR),
                 ("query_start_loc", _PTR), ("h", _PTR), ("residual", _PTR), ("qkv", _PTR), ("attn", _PTR),
                 ("gate_up", _PTR), ("act", _PTR)]
 
@@ -76,55 +87,58 @@ def linear_weight(layer: Linear) -> _LinearWeight | None:
 
 ABI_MIRRORS: dict[str, type[ctypes.Structure]] = {
     "LinearWeight": _LinearWeight, "DecoderLayer": _DecoderLayer, "DecoderStack": _DecoderStack,
-    "DecodeStep": _DecodeStep}
+    "DecodeStep": _DecodeStep, "StepGroup": _StepGroup}
+
+
+DecoderLayer = LlamaDecoderLayer | Gemma3DecoderLayer
 
 
 class NativeDecoder:
     """Runs every decoder layer of a decode step in one native call."""
 
-    def __init__(self, model: LlamaForCausalLM, first: LlamaDecoderLayer, layers: list[_DecoderLayer],
-                 cache_kind: int, max_rows: int = 1 << 62) -> None:
+    def __init__(self, model: LlamaForCausalLM | Gemma3ForCausalLM, first: DecoderLayer,
+                 layers: list[_DecoderLayer], cache_kind: int, max_rows: int = 1 << 62) -> None:
         d = model.dims
         self.max_rows = max_rows
         attn = first.self_attn
-        self._window = attn.attn.sliding_window or 0
         self._layers = (_DecoderLayer * len(layers))(*layers)
-        cos: torch.Tensor = model.rotary.cos  # type: ignore[assignment]
-        sin: torch.Tensor = model.rotary.sin  # type: ignore[assignment]
-        # NOTE: the struct holds raw pointers: `model` keeps every weight, pool and table alive.
+        # NOTE: the struct holds raw pointers: `model` keeps every weight, pool and table alive
+        # (Gemma's norm scales live in their modules, remade only if a weight changes).
         self._model = model
-        self._pool, self._cos = attn.attn.k_cache, cos  # what the indices index (`_check`)
+        arch = ARCH_GEMMA3 if isinstance(model, Gemma3ForCausalLM) else ARCH_LLAMA
+        # NOTE: what the indices index (`_check`): each group's pool, the rotary tables
+        self._pools = {a.kv_group: a.k_cache for a in model.attention_layers()}
+        self._tables = _rotary_tables(model)
         self._stack = _DecoderStack(ctypes.addressof(self._layers), len(layers), d.hidden_size,
                                     d.intermediate_size, attn.num_heads, attn.num_kv_heads, d.head_dim,
-                                    attn.attn.k_cache.shape[1], cache_kind, int(attn.attn.rotates_qk),
-                                    d.rms_norm_eps, attn.attn.scale,
-                                    cos.data_ptr(), sin.data_ptr())
+                                    attn.attn.k_cache.shape[1], cache_kind, int(attn.attn.rotates_qk), arch,
+                                    d.rms_norm_eps, attn.attn.scale)
         self._widths = (attn.qkv_proj.out_features, attn.q_size, 2 * d.intermediate_size, d.intermediate_size)
+        self._num_groups = max(layer.group for layer in layers) + 1
         self._fn = cpu_kernels.library().fn("decoder_stack_bf16")  # type: ignore[union-attr]
 
     @classmethod
     def build(cls, model: nn.Module) -> NativeDecoder | None:
         """The native stack for `model`'s weights and bound KV pool, or None where it does not
-        fit (models other than the Llama family among them)."""
+        fit (models other than the Llama family and Gemma 3 among them)."""
         lib = cpu_kernels.library()
         if lib is not None:
             lib.check_abi(ABI_MIRRORS)
-        if not isinstance(model, LlamaForCausalLM):
+        if not isinstance(model, LlamaForCausalLM | Gemma3ForCausalLM):
             return None
         if lib is None or model.embed_tokens is None or model.norm is None:
             return None
-        if model.embed_tokens.tp.size != 1 or model.rotary.cos.dtype != torch.float32:
+        tables = _rotary_tables(model)
+        if model.embed_tokens.tp.size != 1 or any(t.dtype != torch.float32 for t in tables):
             return None
-        decoder_layers = [layer for layer in model.layers if isinstance(layer, LlamaDecoderLayer)]
+        decoder_layers = [layer for layer in model.layers if isinstance(layer, LlamaDecoderLayer | Gemma3DecoderLayer)]
         if not decoder_layers or len(decoder_layers) != len(model.layers):
             return None
         if not all(layer.self_attn.attn.supports_native for layer in decoder_layers):
             return None
-        if len({layer.self_attn.attn.sliding_window for layer in decoder_layers}) != 1:
-            return None  # NOTE: the stack takes one window for every layer
         layers = []
         for layer in decoder_layers:
-            native = cls._layer(layer)
+            native = cls._layer(model, layer)
             if native is None:
                 return None
             layers.append(native)
@@ -135,58 +149,111 @@ class NativeDecoder:
         return cls(model, decoder_layers[0], layers, cache_kind, max_rows)
 
     @staticmethod
-    def _gemm_rows(layer: LlamaDecoderLayer) -> int:
+    def _gemm_rows(layer: DecoderLayer) -> int:
         """Up to how many rows the layer's kernel plans all take the GEMM (no plan: any), and
         its quantized records the GEMV (`Records.max_rows`)."""
-        mlp = layer.mlp
-        assert isinstance(mlp, LlamaMLP)  # NOTE: `_layer` took only dense layers
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        linears = _linears(layer)
         planned = [m.plan.max_rows("gemm") for m in linears if m.plan is not None]
         records = [getattr(native_packed(m), "max_rows", 1 << 62) for m in linears if m.plan is None]
         return min(planned + records, default=1 << 62)
 
     @staticmethod
-    def _layer(layer: LlamaDecoderLayer) -> _DecoderLayer | None:
-        attn = layer.self_attn
-        if attn.q_norm is not None or not isinstance(layer.mlp, LlamaMLP):
-            return None  # NOTE: the stack computes neither q/k norms nor sparse experts
-        weights = [linear_weight(m) for m in (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj,
-                                              layer.mlp.down_proj)]
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        k, v = attn.attn.k_cache, attn.attn.v_cache
-        if (any(w is None for w in weights) or any(n.dtype != torch.bfloat16 for n in norms)
-                or not k.numel() or k.dtype not in CACHE_KINDS):
+    def _layer(model: LlamaForCausalLM | Gemma3ForCausalLM, layer: DecoderLayer) -> _DecoderLayer | None:
+        kind = _gemma3_kind(model, layer) if isinstance(layer, Gemma3DecoderLayer) else _llama_kind(model, layer)
+        if kind is None:
             return None
-        return _DecoderLayer(norms[0].data_ptr(), norms[1].data_ptr(), *weights, k.data_ptr(), v.data_ptr(),
-                             attn.attn.k_scale, attn.attn.v_scale)
+        norms, rotary = kind
+        attn = layer.self_attn.attn
+        weights = [linear_weight(m) for m in _linears(layer)]
+        k, v = attn.k_cache, attn.v_cache
+        if any(w is None for w in weights) or not k.numel() or k.dtype not in CACHE_KINDS:
+            return None
+        pointers = [n.data_ptr() for n in norms] + [None] * (6 - len(norms))
+        cos: torch.Tensor = rotary.cos  # type: ignore[assignment]
+        sin: torch.Tensor = rotary.sin  # type: ignore[assignment]
+        return _DecoderLayer(pointers[0], pointers[1], *weights, k.data_ptr(), v.data_ptr(), attn.k_scale,
+                             attn.v_scale, cos.data_ptr(), sin.data_ptr(), attn.sliding_window or 0,
+                             attn.kv_group, *pointers[2:])
 
     def takes(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether the kernel attends every row of this step (its metadata, no torch-path
-        prefill chunks), in bf16, with few enough rows that every linear's kernel plan takes
-        the GEMM (`max_rows`)."""
-        return (isinstance(meta, NativeAttentionMetadata) and meta.num_tokens == h.shape[0] <= self.max_rows
+        """Whether the kernel attends every row of this step (its metadata, every KV cache
+        group's, no torch-path prefill chunks), in bf16, with few enough rows that every
+        linear's kernel plan takes the GEMM (`max_rows`)."""
+        groups = _groups(meta)
+        return (groups is not None and len(groups) >= self._num_groups
+                and groups[0].num_tokens == h.shape[0] <= self.max_rows
                 and h.dtype == torch.bfloat16 and h.is_contiguous() and positions.dtype == torch.int64)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's MLP output, the residual stream before it), computed in h's buffer."""
-        assert isinstance(meta, NativeAttentionMetadata)
-        tables, seq_lens, starts = meta.block_tables, meta.seq_lens, meta.query_start_loc
+        groups = _groups(meta)
+        assert groups is not None
+        seq_lens, starts = groups[0].seq_lens, groups[0].query_start_loc
         rows = h.shape[0]
         if checks.ENABLED:
-            self._check(positions, meta, rows)
+            self._check(positions, groups, rows)
         res = torch.empty_like(h) if residual is None else residual
         qkv, attn, gate_up, act = (torch.empty(rows, w, dtype=h.dtype) for w in self._widths)
-        step = _DecodeStep(rows, seq_lens.shape[0], tables.shape[1], self._window, positions.data_ptr(),
-                           meta.slot_mapping.data_ptr(), tables.data_ptr(), seq_lens.data_ptr(), starts.data_ptr(),
-                           h.data_ptr(), res.data_ptr(), qkv.data_ptr(), attn.data_ptr(), gate_up.data_ptr(),
-                           act.data_ptr())
+        views = (_StepGroup * len(groups))(*(
+            _StepGroup(g.slot_mapping.data_ptr(), g.block_tables.data_ptr(), g.block_tables.shape[1])
+            for g in groups))
+        step = _DecodeStep(rows, seq_lens.shape[0], ctypes.addressof(views), positions.data_ptr(),
+                           seq_lens.data_ptr(), starts.data_ptr(), h.data_ptr(), res.data_ptr(), qkv.data_ptr(),
+                           attn.data_ptr(), gate_up.data_ptr(), act.data_ptr())
         self._fn(ctypes.byref(self._stack), ctypes.byref(step), int(residual is not None))
         return h, res
 
-    def _check(self, positions: torch.Tensor, meta: NativeAttentionMetadata, rows: int) -> None:
-        """The indices the stack's kernels follow, against the pool and rotary tables
+    def _check(self, positions: torch.Tensor, groups: list[NativeAttentionMetadata], rows: int) -> None:
+        """The indices the stack's kernels follow, against the pools and rotary tables
         (`PAGODA_CHECK_KERNEL_INPUTS`)."""
-        checks.positions(positions, rows, self._cos)
-        checks.slots(meta.slot_mapping, rows, self._pool)
-        checks.paged(self._pool, meta.block_tables, meta.seq_lens, meta.query_start_loc, rows)
+        for table in self._tables:
+            checks.positions(positions, rows, table)
+        for layer in self._layers:
+            pool = self._pools[layer.group]
+            g = groups[layer.group]
+            checks.slots(g.slot_mapping, rows, pool)
+            checks.paged(pool, g.block_tables, g.seq_lens, g.query_start_loc, rows)
+
+
+def _groups(meta: AttentionMetadata) -> list[NativeAttentionMetadata] | None:
+    """The step's native metadata per KV cache group (one without a hybrid cache), or None
+    where some group runs the torch path."""
+    groups = meta.groups if isinstance(meta, GroupedAttentionMetadata) else [meta]
+    native = [g for g in groups if isinstance(g, NativeAttentionMetadata)]
+    return native if len(native) == len(groups) else None
+
+
+def _llama_kind(model: nn.Module, layer: LlamaDecoderLayer) -> tuple[list[torch.Tensor], nn.Module] | None:
+    """A Llama-family layer's norm weights (input, post-attention) and rotary, or None where
+    the stack does not compute it (Qwen3's q/k norms, sparse experts, non-bf16 norms)."""
+    if layer.self_attn.q_norm is not None or not isinstance(layer.mlp, LlamaMLP):
+        return None
+    norms: list[torch.Tensor] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    rotary: nn.Module = model.rotary  # type: ignore[assignment]
+    return (norms, rotary) if all(n.dtype == torch.bfloat16 for n in norms) else None
+
+
+def _gemma3_kind(model: nn.Module, layer: Gemma3DecoderLayer) -> tuple[list[torch.Tensor], nn.Module] | None:
+    """A Gemma 3 layer's norm scales (input, post-attention, q, k, pre- and post-feed-forward)
+    and its kind's rotary, or None for a GELU other than tanh's (the stack's GeGLU)."""
+    attn = layer.self_attn
+    if layer.mlp.act.approximate != "tanh":
+        return None
+    norms = [m.scale() for m in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm,
+                                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)]
+    rotary: nn.Module = model.rotary[layer.layer_type]  # type: ignore[index,assignment]
+    return norms, rotary
+
+
+def _linears(layer: DecoderLayer) -> tuple[Linear, ...]:
+    """qkv, o, gate_up and down (a dense MLP: `_layer` takes no other)."""
+    mlp = layer.mlp
+    assert isinstance(mlp, LlamaMLP | Gemma3MLP)
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _rotary_tables(model: LlamaForCausalLM | Gemma3ForCausalLM) -> list[torch.Tensor]:
+    """Every rotary cos table of the model (Gemma 3: one per layer kind)."""
+    rotaries = model.rotary.values() if isinstance(model.rotary, nn.ModuleDict) else [model.rotary]
+    return [r.cos for r in rotaries]  # type: ignore[misc]

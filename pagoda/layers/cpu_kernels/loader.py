@@ -32,6 +32,7 @@ _DTYPED: dict[str, ArgTypes] = {
     "gemma_rms_norm": [_P] * 3 + [_L, _I, _L, _L, _F],
     "fused_add_gemma_rms_norm": [_P] * 3 + [_L, _I, _F],
     "silu_and_mul": [_P] * 2 + [_L, _I],
+    "gelu_tanh_and_mul": [_P] * 2 + [_L, _I],
     "qgemv": [_I, _P, _L, _P, _L, _L, _P, _P, _L, _L, _L, _L, _I],
     "dequantize": [_I, _P, _L, _L, _P, _L, _L],
 }
@@ -49,7 +50,7 @@ _PLAIN: dict[str, ArgTypes] = {
     "abi_sizes": [_P],
 }
 # NOTE: the order of `pagoda_abi_sizes`'s output (pagoda/csrc/decoder.cpp).
-ABI_STRUCTS = ("GemmWeight", "LinearWeight", "DecoderLayer", "DecoderStack", "DecodeStep")
+ABI_STRUCTS = ("GemmWeight", "LinearWeight", "DecoderLayer", "DecoderStack", "DecodeStep", "StepGroup")
 
 
 class AbiMismatchError(RuntimeError):

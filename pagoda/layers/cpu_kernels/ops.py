@@ -142,11 +142,20 @@ def _fused_add_norm(name: str, x: torch.Tensor, residual: torch.Tensor, weight: 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :n]) * x[:, n:] for a contiguous [rows, 2n] x."""
+    return _gated("silu_and_mul", x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(x[:, :n], approximate='tanh') * x[:, n:] for a contiguous [rows, 2n] x (GeGLU)."""
+    return _gated("gelu_tanh_and_mul", x)
+
+
+def _gated(name: str, x: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous():
         raise ValueError("x must be contiguous")
     rows, n = x.numel() // x.shape[-1], x.shape[-1] // 2
     out = torch.empty(rows, n, dtype=x.dtype)
-    _lib().fn("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), rows, n)
+    _lib().fn(name, x.dtype)(x.data_ptr(), out.data_ptr(), rows, n)
     return out.view(x.shape[:-1] + (n,))
 
 
