@@ -303,6 +303,26 @@ def test_default_chat_template_kwargs_flag_takes_a_json_object():
         parser.parse_args(["serve", "m", "--default-chat-template-kwargs", "[1]"])
 
 
+def test_response_role_names_the_answer_after_a_generation_prompt(engine: AsyncLLM):
+    """vLLM's --response-role: the answer's role (whole and streamed) after a generation
+    prompt; without one the answer continues the last message and takes its role."""
+    body = chat("hi", max_tokens=3)
+    whole = post(engine, "/v1/chat/completions", body, response_role="narrator").json()
+    assert whole["choices"][0]["message"]["role"] == "narrator"
+    assert _stream_deltas(engine, body, response_role="narrator")[0] == {"role": "narrator", "content": ""}
+    assert post(engine, "/v1/chat/completions", body).json()["choices"][0]["message"]["role"] == "assistant"
+    cont = chat("hi", max_tokens=3, add_generation_prompt=False)
+    assert post(engine, "/v1/chat/completions", cont, response_role="narrator").json()[
+        "choices"][0]["message"]["role"] == "user"
+    assert _stream_deltas(engine, cont)[0]["role"] == "user"
+    from pagoda.server.serve import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", "m", "--response-role", "bot"]).response_role == "bot"
+    assert parser.parse_args(["serve", "m"]).response_role == "assistant"
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/chat/completions", chat("hi")),
     ("/v1/completions", {"prompt": "hi"}),

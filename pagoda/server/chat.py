@@ -14,13 +14,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pagoda.outputs import Logprob
 from pagoda.server.chunks import (
     NULL,
-    ROLE_DELTA,
     ChunkEncoder,
     chat_choice,
     content_delta,
     ids_members,
     part_json,
     reasoning_delta,
+    role_delta,
 )
 from pagoda.server.errors import bad_request
 from pagoda.server.protocol import (
@@ -182,13 +182,16 @@ def _num_logprobs(req: ChatCompletionRequest) -> int | None:
 @dataclass
 class ChatInputs:
     """A chat request's checked inputs: its tool plan, its `SamplingParams` keywords (the
-    tools' constraint included), the field a grammar error names, the prompt, max tokens."""
+    tools' constraint included), the field a grammar error names, the prompt, max tokens, and
+    the answer's role (vLLM's: `--response-role` after a generation prompt, else the last
+    message's role, the model continuing it)."""
 
     plan: ToolPlan
     fields: dict[str, Any]
     structured_param: str
     prompt: Prompt
     max_tokens: int | None
+    role: str = "assistant"
 
 
 async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
@@ -209,7 +212,8 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInp
                              req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
-    return ChatInputs(plan, fields, structured_param, prompt, max_tokens)
+    role = ctx.response_role if req.add_generation_prompt else req.messages[-1].role
+    return ChatInputs(plan, fields, structured_param, prompt, max_tokens, role)
 
 
 async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, inputs: ChatInputs,
@@ -231,12 +235,12 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     model = req.model or ctx.model_name
     num_logprobs = _num_logprobs(req)
     if req.stream:
-        return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, inputs.plan)),
+        return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, inputs.plan, inputs.role)),
                                  media_type="text/event-stream")
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
-    return JSONResponse(full_chat(gen, model, num_logprobs, inputs.plan,
-                                  bool(req.return_token_ids), req.include_reasoning).model_dump())
+    return JSONResponse(full_chat(gen, model, num_logprobs, inputs.plan, bool(req.return_token_ids),
+                                  req.include_reasoning, inputs.role).model_dump())
 
 
 async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request,
@@ -253,7 +257,7 @@ async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw:
     if results is None:
         return Response(status_code=499)
     choices = [ChatCompletionResponseChoice(
-        index=j, message=AssistantMessage(content=beam.text or ""), finish_reason=beam.finish_reason,
+        index=j, message=AssistantMessage(role=inputs.role, content=beam.text or ""), finish_reason=beam.finish_reason,
         token_ids=beam.tokens[len(prompt.token_ids):] if req.return_token_ids else None)
         for j, beam in enumerate(results[0].sequences)]
     return JSONResponse(ChatCompletionResponse(
@@ -267,7 +271,8 @@ def _finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | No
 
 
 def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolPlan,
-              return_token_ids: bool = False, include_reasoning: bool = True) -> ChatCompletionResponse:
+              return_token_ids: bool = False, include_reasoning: bool = True,
+              role: str = "assistant") -> ChatCompletionResponse:
     choices = []
     parser = gen.ctx.reasoning_parser
     for index, state in enumerate(gen.choices):
@@ -278,8 +283,8 @@ def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolP
         thought = thought if include_reasoning else None
         content, calls = parse_calls(plan, text or "") if plan.calls_tools else (text, [])
         choices.append(ChatCompletionResponseChoice(
-            index=index, message=AssistantMessage(content=content, tool_calls=calls, reasoning=thought,
-                                                  reasoning_content=thought),
+            index=index, message=AssistantMessage(role=role, content=content, tool_calls=calls,
+                                                  reasoning=thought, reasoning_content=thought),
             logprobs=logprobs, finish_reason=_finish_reason(plan, state.finish_reason, bool(calls)),
             stop_reason=state.stop_reason,
             token_ids=list(state.token_ids) if return_token_ids else None))
@@ -290,7 +295,7 @@ def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolP
 
 
 async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
-                      num_logprobs: int | None, plan: ToolPlan) -> AsyncIterator[str]:
+                      num_logprobs: int | None, plan: ToolPlan, role: str = "assistant") -> AsyncIterator[str]:
     """The chunks' JSON: a role chunk per choice, then one per content or tool-call delta,
     then the usage chunk if asked for."""
     chunks = ChunkEncoder(gen.request_id, "chat.completion.chunk", gen.created, model)
@@ -306,7 +311,7 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
     prompt_ids = ids_members(prompt_token_ids=gen.prompts[0].token_ids) \
         if req.return_token_ids else ""
     for index in range(len(gen.choices)):
-        yield chunk(chat_choice(index, ROLE_DELTA), prompt_ids if index == 0 else "")
+        yield chunk(chat_choice(index, role_delta(role)), prompt_ids if index == 0 else "")
     async for index, delta in gen.deltas():
         wants_logprobs = num_logprobs is not None and bool(delta.token_ids)
         if not (delta.text or delta.finish_reason or wants_logprobs):

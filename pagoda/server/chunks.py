@@ -19,7 +19,11 @@ NULL = "null"
 # NOTE: compact and not ASCII-escaped, as pydantic writes it: the bytes stay those of before.
 _encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
-ROLE_DELTA = '{"role":"assistant","content":""}'
+
+
+def role_delta(role: str) -> str:
+    """A chat stream's first delta: the answer's role, empty content."""
+    return f'{{"role":{_encode(role)},"content":""}}'
 
 
 def value_json(value: str | int | None) -> str:

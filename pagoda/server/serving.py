@@ -94,6 +94,7 @@ class ServerContext:
     chat_template_content_format: str = "auto"
     trust_request_chat_template: bool = False
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    response_role: str = "assistant"  # NOTE: a chat answer's role after a generation prompt
     force_include_usage: bool = False  # NOTE: a stream's usage chunk without stream_options
     tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None
