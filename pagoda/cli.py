@@ -104,10 +104,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    from pagoda.server.config_file import expand_config_file
     from pagoda.server.serve import vllm_spelling
 
-    args = build_parser().parse_args(vllm_spelling(sys.argv[1:] if argv is None else argv))
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        argv = expand_config_file(argv, negatable_flags(parser, "serve"))
+    except ValueError as e:
+        parser.error(str(e))
+    args = parser.parse_args(vllm_spelling(argv))
     return int(args.func(args) or 0)
+
+
+def negatable_flags(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    """The `--no-...` spellings of `command`'s flags (for a config file's false values)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return {o for o in action.choices[command]._option_string_actions if o.startswith("--no-")}
+    return set()
 
 
 if __name__ == "__main__":

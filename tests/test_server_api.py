@@ -266,6 +266,55 @@ def test_vllm_spellings_start_as_vllm_would():
     assert vllm_spelling(["--api-key", "a_b", "--", "--x_y"]) == ["--api-key", "a_b", "--", "--x_y"]
 
 
+def test_more_of_vllms_launch_flags_start_and_are_named_in_the_log():
+    """Flags of vLLM 0.32's serve parser that change nothing here start the server (a launch
+    script must not exit with "unrecognized arguments") and are each named at start."""
+    argv = ["serve", "m", "--numa-bind", "-ep", "--ignore-patterns", "original/**", "*.pth",
+            "--language-model-only", "--no-kv-cache-metrics", "--mamba-cache-dtype", "float32",
+            "--no-disable-sliding-window", "--uds", ""]
+    args = serve_parser().parse_args(argv)
+    assert [line.split(":")[0] for line in no_effect_lines(args)] == [
+        "--language-model-only", "--numa-bind", "--enable-expert-parallel",
+        "--ignore-patterns ['original/**', '*.pth']", "--no-kv-cache-metrics", "--mamba-cache-dtype float32"]
+    from pagoda.server.serve import unsupported_flag_error
+
+    assert unsupported_flag_error(args) is None  # NOTE: asked for none of the missing features
+
+
+def test_a_yaml_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
+    """vLLM's `--config FILE.yaml`: keys are flags (underscores or dashes), booleans switch,
+    lists and mappings pass as vLLM passes them, the command line wins, `model:` serves when
+    the command line names none; a wrong file is a clear error, not a traceback."""
+    from pagoda.cli import build_parser, negatable_flags
+    from pagoda.server.config_file import expand_config_file
+    from pagoda.server.serve import vllm_spelling
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: smollm2\nmax_model_len: 4096\nport: 9000\nenable-prefix-caching: false\n"
+                      "served-model-name: [a, b]\nhf-overrides: {rope_theta: 1000000.0}\n"
+                      "enforce-eager: true\n")
+    negatable = negatable_flags(build_parser(), "serve")
+
+    def parse(*argv: str) -> argparse.Namespace:
+        return serve_parser().parse_args(vllm_spelling(expand_config_file(["serve", *argv], negatable)))
+
+    args = parse("--config", str(config), "--port", "8001")
+    assert (args.model, args.port, args.served_model_name) == ("smollm2", 8001, ["a", "b"])
+    assert engine_kwargs(args) == {"max_model_len": 4096, "enable_prefix_caching": False,
+                                   "hf_overrides": {"rope_theta": 1e6}}
+    assert args.enforce_eager is True
+    assert parse("m", f"--config={config}").model_tag == "m"
+    assert expand_config_file(["bench", "--config", "x"], negatable) == ["bench", "--config", "x"]
+    for bad, why in [("x.json", "must be a .yaml"), (str(tmp_path / "none.yaml"), "cannot read")]:
+        with pytest.raises(ValueError, match=why):
+            expand_config_file(["serve", "--config", bad], negatable)
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        expand_config_file(["serve", "--config", str(tmp_path / "list.yaml")], negatable)
+    with pytest.raises(ValueError, match="more than one"):
+        expand_config_file(["serve", "--config", "a.yaml", "--config", "b.yaml"], negatable)
+
+
 def test_hf_overrides_and_vllms_older_rope_flags_reach_the_model_config():
     args = serve_parser().parse_args(["serve", "m", "--rope-theta", "5e5", "--rope-scaling",
                                       '{"rope_type": "linear", "factor": 2}', "--hf-overrides",
@@ -285,6 +334,9 @@ def test_hf_overrides_and_vllms_older_rope_flags_reach_the_model_config():
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb: weights are not offloaded"),
     (["--enable-sleep-mode"], "--enable-sleep-mode: sleep mode"),
     (["--logits-processors", "my.Processor"], "--logits-processors: custom logits processors"),
+    (["--uds", "/tmp/s.sock"], "--uds: the server listens on TCP"),
+    (["--disable-sliding-window"], "--disable-sliding-window: sliding-window layers always attend"),
+    (["--otlp-traces-endpoint", "http://x:4317"], "--otlp-traces-endpoint: OpenTelemetry tracing"),
 ])
 def test_vllm_features_pagoda_lacks_are_refused_at_start(argv: list[str], refused: str,
                                                          capsys: pytest.CaptureFixture[str]):

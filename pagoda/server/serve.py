@@ -159,6 +159,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"model to serve: HF directory, .gguf file or alias "
                              f"(default: {DEFAULT_MODEL})")
     parser.add_argument("--model", default=None, help="same as the positional MODEL")
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="read flags from a YAML file, as vLLM: each key a flag's name, each "
+                             "value its value; flags on the command line win over the file's")
     add_network_arguments(parser)
     add_model_arguments(parser)
     add_cache_arguments(parser)
@@ -426,6 +429,38 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
                                             "hashes of their token ids"),
     ("--task", "value", "one server both generates and pools (embeddings, pooling, score, rerank)"),
     ("--runner", "value", "one server both generates and pools (embeddings, pooling, score, rerank)"),
+    ("--enable-log-deltas", "bool", "pagoda does not log request contents"),
+    ("--language-model-only", "bool", "pagoda serves text-only models: only a language model loads"),
+    ("--mm-processor-cache-gb", "value", "pagoda serves text-only models"),
+    ("--mm-processor-cache-type", "value", "pagoda serves text-only models"),
+    ("--mm-encoder-tp-mode", "value", "pagoda serves text-only models"),
+    ("--media-io-kwargs", "value", "pagoda serves text-only models"),
+    ("--allowed-local-media-path", "value", "pagoda serves text-only models"),
+    ("--allowed-media-domains", "list", "pagoda serves text-only models"),
+    ("--interleave-mm-strings", "bool", "pagoda serves text-only models"),
+    ("--skip-mm-profiling", "bool", "pagoda serves text-only models"),
+    ("--trust-request-mm-kwargs", "bool", "pagoda serves text-only models"),
+    ("--numa-bind", "bool", "pagoda binds neither memory nor threads to NUMA nodes; run it under "
+                            "numactl to bind it"),
+    ("--numa-bind-nodes", "list", "pagoda binds neither memory nor threads to NUMA nodes; run it under "
+                                  "numactl to bind it"),
+    ("--numa-bind-cpus", "value", "pagoda binds neither memory nor threads to NUMA nodes; run it under "
+                                  "numactl or taskset to bind it"),
+    ("--enable-expert-parallel -ep", "bool", "mixture-of-experts layers split every expert across the "
+                                             "tensor-parallel ranks (the same outputs)"),
+    ("--enable-eplb", "bool", "pagoda has no expert parallelism to balance"),
+    ("--safetensors-load-strategy", "value", "weights load in one pass"),
+    ("--model-loader-extra-config", "value", "weights load in one pass, with no loader options"),
+    ("--ignore-patterns", "list", "pagoda reads only the checkpoint's safetensors (or the GGUF file)"),
+    ("--pt-load-map-location", "value", "weights load onto the serving device"),
+    ("--show-hidden-metrics-for-version", "value", "none of pagoda's metrics is hidden"),
+    ("--kv-cache-metrics", "bool", "the KV cache's usage and prefix-cache metrics are always exported "
+                                   "(no sampled block-residency metrics)"),
+    ("--cudagraph-metrics", "bool", "pagoda captures no CUDA graphs"),
+    ("--cudagraph-capture-sizes", "list", "pagoda captures no CUDA graphs"),
+    ("--mamba-cache-dtype", "value", "pagoda runs no Mamba models"),
+    ("--mamba-ssm-cache-dtype", "value", "pagoda runs no Mamba models"),
+    ("--mamba-block-size", "value", "pagoda runs no Mamba models"),
 )
 
 # vLLM flags for features pagoda does not have: given with a value that asks for the feature,
@@ -447,6 +482,19 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
                                              "are not supported"),
     ("--logits-processors", "list", None, "custom logits processors are not supported"),
     ("--kv-transfer-config", "value", None, "KV transfer between instances is not supported"),
+    ("--max-cpu-loras", "value", None, "LoRA adapters are not supported yet"),
+    ("--fully-sharded-loras", "bool", None, "LoRA adapters are not supported yet"),
+    ("--lora-target-modules", "list", None, "LoRA adapters are not supported yet"),
+    ("--uds", "value", None, "the server listens on TCP (--host, --port), not on a Unix socket"),
+    ("--grpc", "bool", None, "the server speaks HTTP only"),
+    ("--otlp-traces-endpoint", "value", None, "OpenTelemetry tracing is not supported"),
+    ("--collect-detailed-traces", "value", None, "OpenTelemetry tracing is not supported"),
+    ("--disable-sliding-window", "bool", None, "sliding-window layers always attend within their "
+                                               "window, as the model was trained"),
+    ("--skip-tokenizer-init", "bool", None, "the tokenizer always loads (prompts may still be token ids)"),
+    ("--scheduler-cls", "value", None, "the scheduler is pagoda's own"),
+    ("--worker-extension-cls", "value", None, "workers take no extension classes"),
+    ("--kv-offloading-size", "value", None, "the KV cache is not offloaded"),
 )
 
 
@@ -496,7 +544,7 @@ def unsupported_flag_error(args: argparse.Namespace) -> str | None:
     """Why the server cannot start as asked, for the first unsupported feature asked for."""
     for flag, _, harmless, why in UNSUPPORTED_FLAGS:
         value = _flag_value(args, flag)
-        if value in (None, False) or (harmless is not None and _same_number(value, harmless)):
+        if value in (None, False, "") or (harmless is not None and _same_number(value, harmless)):
             continue
         return f"{flag.split()[0]}: {why}"
     return None
