@@ -268,6 +268,10 @@ def test_a_gguf_of_every_kind_loads_packed_as_the_float_load(tmp_path: Path, mon
     for name, (kinds, fmt) in EXPECTED.items():
         method = linears[name].method
         assert isinstance(method, PackedLinearMethod) and method.name == fmt, name
+        if method.scheme == "int8":  # NOTE: f16 scales where every source's are f16 (Q8_0, Q5_0/1)
+            assert method.packed is not None
+            scale_bytes = 2 if set(kinds.split()) <= {"Q8_0", "Q5_0", "Q5_1"} else 4
+            assert method.packed.shape[1] == method.in_features * (1 + scale_bytes / method.group_size), name
         got, want = method.dequantize(torch.float32), floats[name].weight
         if "Q4_K" in kinds and method.scheme == "int4":
             # NOTE: Q4_K's f16 scales and offsets: within 2^-10 of the layer's largest weight

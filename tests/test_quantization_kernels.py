@@ -39,7 +39,12 @@ def packed_weight(scheme: str, n: int, k: int, group_size: int, gen: torch.Gener
     w = torch.randn(n, k, generator=gen) * 0.1 + 0.02 * torch.randn(n, 1, generator=gen)
     if scheme == "int4":
         return packing.quantize_int4(w, group_size)
-    return packing.quantize_int8(w, None if group_size == k else group_size)
+    packed = packing.quantize_int8(w, None if group_size == k else group_size)
+    if scheme == "int8_f16":  # NOTE: scales f16 holds exactly (GGUF's Q8_0): packed as f16
+        q, d = packing.unpack_int8(packed, k, group_size)
+        packed = packing.pack_int8(q, d.half().float())
+        assert packed.shape[1] == k + 2 * (k // group_size)
+    return packed
 
 
 def dequantized(scheme: str, packed: torch.Tensor, k: int, group_size: int) -> torch.Tensor:
@@ -51,6 +56,8 @@ CASES = [  # scheme, n, k, group size
     ("int4", 48, 64, 32), ("int4", 100, 576, 32), ("int4", 37, 1536, 64), ("int4", 64, 512, 128),
     ("int8", 48, 64, 64), ("int8", 100, 576, 576), ("int8", 37, 1536, 32), ("int8", 17, 96, 32),
     ("int8", 40, 640, 16),  # GGUF's Q6_K: groups of 16 (x as it is: no int8 rounding by 32)
+    # f16 group scales (GGUF's Q8_0 and Q5_0): 20 groups a row (a tail of 4), 48, 3
+    ("int8_f16", 100, 640, 32), ("int8_f16", 37, 1536, 32), ("int8_f16", 17, 96, 32),
 ]
 
 

@@ -1336,6 +1336,10 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
       pagoda_qgemv_bf16(1, x, x_stride, w.data, w.k + 4 * (w.k / w.group_size), w.group_size, bias, y, y_stride, M,
                         w.n, w.k, 1 << 30);
       break;
+    case pagoda::kInt8F16Records:  // format 1 with f16 scales: [k codes][k / gs f16 scales] a row
+      pagoda_qgemv_bf16(1, x, x_stride, w.data, w.k + 2 * (w.k / w.group_size), w.group_size, bias, y, y_stride, M,
+                        w.n, w.k, 1 << 30);
+      break;
     case pagoda::kInt4Records:  // format 0: [k / 2 nibble bytes][k / gs f16 d][k / gs f16 m] a row
       pagoda_qgemv_bf16(0, x, x_stride, w.data, w.k / 2 + 4 * (w.k / w.group_size), w.group_size, bias, y, y_stride,
                         M, w.n, w.k, 1 << 30);

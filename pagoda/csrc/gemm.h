@@ -6,9 +6,11 @@
 
 namespace pagoda {
 
-// Panels (this GEMM's layout) or records (qgemv.cpp's rows: int8 or int4 with group scales,
-// `scales` unused; the decoder stack takes them for steps of up to 16 rows).
-enum PackedKind : int64_t { kPackedBf16 = 0, kPackedInt8 = 1, kPackedInt4 = 2, kInt8Records = 3, kInt4Records = 4 };
+// Panels (this GEMM's layout) or records (qgemv.cpp's rows: int8 with fp32 or f16 group scales,
+// or int4, `scales` unused; the decoder stack takes them for steps of up to 16 rows).
+enum PackedKind : int64_t {
+  kPackedBf16 = 0, kPackedInt8 = 1, kPackedInt4 = 2, kInt8Records = 3, kInt4Records = 4, kInt8F16Records = 5
+};
 
 // A weight [n, k] packed once at load; mirrored by ops.py's `GemmWeight` field for field.
 struct GemmWeight {

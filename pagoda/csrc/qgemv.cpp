@@ -8,7 +8,8 @@
 // - int4: [K/2 bytes of nibbles][G x f16 scale d][G x f16 offset m], w = q * d + m, q in
 //   [0, 15], groups of `gs` (32, 64 or 128) along K; K is a multiple of 64.
 // - int8: [K x int8][G x f32 scale d], w = q * d (G = 1: one scale per output channel; GGUF's
-//   records: groups of 32, or 16 for Q6_K).
+//   records: groups of 32, or 16 for Q6_K), or [K x int8][G x f16 scale d] (a row of K + 2G
+//   bytes: group scales that f16 holds exactly, GGUF's Q8_0 and Q5_0; 1/9 fewer bytes a weight).
 // y[M, N] = x[M, K] W^T (+ bias). x, bias and y share one dtype T (f32, bf16, f16).
 //
 // int4 products run on vdpbf16ps: each nibble q becomes the exact bf16 of 128 + q (0x4300 | q),
@@ -58,6 +59,23 @@ struct Acts {
 };
 
 constexpr int64_t kXGroup = 32;  // k's per int8 code group of x (the AVX-512 GEMM's too)
+
+// The most f16 group scales an int8 record may have (the kernels widen a row's to fp32 on the
+// stack; packing.py packs f16 scales only up to this many).
+constexpr int64_t kMaxF16Scales = 4096;
+
+// An int8 record's group scales (after its K codes) as fp32: the record's own where they are
+// fp32, else widened from f16 into `buf` (kMaxF16Scales floats), 16 at a time.
+inline const float* int8_scales(const QArgs& a, const int8_t* q, float* buf) {
+  const auto* s = reinterpret_cast<const uint8_t*>(q) + a.K;
+  if (a.row_bytes != a.K + 2 * a.G) return reinterpret_cast<const float*>(s);
+  const auto* h = reinterpret_cast<const f16*>(s);
+  for (int64_t g = 0; g < a.G; g += kLanes) {
+    const Mask m = tail_mask(static_cast<int>(std::min<int64_t>(a.G - g, kLanes)));
+    store(buf + g, load(h + g, m), m);
+  }
+  return buf;
+}
 
 struct Superblock {
   int blocks;     // S: 32-element blocks in it
@@ -216,7 +234,8 @@ void int4_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out
 void int8_row_g32(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
   for (int64_t n = n0; n < n1; ++n) {
     const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
-    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    alignas(64) float dbuf[kMaxF16Scales];  // NOTE: used by f16 scales only
+    const float* d = int8_scales(a, q, dbuf);
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t k = 0, g = 0; k < a.K; k += 32, ++g) {
       const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
@@ -241,7 +260,8 @@ void int8_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out
   }
   for (int64_t n = n0; n < n1; ++n) {
     const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
-    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    alignas(64) float dbuf[kMaxF16Scales];  // NOTE: used by f16 scales only
+    const float* d = int8_scales(a, q, dbuf);
     __m512 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t k = 0; k < a.K; k += 32) {
@@ -396,7 +416,8 @@ template <int M>
 void int8_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out) {
   for (int64_t n = n0; n < n1; ++n) {
     const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
-    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    alignas(64) float dbuf[kMaxF16Scales];  // NOTE: used by f16 scales only
+    const float* d = int8_scales(a, q, dbuf);
     float y[M] = {};
     for (int64_t g = 0; g < a.G; ++g) {
       Vf t[M];
@@ -424,7 +445,8 @@ void int8_rows_int(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float*
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
     const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
-    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    alignas(64) float dbuf[kMaxF16Scales];  // NOTE: used by f16 scales only
+    const float* d = int8_scales(a, q, dbuf);
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t j = 0; j < blocks; ++j) {
@@ -482,7 +504,8 @@ void int8_rows(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float* out
 #endif
   for (int64_t n = n0; n < n1; ++n) {
     const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
-    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    alignas(64) float dbuf[kMaxF16Scales];  // NOTE: used by f16 scales only
+    const float* d = int8_scales(a, q, dbuf);
     for (int m = 0; m < M; ++m) {
       float y = 0.f;
       for (int64_t g = 0; g < a.G; ++g) {
@@ -655,7 +678,8 @@ void dequantize_row(Format format, const QArgs& a, const uint8_t* q, T* dst) {
 #endif
   } else {
     const auto* s = reinterpret_cast<const int8_t*>(q);
-    const auto* d = reinterpret_cast<const float*>(q + a.K);
+    alignas(64) float dbuf[kMaxF16Scales];
+    const float* d = int8_scales(a, reinterpret_cast<const int8_t*>(q), dbuf);
 #ifdef PAGODA_AVX512
     for (int64_t k = 0; k < a.K; k += 16) {
       const Vf w{_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k))))};

@@ -351,7 +351,7 @@ def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels | Recor
 
 # Packed weight formats of `qgemv` / `dequantize` (csrc/qgemv.cpp describes the records).
 INT4, INT8 = 0, 1
-INT8_RECORDS, INT4_RECORDS = 3, 4  # their GemmWeight kinds (gemm.h)
+INT8_RECORDS, INT4_RECORDS, INT8_F16_RECORDS = 3, 4, 5  # their GemmWeight kinds (gemm.h)
 
 
 class Records:
@@ -363,7 +363,8 @@ class Records:
     def __init__(self, packed: torch.Tensor, fmt: int, in_features: int, group_size: int) -> None:
         if packed.dtype != torch.uint8 or packed.dim() != 2 or not packed.is_contiguous():
             raise ValueError(f"expected contiguous uint8 records, got {packed.dtype} {tuple(packed.shape)}")
-        self.kind = INT4_RECORDS if fmt == INT4 else INT8_RECORDS
+        f16_scales = fmt == INT8 and packed.shape[1] == in_features + 2 * (in_features // group_size)
+        self.kind = INT4_RECORDS if fmt == INT4 else INT8_F16_RECORDS if f16_scales else INT8_RECORDS
         self.data, self.scales = packed, None
         self.n, self.k = packed.shape[0], in_features
         self.desc, self.desc_ptr = describe(self.kind, packed, None, group_size, self.n, in_features)

@@ -7,7 +7,7 @@ records whose per-group offsets m are added outside the kernel (`PackedLinearMet
 | kind | records | exactness against `gguf`'s dequantization |
 |---|---|---|
 | Q4_0, Q4_1 | int4, groups of 32 (Q4_0: q + 8, offset -8d) | exact |
-| Q8_0, Q5_0 | int8, groups of 32 (Q5_0: q - 16) | exact |
+| Q8_0, Q5_0 | int8, groups of 32 (Q5_0: q - 16), the file's f16 scales kept f16 | exact |
 | Q5_1, Q5_K | int8, groups of 32, codes q, offsets outside | exact (fp32 scales and offsets) |
 | Q6_K | int8, groups of 16, codes q - 32 | exact (fp32 scales d * sc) |
 | Q4_K | int4, groups of 32, scale d * sc and offset -dmin * m | near: both rounded to f16 |

@@ -27,8 +27,8 @@ def int4_row_bytes(in_features: int, group_size: int) -> int:
     return in_features // 2 + 4 * (in_features // group_size)
 
 
-def int8_row_bytes(in_features: int, group_size: int) -> int:
-    return in_features + 4 * (in_features // group_size)
+def int8_row_bytes(in_features: int, group_size: int, f16_scales: bool = False) -> int:
+    return in_features + (2 if f16_scales else 4) * (in_features // group_size)
 
 
 def int4_group_size(in_features: int, requested: int) -> int | None:
@@ -127,20 +127,35 @@ def round_to_int8_groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return (torch.round(groups * inv) * (top / 127)).reshape(m, -1)[:, :k]
 
 
+# NOTE: the most f16 group scales a row may have (qgemv.cpp's kMaxF16Scales).
+MAX_F16_SCALES = 4096
+
+
 def pack_int8(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """q: integers in [-128, 127], [N, K]; d: fp32 [N, G] -> uint8 records."""
-    return torch.cat([q.to(torch.int8).view(torch.uint8), d.float().contiguous().view(torch.uint8)],
-                     dim=1).contiguous()
+    """q: integers in [-128, 127], [N, K]; d: [N, G] -> uint8 records: [K codes][G scales] a row,
+    the scales in f16 where f16 holds every one exactly (GGUF's Q8_0 and Q5_0, whose scales are
+    f16: 1/9 fewer bytes a weight in groups of 32), else in fp32."""
+    d = d.float().contiguous()
+    half = d.half()
+    exact = d.shape[1] <= MAX_F16_SCALES and bool(torch.equal(half.float(), d))
+    scales = (half if exact else d).view(torch.uint8)
+    return torch.cat([q.to(torch.int8).view(torch.uint8), scales], dim=1).contiguous()
 
 
-def unpack_int8(packed: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 records -> (q int8 [N, K], d fp32 [N, G])."""
-    return packed[:, :in_features].view(torch.int8), packed[:, in_features:].contiguous().view(torch.float32)
+def unpack_int8(packed: torch.Tensor, in_features: int, group_size: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 records -> (q int8 [N, K], d fp32 [N, G]); G = K / group_size (default 1), whose
+    width tells f16 scales from fp32 ones."""
+    groups = in_features // (group_size or in_features)
+    scales = packed[:, in_features:].contiguous()
+    if scales.shape[1] == 2 * groups:
+        return packed[:, :in_features].view(torch.int8), scales.view(torch.float16).float()
+    return packed[:, :in_features].view(torch.int8), scales.view(torch.float32)
 
 
 def dequantize_int8(packed: torch.Tensor, in_features: int, group_size: int,
                     dtype: torch.dtype) -> torch.Tensor:
-    q, d = unpack_int8(packed, in_features)
+    q, d = unpack_int8(packed, in_features, group_size)
     n, g = d.shape
     w = q.reshape(n, g, group_size).float() * d[..., None]
     return w.reshape(n, in_features).to(dtype)
