@@ -303,6 +303,18 @@ def test_default_chat_template_kwargs_flag_takes_a_json_object():
         parser.parse_args(["serve", "m", "--default-chat-template-kwargs", "[1]"])
 
 
+def test_tool_choice_none_can_leave_the_tools_out_of_the_template(engine: AsyncLLM):
+    """vLLM's --exclude-tools-when-tool-choice-none: with tool_choice "none" the template sees
+    no tools; without the flag (the default) it still renders them."""
+    body = chat("hi", tools=[WEATHER], tool_choice="none")
+    assert "get_weather" in _rendered(engine, body, chat_template=HERMES_TEMPLATE)
+    left_out = _rendered(engine, body, chat_template=HERMES_TEMPLATE, exclude_tools_when_tool_choice_none=True)
+    assert "get_weather" not in left_out and "hi" in left_out
+    auto = chat("hi", tools=[WEATHER], tool_choice="required")
+    assert "get_weather" in _rendered(engine, auto, chat_template=HERMES_TEMPLATE,
+                                      exclude_tools_when_tool_choice_none=True)
+
+
 def test_response_role_names_the_answer_after_a_generation_prompt(engine: AsyncLLM):
     """vLLM's --response-role: the answer's role (whole and streamed) after a generation
     prompt; without one the answer continues the last message and takes its role."""

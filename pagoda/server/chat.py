@@ -205,8 +205,10 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInp
             raise bad_request("A tool call and another output constraint cannot be combined.",
                               structured_param)
         fields["structured_outputs"], structured_param = plan.constraint(), "tools"
+    # NOTE: vLLM's --exclude-tools-when-tool-choice-none: such a request's template sees no tools
+    shown = None if req.tool_choice == "none" and ctx.exclude_tools_when_tool_choice_none else plan
     text = await render_chat(ctx, req.messages, req.add_generation_prompt,
-                             req.chat_template_kwargs, plan, chat_template_for(ctx, req))
+                             req.chat_template_kwargs, shown, chat_template_for(ctx, req))
     prompt = truncate_prompt(Prompt(await tokenize_text(ctx, text, False, "messages"), text),
                              req.truncate_prompt_tokens, ctx.max_model_len,
                              req.truncation_side)

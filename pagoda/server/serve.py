@@ -236,6 +236,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--default-chat-template-kwargs", type=json_arg("--default-chat-template-kwargs"), default=None, metavar="JSON",
                        help="keyword arguments every chat's template gets, under the request's "
                             "own chat_template_kwargs, e.g. '{\"enable_thinking\": false}'")
+    model.add_argument("--exclude-tools-when-tool-choice-none", action=argparse.BooleanOptionalAction,
+                       default=False, help="a request with tool_choice none renders its chat "
+                                           "template without its tools (as vLLM)")
     model.add_argument("--response-role", default="assistant", metavar="ROLE",
                        help="the role of a chat answer when the request asks for a generation "
                             "prompt (add_generation_prompt, the default); otherwise the answer "
@@ -676,6 +679,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                             trust_request_chat_template=args.trust_request_chat_template,
                             default_chat_template_kwargs=args.default_chat_template_kwargs or {},
                             response_role=args.response_role,
+                            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                             force_include_usage=args.enable_force_include_usage,
                             tool_parser=auto_tool_parser(args),
                             reasoning_parser=(get_reasoning_parser(args.reasoning_parser)

@@ -95,6 +95,7 @@ class ServerContext:
     trust_request_chat_template: bool = False
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     response_role: str = "assistant"  # NOTE: a chat answer's role after a generation prompt
+    exclude_tools_when_tool_choice_none: bool = False
     force_include_usage: bool = False  # NOTE: a stream's usage chunk without stream_options
     tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None
