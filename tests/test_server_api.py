@@ -246,6 +246,14 @@ def test_vllm_flags_pagoda_implements_under_vllms_names():
     assert config.parallel.core_process
 
 
+def test_vllms_master_addr_and_port_are_the_rendezvous_address():
+    args = serve_parser().parse_args(["serve", "m", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.5"])
+    assert engine_kwargs(args)["dist_init_addr"] == "10.0.0.5:29501"
+    args = serve_parser().parse_args(["serve", "m", "--master-port", "4000", "--dist-init-addr", "h:1"])
+    assert engine_kwargs(args)["dist_init_addr"] == "h:1"  # NOTE: pagoda's own flag wins
+    assert "dist_init_addr" not in engine_kwargs(serve_parser().parse_args(["serve", "m"]))
+
+
 def test_vllm_spellings_start_as_vllm_would():
     """vLLM's parser takes `--max_model_len` for `--max-model-len`, `--no-X` for every boolean
     flag, and short spellings such as `-O`; a launch script using them must not exit with

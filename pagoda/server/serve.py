@@ -317,6 +317,11 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                           help="this machine's index; node 0 runs the server")
     parallel.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
                           help="node 0's rendezvous address (needed with --nnodes > 1)")
+    parallel.add_argument("--master-addr", default=None, metavar="HOST",
+                          help="vLLM's spelling of node 0's address: --dist-init-addr HOST:PORT "
+                               "with --master-port (default 29501)")
+    parallel.add_argument("--master-port", type=int, default=None, metavar="PORT",
+                          help="vLLM's spelling of the rendezvous port (with --master-addr)")
     parallel.add_argument("--headless", action="store_true",
                           help="a node other than 0: run its ranks only, no server")
     parallel.add_argument("--core-process", action="store_true", default=None,
@@ -616,6 +621,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               if getattr(args, dest, None) is not None}
     if args.disable_log_stats:
         kwargs["log_stats"] = False
+    if "dist_init_addr" not in kwargs and (args.master_addr or args.master_port):
+        kwargs["dist_init_addr"] = f"{args.master_addr or '127.0.0.1'}:{args.master_port or 29501}"
     rope = {key: value for key, value in (("rope_scaling", args.rope_scaling), ("rope_theta", args.rope_theta))
             if value is not None}
     if rope:
