@@ -246,6 +246,23 @@ def test_vllm_flags_pagoda_implements_under_vllms_names():
     assert config.parallel.core_process
 
 
+def test_access_log_lines_can_leave_out_some_paths():
+    import logging
+
+    from pagoda.server.serve import AccessLogFilter
+
+    args = serve_parser().parse_args(["serve", "m", "--disable-access-log-for-endpoints", "/health, /metrics"])
+    assert args.disable_access_log_for_endpoints == "/health, /metrics"
+    quiet = AccessLogFilter(["/health", "/metrics"])
+
+    def line(path: str, name: str = "uvicorn.access") -> logging.LogRecord:
+        return logging.LogRecord(name, logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                                 ("127.0.0.1:5", "GET", path, "1.1", 200), None)
+
+    assert not quiet.filter(line("/health")) and not quiet.filter(line("/metrics?x=1"))
+    assert quiet.filter(line("/v1/models")) and quiet.filter(line("/health", "pagoda.serve"))
+
+
 def test_vllms_master_addr_and_port_are_the_rendezvous_address():
     args = serve_parser().parse_args(["serve", "m", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.5"])
     assert engine_kwargs(args)["dist_init_addr"] == "10.0.0.5:29501"

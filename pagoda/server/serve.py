@@ -186,6 +186,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="no access-log line per HTTP call")
+    net.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+                     help="no access-log line for calls to these comma-separated paths, e.g. "
+                          "'/health,/metrics' (as vLLM)")
     net.add_argument("--enable-force-include-usage", action=argparse.BooleanOptionalAction, default=False,
                      help="every stream ends with a usage chunk, as if it asked with "
                           "stream_options.include_usage")
@@ -630,6 +633,21 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+class AccessLogFilter(logging.Filter):
+    """Drops uvicorn's access-log lines for some paths (`--disable-access-log-for-endpoints`):
+    a record's args are (client, method, path with any query, HTTP version, status)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__()
+        self.paths = set(paths)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.name != "uvicorn.access" or not isinstance(args, tuple) or len(args) < 3:
+            return True
+        return str(args[2]).split("?", 1)[0] not in self.paths
+
+
 def api_keys(args: argparse.Namespace) -> list[str]:
     keys = list(args.api_key or [])
     env = os.environ.get("PAGODA_API_KEY")
@@ -705,6 +723,9 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
         app = build_app(ctx, live, web_ui=not args.disable_web_ui,
                         request_id_headers=args.enable_request_id_headers,
                         api_docs=not args.disable_fastapi_docs, cors=cors_policy(args))
+        quiet_paths = [p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()]
+        if quiet_paths:
+            logging.getLogger("uvicorn.access").addFilter(AccessLogFilter(quiet_paths))
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
                                    access_log=not args.disable_uvicorn_access_log,
