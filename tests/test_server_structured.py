@@ -303,6 +303,26 @@ def test_default_chat_template_kwargs_flag_takes_a_json_object():
         parser.parse_args(["serve", "m", "--default-chat-template-kwargs", "[1]"])
 
 
+@pytest.mark.parametrize("tracking", [True, False])
+def test_server_load_counts_the_model_calls_in_flight(engine: AsyncLLM, tracking: bool):
+    """vLLM's GET /load: with --enable-server-load-tracking, the calls running the model now
+    (1 while a completion runs, 0 after; /load itself not counted); without it, always 0."""
+    async def main() -> tuple[list[int], int]:
+        async with health.app_client(engine, enable_server_load_tracking=tracking) as client:
+            body = chat("hi", max_tokens=48, ignore_eos=True)
+            running = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            seen = []
+            while not running.done():
+                seen.append((await client.get("/load")).json()["server_load"])
+                await asyncio.sleep(0.002)
+            assert (await running).status_code == 200
+            return seen, (await client.get("/load")).json()["server_load"]
+
+    seen, after = asyncio.run(main())
+    assert after == 0 and set(seen) <= {0, 1}
+    assert (1 in seen) == tracking
+
+
 def test_tool_choice_none_can_leave_the_tools_out_of_the_template(engine: AsyncLLM):
     """vLLM's --exclude-tools-when-tool-choice-none: with tool_choice "none" the template sees
     no tools; without the flag (the default) it still renders them."""

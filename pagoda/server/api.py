@@ -23,7 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from pydantic import ValidationError
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from pagoda.metrics import LiveStatLogger, format_kv_memory_report, render_metrics
 from pagoda.server.chat import create_chat_completion, render_chat
@@ -85,6 +85,13 @@ async def health(ctx: Ctx) -> Response:
     if not healthy:
         return error_response(APIError(503, f"The engine is not healthy: {message}"))
     return Response(status_code=200)
+
+
+@router.get("/load")
+async def load(ctx: Ctx) -> JSONResponse:
+    """vLLM's server load: the calls running the model now (0 without
+    `--enable-server-load-tracking`)."""
+    return JSONResponse({"server_load": ctx.server_load})
 
 
 @router.get("/ping")

@@ -21,9 +21,16 @@ from pagoda.server.serving import ServerContext
 
 # NOTE: while draining, a load balancer still needs /metrics (and an operator /kv_cache);
 # /health answers 503 on purpose.
-OPEN_WHILE_DRAINING = ("/metrics", "/kv_cache")
+OPEN_WHILE_DRAINING = ("/metrics", "/kv_cache", "/load")
 # NOTE: what load balancers, supervisors and Prometheus call without credentials.
-OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics")
+OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")
+# NOTE: the routes that run the model, which `GET /load` counts (vLLM's load-aware routes).
+LOAD_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/pooling", "/classify",
+               "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v1/messages")
+
+
+def counts_as_load(path: str) -> bool:
+    return path in LOAD_ROUTES or path.startswith("/v1/responses")
 
 
 def key_matches(given: str, keys: list[str]) -> bool:
@@ -59,11 +66,14 @@ class GateMiddleware:
         if refusal is not None:
             await refusal(scope, receive, send)
             return
+        load = int(self.ctx.enable_server_load_tracking and counts_as_load(scope["path"]))
         self.ctx.num_active_requests += 1
+        self.ctx.server_load += load
         try:
             await self.app(scope, receive, send)
         finally:
             self.ctx.num_active_requests -= 1
+            self.ctx.server_load -= load
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
         path: str = scope["path"]

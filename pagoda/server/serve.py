@@ -186,6 +186,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
                      help="no access-log line per HTTP call")
+    net.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
+                     help="count the calls running the model, for GET /load (as vLLM)")
     net.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
                      help="no access-log line for calls to these comma-separated paths, e.g. "
                           "'/health,/metrics' (as vLLM)")
@@ -705,6 +707,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                             default_chat_template_kwargs=args.default_chat_template_kwargs or {},
                             response_role=args.response_role,
                             exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                            enable_server_load_tracking=args.enable_server_load_tracking,
                             force_include_usage=args.enable_force_include_usage,
                             tool_parser=auto_tool_parser(args),
                             reasoning_parser=(get_reasoning_parser(args.reasoning_parser)

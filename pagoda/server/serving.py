@@ -103,6 +103,9 @@ class ServerContext:
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     draining: bool = False
     num_active_requests: int = 0
+    # NOTE: vLLM's --enable-server-load-tracking: model-running calls in flight (`GET /load`)
+    enable_server_load_tracking: bool = False
+    server_load: int = 0
     return_tokens_as_token_ids: bool = False
     response_store: ResponseStore = field(default_factory=ResponseStore)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
