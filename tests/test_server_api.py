@@ -246,6 +246,23 @@ def test_vllm_flags_pagoda_implements_under_vllms_names():
     assert config.parallel.core_process
 
 
+def test_vllms_tls_and_h11_flags_reach_uvicorn():
+    import ssl
+
+    import uvicorn
+
+    from pagoda.server.serve import uvicorn_tls_kwargs
+
+    args = serve_parser().parse_args(["serve", "m", "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2",
+                                      "--ssl-ciphers", "ECDHE+AESGCM", "--h11-max-incomplete-event-size", "65536"])
+    kwargs = uvicorn_tls_kwargs(args)
+    assert kwargs == {"ssl_cert_reqs": int(ssl.CERT_REQUIRED), "ssl_ca_certs": "ca.pem",
+                      "ssl_ciphers": "ECDHE+AESGCM", "h11_max_incomplete_event_size": 65536}
+    config = uvicorn.Config(app=None, **kwargs)  # type: ignore[arg-type]
+    assert config.ssl_cert_reqs == ssl.CERT_REQUIRED and config.h11_max_incomplete_event_size == 65536
+    assert uvicorn_tls_kwargs(serve_parser().parse_args(["serve", "m"])) == {"ssl_cert_reqs": 0}
+
+
 def test_access_log_lines_can_leave_out_some_paths():
     import logging
 

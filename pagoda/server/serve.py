@@ -220,6 +220,13 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--allow-credentials", action="store_true")
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
     net.add_argument("--ssl-certfile", default=None, help="... and this certificate chain")
+    net.add_argument("--ssl-ca-certs", default=None, help="CA certificates to check client certificates with")
+    net.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                     help="client certificates: 0 not asked, 1 optional, 2 required (the ssl module's "
+                          "CERT_NONE/OPTIONAL/REQUIRED, as vLLM)")
+    net.add_argument("--ssl-ciphers", default=None, help="TLS 1.2 cipher suites (OpenSSL's syntax)")
+    net.add_argument("--h11-max-incomplete-event-size", type=int, default=None, metavar="BYTES",
+                     help="the most bytes of an HTTP request's head before it is refused (uvicorn's)")
     net.add_argument("--engine-stall-timeout", type=positive_seconds, default=60.0,
                      metavar="SECONDS",
                      help="/health answers 503 when the engine has pending requests but has "
@@ -635,6 +642,18 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def uvicorn_tls_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM's TLS and h11 flags as uvicorn.Config's keywords (those given)."""
+    kwargs: dict[str, Any] = {"ssl_cert_reqs": args.ssl_cert_reqs}
+    if args.ssl_ca_certs:
+        kwargs["ssl_ca_certs"] = args.ssl_ca_certs
+    if args.ssl_ciphers:
+        kwargs["ssl_ciphers"] = args.ssl_ciphers
+    if args.h11_max_incomplete_event_size is not None:
+        kwargs["h11_max_incomplete_event_size"] = args.h11_max_incomplete_event_size
+    return kwargs
+
+
 class AccessLogFilter(logging.Filter):
     """Drops uvicorn's access-log lines for some paths (`--disable-access-log-for-endpoints`):
     a record's args are (client, method, path with any query, HTTP version, status)."""
@@ -733,7 +752,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
                                    log_level=args.uvicorn_log_level, lifespan="off",
                                    access_log=not args.disable_uvicorn_access_log,
                                    timeout_graceful_shutdown=2, root_path=args.root_path or "",
-                                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile)
+                                   ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                                   **uvicorn_tls_kwargs(args))
         server = DrainingServer(uv_config, ctx, args.drain_timeout)
         await server.serve()
     finally:
