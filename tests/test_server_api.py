@@ -246,6 +246,44 @@ def test_vllm_flags_pagoda_implements_under_vllms_names():
     assert config.parallel.core_process
 
 
+def test_middleware_flag_adds_classes_and_functions_by_import_path(engine, tmp_path, monkeypatch):
+    """vLLM's --middleware: a class becomes ASGI middleware, an async function HTTP middleware;
+    anything else, or a path that does not import, is a clear error before the model loads."""
+    from pagoda.server.serve import add_middlewares, import_middleware
+
+    (tmp_path / "my_mw.py").write_text(
+        "class Tag:\n"
+        "    def __init__(self, app):\n        self.app = app\n"
+        "    async def __call__(self, scope, receive, send):\n"
+        "        async def tagged(message):\n"
+        "            if message['type'] == 'http.response.start':\n"
+        "                message['headers'] = [*message['headers'], (b'x-class', b'1')]\n"
+        "            await send(message)\n"
+        "        await self.app(scope, receive, tagged)\n"
+        "async def stamp(request, call_next):\n"
+        "    response = await call_next(request)\n"
+        "    response.headers['x-function'] = request.url.path\n"
+        "    return response\n"
+        "NOT_ONE = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = serve_parser().parse_args(["serve", "m", "--middleware", "my_mw.Tag", "--middleware", "my_mw.stamp"])
+    found = [import_middleware(p) for p in args.middleware]
+    ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake", max_model_len=64)
+    app = build_app(ctx)
+    add_middlewares(app, found)
+
+    async def go() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.get("/version")
+
+    r = asyncio.run(go())
+    assert r.status_code == 200 and r.headers["x-class"] == "1" and r.headers["x-function"] == "/version"
+    for bad, why in [("my_mw.NOT_ONE", "expected an ASGI middleware"), ("my_mw.missing", "cannot import"),
+                     ("no_such_module.X", "cannot import")]:
+        with pytest.raises(ValueError, match=why):
+            import_middleware(bad)
+
+
 def test_vllms_tls_and_h11_flags_reach_uvicorn():
     import ssl
 

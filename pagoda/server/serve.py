@@ -188,6 +188,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help="no access-log line per HTTP call")
     net.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
                      help="count the calls running the model, for GET /load (as vLLM)")
+    net.add_argument("--middleware", action="append", default=[], metavar="IMPORT.PATH",
+                     help="an ASGI middleware to add (repeatable), as vLLM: a class (app.add_middleware) "
+                          "or an async function (an HTTP middleware), by its import path")
     net.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
                      help="no access-log line for calls to these comma-separated paths, e.g. "
                           "'/health,/metrics' (as vLLM)")
@@ -642,6 +645,38 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return kwargs
 
 
+def import_middleware(path: str) -> Any:
+    """`--middleware`'s object: a class or an async function, by its import path.
+
+    Raises:
+        ValueError: not importable, or neither a class nor an async function.
+    """
+    import importlib
+    import inspect
+
+    module, _, name = path.rpartition(".")
+    try:
+        obj = getattr(importlib.import_module(module), name) if module else None
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--middleware {path}: cannot import it ({e})") from e
+    if not (inspect.isclass(obj) or inspect.iscoroutinefunction(obj)):
+        raise ValueError(f"--middleware {path}: expected an ASGI middleware class or an async function "
+                         "(request, call_next)")
+    return obj
+
+
+def add_middlewares(app: Any, middlewares: list[Any]) -> None:
+    """Adds `--middleware`'s objects in their order: classes as ASGI middleware, functions as
+    HTTP middleware (vLLM's rule)."""
+    import inspect
+
+    for obj in middlewares:
+        if inspect.isclass(obj):
+            app.add_middleware(obj)
+        else:
+            app.middleware("http")(obj)
+
+
 def uvicorn_tls_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """vLLM's TLS and h11 flags as uvicorn.Config's keywords (those given)."""
     kwargs: dict[str, Any] = {"ssl_cert_reqs": args.ssl_cert_reqs}
@@ -683,6 +718,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model = resolve_model(args)
         config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
         auto_tool_parser(args)
+        middlewares = [import_middleware(path) for path in args.middleware]
         if (refused := unsupported_flag_error(args)) is not None:
             raise ValueError(refused)
     except ValueError as e:
@@ -695,7 +731,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from pagoda.executor import run_headless
 
         return run_headless(config)
-    return asyncio.run(_serve(args, model, config))
+    return asyncio.run(_serve(args, model, config, middlewares))
 
 
 def _load_engine(model: str, config: EngineConfig, name: str, args: argparse.Namespace,
@@ -708,7 +744,8 @@ def _load_engine(model: str, config: EngineConfig, name: str, args: argparse.Nam
                                      **engine_kwargs(args))
 
 
-async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> int:
+async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
+                 middlewares: list[Any] | None = None) -> int:
     names = args.served_model_name or [model]
     started = time.perf_counter()
     live = LiveStatLogger()
@@ -745,6 +782,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig) -> 
         app = build_app(ctx, live, web_ui=not args.disable_web_ui,
                         request_id_headers=args.enable_request_id_headers,
                         api_docs=not args.disable_fastapi_docs, cors=cors_policy(args))
+        add_middlewares(app, middlewares or [])
         quiet_paths = [p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()]
         if quiet_paths:
             logging.getLogger("uvicorn.access").addFilter(AccessLogFilter(quiet_paths))
