@@ -318,6 +318,25 @@ def test_access_log_lines_can_leave_out_some_paths():
     assert quiet.filter(line("/v1/models")) and quiet.filter(line("/health", "pagoda.serve"))
 
 
+def test_vllms_speculative_shorthands_and_shutdown_timeout():
+    from pagoda.server.serve import unsupported_flag_error
+
+    args = serve_parser().parse_args(["serve", "m", "--spec-method", "ngram", "--spec-tokens", "3",
+                                      "--speculative-config", '{"prompt_lookup_max": 2}', "--shutdown-timeout", "0"])
+    assert engine_kwargs(args)["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                                         "prompt_lookup_max": 2}
+    assert args.drain_timeout == 0
+    config = EngineConfig.from_kwargs("m", **engine_kwargs(args))
+    assert config.speculative is not None and config.speculative.num_speculative_tokens == 3
+    clash = serve_parser().parse_args(["serve", "m", "--spec-tokens", "3", "--speculative-config",
+                                       '{"method": "ngram", "num_speculative_tokens": 4}'])
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        engine_kwargs(clash)
+    assert unsupported_flag_error(serve_parser().parse_args(["serve", "m", "--worker-cls", "auto"])) is None
+    assert "workers are pagoda's own" in str(
+        unsupported_flag_error(serve_parser().parse_args(["serve", "m", "--worker-cls", "my.Worker"])))
+
+
 def test_vllms_master_addr_and_port_are_the_rendezvous_address():
     args = serve_parser().parse_args(["serve", "m", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.5"])
     assert engine_kwargs(args)["dist_init_addr"] == "10.0.0.5:29501"

@@ -180,8 +180,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                      help="require one of these keys on /v1 routes (also PAGODA_API_KEY)")
     net.add_argument("--served-model-name", nargs="+", default=None,
                      help="names the API answers to; the first appears in responses")
-    net.add_argument("--drain-timeout", type=float, default=30.0,
-                     help="seconds running requests may take to finish after SIGTERM")
+    net.add_argument("--drain-timeout", "--shutdown-timeout", type=float, default=30.0,
+                     help="seconds running requests may take to finish after SIGTERM (vLLM's "
+                          "--shutdown-timeout; 0 cuts them at once)")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
@@ -318,6 +319,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help='speculative decoding, as vLLM: \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or \'{"model": "PATH", '
                             '"num_speculative_tokens": 3}\'')
+    cache.add_argument("--spec-method", default=None, help="vLLM's shorthand: speculative_config's method")
+    cache.add_argument("--spec-model", default=None, help="vLLM's shorthand: speculative_config's model")
+    cache.add_argument("--spec-tokens", type=int, default=None,
+                       help="vLLM's shorthand: speculative_config's num_speculative_tokens")
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -484,6 +489,14 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--mamba-cache-dtype", "value", "pagoda runs no Mamba models"),
     ("--mamba-ssm-cache-dtype", "value", "pagoda runs no Mamba models"),
     ("--mamba-block-size", "value", "pagoda runs no Mamba models"),
+    ("--optimization-level", "value", "pagoda compiles no graphs (no torch.compile, no CUDA graphs)"),
+    ("--performance-mode", "value", "pagoda has one performance mode"),
+    ("--structured-outputs-config", "value", "structured outputs always compile with llguidance, in "
+                                             "the grammar sandbox (--grammar-compile-*)"),
+    ("--attention-config", "value", "the attention backend follows the device"),
+    ("--kernel-config", "value", "pagoda picks its CPU kernels by measurement at load"),
+    ("--additional-config", "value", "pagoda has no platform plugins to configure"),
+    ("--aggregate-engine-logging", "bool", "one engine logs its stats"),
 )
 
 # vLLM flags for features pagoda does not have: given with a value that asks for the feature,
@@ -518,6 +531,8 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--scheduler-cls", "value", None, "the scheduler is pagoda's own"),
     ("--worker-extension-cls", "value", None, "workers take no extension classes"),
     ("--kv-offloading-size", "value", None, "the KV cache is not offloaded"),
+    ("--kv-events-config", "value", None, "KV cache events are not published"),
+    ("--worker-cls", "value", "auto", "workers are pagoda's own"),
 )
 
 
@@ -567,7 +582,7 @@ def unsupported_flag_error(args: argparse.Namespace) -> str | None:
     """Why the server cannot start as asked, for the first unsupported feature asked for."""
     for flag, _, harmless, why in UNSUPPORTED_FLAGS:
         value = _flag_value(args, flag)
-        if value in (None, False, "") or (harmless is not None and _same_number(value, harmless)):
+        if value in (None, False, "", harmless) or (harmless is not None and _same_number(value, harmless)):
             continue
         return f"{flag.split()[0]}: {why}"
     return None
@@ -636,6 +651,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
               if getattr(args, dest, None) is not None}
     if args.disable_log_stats:
         kwargs["log_stats"] = False
+    shorthand = {key: value for key, value in (("method", args.spec_method), ("model", args.spec_model),
+                                                ("num_speculative_tokens", args.spec_tokens)) if value is not None}
+    if shorthand:
+        spec = json_object(args.speculative_config or {}, "--speculative-config")
+        if clash := sorted(set(shorthand) & set(spec)):
+            raise ValueError(f"--spec-* and --speculative-config both give {clash}; give each once")
+        kwargs["speculative_config"] = {**spec, **shorthand}
     if "dist_init_addr" not in kwargs and (args.master_addr or args.master_port):
         kwargs["dist_init_addr"] = f"{args.master_addr or '127.0.0.1'}:{args.master_port or 29501}"
     rope = {key: value for key, value in (("rope_scaling", args.rope_scaling), ("rope_theta", args.rope_theta))
