@@ -533,6 +533,8 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--kv-offloading-size", "value", None, "the KV cache is not offloaded"),
     ("--kv-events-config", "value", None, "KV cache events are not published"),
     ("--worker-cls", "value", "auto", "workers are pagoda's own"),
+    ("--logprobs-mode", "value", "raw_logprobs", "logprobs are those of the raw logits, before any "
+                                                 "penalty or temperature (vLLM's raw_logprobs)"),
 )
 
 
