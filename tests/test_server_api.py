@@ -318,6 +318,37 @@ def test_access_log_lines_can_leave_out_some_paths():
     assert quiet.filter(line("/v1/models")) and quiet.filter(line("/health", "pagoda.serve"))
 
 
+@pytest.mark.parametrize("argv, logged, refused", [
+    (["--moe-backend", "triton", "--enable-dbo", "--cpu-offload-params", "a", "b"],
+     ["--moe-backend triton", "--enable-dbo", "--cpu-offload-params ['a', 'b']"], None),
+    (["--data-parallel-rank", "0", "--data-parallel-backend", "mp", "--decode-context-parallel-size", "1"], [], None),
+    (["--data-parallel-external-lb"], [], "--data-parallel-external-lb: one server is one engine"),
+    (["--tool-parser-plugin", "my_parser.py"], [], "--tool-parser-plugin: plugins are not loaded"),
+    (["--lora-dtype", "bfloat16"], [], "--lora-dtype: LoRA adapters"),
+])
+def test_vllm_032_launch_flags_are_accepted_or_refused_by_name(argv, logged, refused):
+    from pagoda.server.serve import unsupported_flag_error
+
+    args = serve_parser().parse_args(["serve", "m", *argv])
+    assert [line.split(":")[0] for line in no_effect_lines(args)] == logged
+    assert (unsupported_flag_error(args) or "").startswith(refused or "")
+    assert (unsupported_flag_error(args) is None) == (refused is None)
+
+
+def test_log_level_sets_pagodas_logger(monkeypatch):
+    import logging
+
+    from pagoda.server import serve
+
+    args = serve_parser().parse_args(["serve", "/nonexistent/model", "--log-level", "WARNING"])
+    assert args.log_level == "warning"
+    monkeypatch.setattr(logging.getLogger("pagoda"), "level", logging.NOTSET)
+    monkeypatch.setattr(serve, "_serve", lambda *a: None)
+    monkeypatch.setattr(serve.asyncio, "run", lambda coro: 0)
+    assert serve.run_serve(args) == 0
+    assert logging.getLogger("pagoda").level == logging.WARNING
+
+
 def test_vllms_speculative_shorthands_and_shutdown_timeout():
     from pagoda.server.serve import unsupported_flag_error
 

@@ -26,7 +26,7 @@ OPEN_WHILE_DRAINING = ("/metrics", "/kv_cache", "/load")
 OPEN_ROUTES = ("/health", "/ping", "/version", "/metrics", "/load")
 # NOTE: the routes that run the model, which `GET /load` counts (vLLM's load-aware routes).
 LOAD_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/pooling", "/classify",
-               "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v1/messages")
+               "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank")
 
 
 def counts_as_load(path: str) -> bool:

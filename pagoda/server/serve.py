@@ -183,6 +183,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--drain-timeout", "--shutdown-timeout", type=float, default=30.0,
                      help="seconds running requests may take to finish after SIGTERM (vLLM's "
                           "--shutdown-timeout; 0 cuts them at once)")
+    net.add_argument("--log-level", default=None, type=str.lower,
+                     choices=["debug", "info", "warning", "error", "critical"],
+                     help="the level of pagoda's own log (default info), as vLLM's")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
@@ -411,6 +414,24 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
                             "that opens with <think>)")
 
 
+def _table_flags(spec: str, why: str) -> list[tuple[str, str, str]]:
+    """Table rows for flags sharing one reason: each name, then "?" for a boolean flag or "*"
+    for a list (a value otherwise)."""
+    kinds = {"?": "bool", "*": "list"}
+    return [(name.rstrip("?*"), kinds.get(name[-1], "value"), why) for name in spec.split()]
+
+
+def _refused_flags(spec: str, why: str) -> list[tuple[str, str, str | None, str]]:
+    """Refused-flag rows sharing one reason, as `_table_flags`; "=VALUE" names the value that
+    asks for nothing."""
+    rows = []
+    for token in spec.split():
+        name, _, harmless = token.partition("=")
+        flag, kind, _ = _table_flags(name, why)[0]
+        rows.append((flag, kind, harmless or None, why))
+    return rows
+
+
 # vLLM flags that launch scripts pass and that mean nothing to pagoda: (flag, how it parses,
 # why it has no effect). Each is accepted, and named in one log line at start when given.
 NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
@@ -472,7 +493,7 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
                             "numactl to bind it"),
     ("--numa-bind-nodes", "list", "pagoda binds neither memory nor threads to NUMA nodes; run it under "
                                   "numactl to bind it"),
-    ("--numa-bind-cpus", "value", "pagoda binds neither memory nor threads to NUMA nodes; run it under "
+    ("--numa-bind-cpus", "list", "pagoda binds neither memory nor threads to NUMA nodes; run it under "
                                   "numactl or taskset to bind it"),
     ("--enable-expert-parallel -ep", "bool", "mixture-of-experts layers split every expert across the "
                                              "tensor-parallel ranks (the same outputs)"),
@@ -497,6 +518,32 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--kernel-config", "value", "pagoda picks its CPU kernels by measurement at load"),
     ("--additional-config", "value", "pagoda has no platform plugins to configure"),
     ("--aggregate-engine-logging", "bool", "one engine logs its stats"),
+    *_table_flags("--moe-backend --linear-backend --sparse-indexer-topk-backend --gdn-prefill-backend --kda-prefill-backend --kda-decode-backend --enable-flashinfer-autotune? --ir-op-priority --enable-flash-late-interaction?",
+                  "pagoda runs its own CPU kernels, picked by measurement at load: no GPU kernel backends to choose"),
+    *_table_flags("--all2all-backend --enable-dbo? --ubatch-size --dbo-decode-token-threshold --dbo-prefill-token-threshold --eplb-config --expert-placement-strategy --enable-ep-weight-filter?",
+                  "pagoda has no expert parallelism: mixture-of-experts layers split across the tensor-parallel ranks"),
+    *_table_flags("--dcp-comm-backend --dcp-q-replicate? --dcp-kv-cache-interleave-size --cp-kv-cache-interleave-size",
+                  "pagoda has no context parallelism"),
+    *_table_flags("--mm-hasher-algorithm --mm-shm-cache-max-object-size-mb --mm-encoder-attn-backend --mm-encoder-attn-dtype --mm-encoder-fp8-scale-path --mm-encoder-fp8-scale-save-path --mm-encoder-fp8-scale-save-margin --video-pruning-rate --video-pruning-method --mm-tensor-ipc --mm-processor-device --mm-ipc-gpu-memory-gb --mm-device-do-normalize? --disable-chunked-mm-input?",
+                  "pagoda serves text-only models"),
+    *_table_flags("--mamba-backend --mamba-ssu-algorithm --enable-mamba-cache-stochastic-rounding? --mamba-cache-philox-rounds --mamba-cache-mode --enable-mamba-shared-prefix-checkpoint? --replayssm-buffer-len --use-replayssm?",
+                  "pagoda runs no Mamba models"),
+    *_table_flags("--kv-offloading-backend --offload-backend --cpu-offload-params* --offload-group-size --offload-num-in-group --offload-prefetch-step --offload-params*",
+                  "neither weights nor the KV cache are offloaded (--cpu-offload-gb and --kv-offloading-size are refused)"),
+    *_table_flags("--sleep-mode-offload-cudagraph? --sleep-preserve-parameter-names*",
+                  "sleep mode is not supported (--enable-sleep-mode is refused)"),
+    *_table_flags("--enable-cumem-allocator? --enable-nccl-comm-suspend? --enable-layerwise-nvtx-tracing?",
+                  "pagoda uses torch's own allocator and torch.distributed, with no CUDA-specific tracing"),
+    *_table_flags("--safetensors-prefetch-num-threads --safetensors-prefetch-block-size --code-revision --config-format --allow-deprecated-quantization?",
+                  "weights load in one pass from local files (config.json or the GGUF's metadata), never downloaded"),
+    *_table_flags("--distributed-timeout-seconds --cpu-distributed-timeout-seconds --ray-workers-use-nsight?",
+                  "parallel workers are torch.distributed processes with torch's own timeouts, no Ray"),
+    *_table_flags("--data-parallel-supervisor-port --dp-supervisor-probe-interval-s --dp-supervisor-probe-timeout-s --dp-supervisor-probe-failure-threshold --dp-sync-interval --disable-nccl-for-dp-synchronization? --elastic-ep-max-dp-size",
+                  "one server is one engine (no data-parallel supervisor)"),
+    *_table_flags("--cohere-is-reasoning-model? --cohere-format --anthropic-disabled-thinking-effort",
+                  "pagoda serves the OpenAI API only (no Cohere or Anthropic routes)"),
+    *_table_flags("--kv-cache-metrics-sample --jit-monitor-mode --jit-monitor-verbose? --fail-on-environ-validation?",
+                  "pagoda has no such monitor (no sampled KV residency metrics, no JIT at serve time, no VLLM_* environment)"),
 )
 
 # vLLM flags for features pagoda does not have: given with a value that asks for the feature,
@@ -524,7 +571,7 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--uds", "value", None, "the server listens on TCP (--host, --port), not on a Unix socket"),
     ("--grpc", "bool", None, "the server speaks HTTP only"),
     ("--otlp-traces-endpoint", "value", None, "OpenTelemetry tracing is not supported"),
-    ("--collect-detailed-traces", "value", None, "OpenTelemetry tracing is not supported"),
+    ("--collect-detailed-traces", "list", None, "OpenTelemetry tracing is not supported"),
     ("--disable-sliding-window", "bool", None, "sliding-window layers always attend within their "
                                                "window, as the model was trained"),
     ("--skip-tokenizer-init", "bool", None, "the tokenizer always loads (prompts may still be token ids)"),
@@ -535,6 +582,16 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--worker-cls", "value", "auto", "workers are pagoda's own"),
     ("--logprobs-mode", "value", "raw_logprobs", "logprobs are those of the raw logits, before any "
                                                  "penalty or temperature (vLLM's raw_logprobs)"),
+    *_refused_flags("--data-parallel-rank=0 --data-parallel-start-rank=0 --data-parallel-size-local=1 --data-parallel-address --data-parallel-rpc-port --data-parallel-backend=mp --data-parallel-hybrid-lb? --data-parallel-external-lb? --data-parallel-multi-port-external-lb? --enable-elastic-ep?",
+                  "one server is one engine; for data parallelism run replicas behind a load balancer (docs/scaling.md)"),
+    *_refused_flags("--decode-context-parallel-size=1 --prefill-context-parallel-size=1",
+                  "context parallelism is not supported"),
+    *_refused_flags("--lora-dtype=auto --enable-tower-connector-lora? --default-mm-loras --specialize-active-lora? --enable-mixed-moe-lora-format? --enable-moe-shared-loras? --max-lora-cls-labels",
+                  "LoRA adapters are not supported yet"),
+    *_refused_flags("--tool-parser-plugin --reasoning-parser-plugin --io-processor-plugin --model-class-overrides",
+                  "plugins are not loaded: parsers and models are pagoda's own (--tool-call-parser, --reasoning-parser)"),
+    *_refused_flags("--tool-server --tokens-only? --enable-scale-out? --grpc-port --enable-ssl-refresh? --hf-config-path --quantization-config --enable-return-routed-experts? --return-sampling-mask? --enable-trace-replay? --device-ids --enable-fault-tolerance? --fault-tolerance-config --watermark-config --ec-transfer-config --weight-transfer-config --enable-tokenizer-info-endpoint? --convert=auto --profiler-config --pooler-config --enable-mm-embeds? --mm-encoder-only? --max-num-queued-reqs --max-num-queued-tokens --sse-keep-alive-interval=0 --h11-max-header-count",
+                  "not supported by pagoda"),
 )
 
 
@@ -749,6 +806,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"pagoda serve: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.log_level:
+        logging.getLogger("pagoda").setLevel(args.log_level.upper())
     for line in no_effect_lines(args):
         logger.info("%s", line)
     if args.headless or config.parallel.node_rank > 0:
