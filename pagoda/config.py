@@ -166,6 +166,9 @@ class SchedulerConfig:
             times say ends within this many milliseconds (step_cost.py), never above
             `max_num_batched_tokens`: a latency floor for first tokens and inter-token gaps
             under load, at some throughput. None: the fixed budget.
+        long_prefill_token_threshold: vLLM's: when above 0, the most prompt tokens one request
+            computes in a step, so a long prompt leaves the rest of the budget to others (0: a
+            request takes what the budget has).
     """
 
     max_num_seqs: int = 256
@@ -176,8 +179,11 @@ class SchedulerConfig:
     max_model_len: int = 2048
     scheduling_policy: str = "fcfs"
     step_time_target_ms: float | None = None
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
+        _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+               self.long_prefill_token_threshold, "must be 0 (off) or positive")
         _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                self.scheduling_policy, "must be fcfs or priority")
         _check(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be positive")

@@ -145,7 +145,7 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_new = self._capped(request.num_tokens - request.num_computed_tokens)
             # NOTE: the drafts that fit the budget go with it; the rest are dropped.
             spec = drafts.get(request, [])[:max(budget - num_new, 0)]
             num_tokens = min(num_new + len(spec), budget)
@@ -158,6 +158,11 @@ class Scheduler:
             self._last_served[request] = self._num_steps
             budget += refund - num_tokens
         return budget
+
+    def _capped(self, num_new: int) -> int:
+        """A request's new tokens this step, at most `long_prefill_token_threshold` when set."""
+        cap = self.config.long_prefill_token_threshold
+        return min(num_new, cap) if cap > 0 else num_new
 
     def _in_turn(self, budget: int) -> list[Request]:
         """The running requests in the order this step serves them: as they run when the
@@ -213,7 +218,7 @@ class Scheduler:
             request = self.waiting.peek(held)
             computed = bm.get_computed_blocks(request)
             num_hit = len(computed) * bm.block_size
-            num_tokens = min(request.num_tokens - num_hit, budget)
+            num_tokens = min(self._capped(request.num_tokens - num_hit), budget)
             if not bm.allocate_slots(request, num_tokens, computed):
                 break
             self.waiting.popleft(held)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
@@ -252,6 +253,24 @@ def test_a_newcomer_gets_tokens_when_decodes_fill_the_budget():
     probe = _request("probe")
     scheduler.add_request(probe)
     assert probe in _step(scheduler) and probe.num_computed_tokens == 3
+
+
+def test_long_prefill_token_threshold_caps_a_prompts_chunk_per_step():
+    """vLLM's --long-prefill-token-threshold: a 40-token prompt computes at most 8 tokens a
+    step, running or newly admitted, and the rest of the budget goes to a short newcomer."""
+    scheduler = _scheduler(budget=64)
+    scheduler.config = replace(scheduler.config, long_prefill_token_threshold=8)
+    long = Request("long", list(range(1, 41)), SamplingParams(max_tokens=4), set(), max_model_len=MAX_MODEL_LEN)
+    scheduler.add_request(long)
+    out = scheduler.schedule()
+    assert dict(zip(out.requests, out.num_scheduled_tokens, strict=True)) == {long: 8}
+    scheduler.update_from_output(out)
+    short = _request("short")
+    scheduler.add_request(short)
+    out = scheduler.schedule()
+    assert dict(zip(out.requests, out.num_scheduled_tokens, strict=True)) == {long: 8, short: 3}
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
 
 
 def test_a_step_time_target_cuts_the_budget_to_the_measured_line():

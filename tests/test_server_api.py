@@ -371,6 +371,12 @@ def test_vllms_speculative_shorthands_and_shutdown_timeout():
         unsupported_flag_error(serve_parser().parse_args(["serve", "m", "--worker-cls", "my.Worker"])))
 
 
+def test_long_prefill_token_threshold_reaches_the_scheduler():
+    args = serve_parser().parse_args(["serve", "m", "--long-prefill-token-threshold", "256"])
+    assert EngineConfig.from_kwargs("m", **engine_kwargs(args)).scheduler.long_prefill_token_threshold == 256
+    assert EngineConfig.from_kwargs("m").scheduler.long_prefill_token_threshold == 0
+
+
 def test_vllms_master_addr_and_port_are_the_rendezvous_address():
     args = serve_parser().parse_args(["serve", "m", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.5"])
     assert engine_kwargs(args)["dist_init_addr"] == "10.0.0.5:29501"

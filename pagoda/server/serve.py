@@ -62,6 +62,7 @@ ENGINE_FLAGS = {
     "disable_hybrid_kv_cache_manager": "disable_hybrid_kv_cache_manager",
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "scheduling_policy": "scheduling_policy", "step_time_target_ms": "step_time_target_ms",
+    "long_prefill_token_threshold": "long_prefill_token_threshold",
     "tensor_parallel_size": "tensor_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size", "nnodes": "nnodes",
     "node_rank": "node_rank", "dist_init_addr": "dist_init_addr", "core_process": "core_process",
@@ -308,6 +309,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help="fcfs (default): arrival order, with the requests of a many-prompt "
                             "request taking turns with others; priority: each request's "
                             "`priority` field first (lower is sooner), as vLLM")
+    cache.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",
+                       help="the most prompt tokens one request computes in a step (vLLM's; 0, "
+                            "the default: what the budget has), so long prompts leave room to others")
     cache.add_argument("--step-time-target-ms", type=float, default=None, metavar="MS",
                        help="cut each step's token budget to what the last steps' times say "
                             "ends within MS milliseconds (at most --max-num-batched-tokens): a "
