@@ -209,9 +209,8 @@ class NativeDecoder:
         (`PAGODA_CHECK_KERNEL_INPUTS`)."""
         for table in self._tables:
             checks.positions(positions, rows, table)
-        for layer in self._layers:
-            pool = self._pools[layer.group]
-            g = groups[layer.group]
+        for group, pool in self._pools.items():  # NOTE: once a group: its layers' pools share a shape
+            g = groups[group]
             checks.slots(g.slot_mapping, rows, pool)
             checks.paged(pool, g.block_tables, g.seq_lens, g.query_start_loc, rows)
 

@@ -27,8 +27,8 @@ def int4_row_bytes(in_features: int, group_size: int) -> int:
     return in_features // 2 + 4 * (in_features // group_size)
 
 
-def int8_row_bytes(in_features: int, group_size: int, f16_scales: bool = False) -> int:
-    return in_features + (2 if f16_scales else 4) * (in_features // group_size)
+def int8_row_bytes(in_features: int, group_size: int) -> int:
+    return in_features + 4 * (in_features // group_size)
 
 
 def int4_group_size(in_features: int, requested: int) -> int | None:
