@@ -39,7 +39,7 @@ if a.small_pages:
 eng = LLMEngine.from_engine_args(a.model, (), dtype=a.dtype, log_stats=False, enable_prefix_caching=False,
                                  max_num_batched_tokens=max(4096, a.batch * a.prompt), **SCHEME_ARGS[a.scheme])
 if a.layer_path:
-    eng.runner.model.native_decoder = None
+    eng.runner.native_decoder = None
 if os.environ.get("KT"):
     from pagoda.layers.cpu_kernels import ops
     ops.set_num_threads(int(os.environ["KT"]))

@@ -29,7 +29,7 @@ def recording(self, q, k, v, meta):  # noqa: ANN001, ANN202
 
 reference = perplexity(bf16, ids, 4, 1024, 256)[0]
 model = bf16.engine.runner.model
-model.native_decoder = None  # the layer path, so that every layer's K/V pass the recorder
+bf16.engine.runner.native_decoder = None  # the layer path, so that every layer's K/V pass the recorder
 PagedAttention.forward = recording
 perplexity(bf16, calibration, 2, 1024, 256)
 PagedAttention.forward = layer_path
