@@ -75,7 +75,7 @@ def _run_tune(args: argparse.Namespace) -> int:
         cpu_kernels.choose_gemm_tiles(lib, retune=True)
         ops = cpu_kernels.ops
         choice = cpu_kernels.gemm_tiles.TileChoice(ops.GEMM_FMA_ROWS, ops.GEMM_AMX_ROWS, ops.GEMM_AMX_INTEGER_ROWS[8],
-                                                   ops.GEMM_AMX_INTEGER_ROWS[4])
+                                                   ops.GEMM_AMX_INTEGER_ROWS[4], ops.GEMM_PREFETCH_ROWS)
         print(f"GEMM tiles: {cpu_kernels.gemm_tiles.describe(choice)}")
     plan = plan_linears(model, retune=True)
     if plan is None:

@@ -198,7 +198,9 @@ def plan_linears(model: torch.nn.Module, retune: bool = False) -> KernelPlan | N
     max_threads = torch.get_num_threads()
     # NOTE: the build (its name carries a digest of the kernel sources), not only the variant: a
     # changed kernel makes the old timings stale; so does the GEMM's tile choice (gemm_tiles.py).
-    build = f"{lib.path.stem}+fma{cpu_kernels.ops.GEMM_FMA_ROWS}+amx{cpu_kernels.ops.GEMM_AMX_ROWS}" if lib is not None else "none"
+    ops = cpu_kernels.ops
+    build = (f"{lib.path.stem}+fma{ops.GEMM_FMA_ROWS}+amx{ops.GEMM_AMX_ROWS}+pf{ops.GEMM_PREFETCH_ROWS}"
+             if lib is not None else "none")
     plan = plan_for_model(model, build,
                           lambda rows: step_threads(rows, max_threads), retune=retune)
     if plan is not None:

@@ -12,8 +12,10 @@ from pagoda.layers.cpu_kernels.gemm_tiles import (
     TileChoice,
     decide,
     decide_amx,
+    decide_stream,
     describe,
     parse_forced,
+    with_stream,
 )
 
 # rows -> (vdpbf16ps seconds, FMA seconds), shaped like the CPUs seen
@@ -82,6 +84,52 @@ def test_integer_amx_measured_beside_vpdpbusd_and_cached(tmp_path, monkeypatch: 
     measured.clear()
     gemm_tiles.choose(applied.append, lambda x: None, 16, cache, amx=True, run_integer=runs)  # type: ignore[arg-type]
     assert measured
+
+
+# rows -> (the L2 probe's choice, the vector tiles prefetching) seconds on a streamed weight: the
+# Intel AMX CPU of 2026-12-03 (AMX at one row read 15.4 GB/s, the prefetching vector tiles 17.8;
+# at 8 rows AMX's arithmetic wins), and a Zen 4 whose hardware prefetcher keeps pace alone
+STREAM_INTEL_AMX = {1: (1.0, 0.87), 2: (1.0, 0.9), 4: (1.0, 0.86), 8: (1.0, 1.4)}
+STREAM_ZEN4 = {1: (1.0, 1.02), 2: (1.0, 1.05), 4: (1.0, 0.99), 8: (1.0, 1.0)}
+
+
+def test_streamed_steps_go_to_the_prefetching_vector_tiles_below_the_first_count_they_lose() -> None:
+    assert decide_stream(STREAM_INTEL_AMX) == 8
+    assert decide_stream(STREAM_ZEN4) == 1  # no win at one row: nothing changes
+    assert decide_stream({**STREAM_INTEL_AMX, 2: (1.0, 0.97)}) == 2  # within the margin at 2 rows
+    assert decide_stream({r: (1.0, 0.5) for r in STREAM_INTEL_AMX}) == 16  # wins everywhere probed
+    amx = TileChoice(amx_rows=1, amx_int8_rows=16)
+    assert with_stream(amx, 8) == TileChoice(amx_rows=8, amx_int8_rows=16, prefetch_rows=1)
+    assert with_stream(amx, 1) == amx
+    assert with_stream(TileChoice(amx_rows=32), 8) == TileChoice(amx_rows=32, prefetch_rows=1)  # AMX never earlier
+    assert with_stream(TileChoice(), 4) == TileChoice(prefetch_rows=1)  # no AMX: prefetching only
+    assert describe(with_stream(amx, 8)) == ("vdpbf16ps up to 7 rows, AMX tiles from 8; one vector tile prefetches "
+                                             "from 1 row; int8: vpdpbusd up to 15 rows, AMX tiles from 16")
+
+
+def test_the_stream_probe_times_both_kinds_and_its_choice_is_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gemm_tiles.ENV, raising=False)
+    applied: list[TileChoice] = []
+    streamed: list[tuple[int, TileChoice]] = []
+
+    def run_stream(x) -> None:  # noqa: ANN001
+        streamed.append((x.shape[0], applied[-1]))
+
+    monkeypatch.setattr(gemm_tiles, "decide_stream", lambda timings: 4 if set(timings) == set(
+        gemm_tiles.STREAM_PROBE_ROWS) else 1)
+    cache = tmp_path / "tiles.json"
+    choice = gemm_tiles.choose(applied.append, lambda x: None, 16, cache, run_stream=run_stream)  # type: ignore[arg-type]
+    assert {rows for rows, _ in streamed} == set(gemm_tiles.STREAM_PROBE_ROWS)
+    assert {kind.prefetch_rows for _, kind in streamed} == {gemm_tiles.DEFAULT_PREFETCH_ROWS, 1}
+    assert choice.prefetch_rows == 1 and applied[-1] == choice
+    assert json.loads(cache.read_text())["prefetch_rows"] == 1
+    streamed.clear()
+    assert gemm_tiles.choose(applied.append, lambda x: None, 16, cache, run_stream=run_stream) == choice  # type: ignore[arg-type]
+    assert not streamed  # cached
+    # a choice cached before the stream probe existed is measured again
+    cache.write_text('{"fma_rows": 4611686018427387904, "amx_rows": 4611686018427387904}')
+    gemm_tiles.choose(applied.append, lambda x: None, 16, cache, run_stream=run_stream)  # type: ignore[arg-type]
+    assert streamed
 
 
 def test_forced_forms_and_a_clear_error() -> None:

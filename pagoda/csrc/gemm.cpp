@@ -86,7 +86,7 @@ constexpr int64_t kWideFrom = int64_t{1} << 62;  // two panels only split the AV
 #else
 constexpr int64_t kWideFrom = 96;       // rows from which wide tiles are used
 #endif
-constexpr int kPrefetchRows = 6;        // one tile of fewer rows is bound by memory alone
+constexpr int kPrefetchRows = 6;        // one tile of fewer rows is bound by memory alone (by default)
 constexpr int64_t kChunkPairs = 64;     // 8 KB of a panel
 constexpr int64_t kMaxRowsPerPass = 768;  // rows sharing one pass over the weight
 constexpr int64_t kMaxWidenedFma = int64_t{1} << 22;  // floats of x the FMA tiles widen at once (16 MB)
@@ -96,6 +96,10 @@ constexpr int64_t kMaxWidenedFma = int64_t{1} << 22;  // floats of x the FMA til
 // into L2 made one tile of 6-12 rows 10-20% faster, and of 1-5 rows slower (the hardware
 // prefetcher alone keeps a plain stream at full speed; the prefetches only cost issue slots).
 constexpr int64_t kPrefetchPairs = kChunkPairs;
+// The row count from which one tile prefetches: kPrefetchRows (Zen 4), or fewer where a stream
+// measured at load reads faster with it (`pagoda_gemm_set_prefetch_rows`, gemm_tiles.py): on the
+// Intel AMX CPU a one-row pass over the 1B shape's weights read 17.8 GB/s with it, 16.1 without.
+std::atomic<int64_t> g_prefetch_rows{kPrefetchRows};
 
 int64_t padded_cols(int64_t N) { return (N + kPanel - 1) / kPanel * kPanel; }
 int64_t num_pairs(int64_t K) { return (K + 1) / 2; }
@@ -484,9 +488,10 @@ void panel(const Problem& P, const Source& src, const Tiling& tiling, int64_t in
   const int64_t chunk = single && Source::kInPlace ? pairs : kChunkPairs;
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t p1 = std::min(pairs, p0 + chunk);
-    const View v = src.chunk(index, 1, p0, p1, !single || tiling.rows(0) >= kPrefetchRows);
+    const bool single_prefetches = tiling.rows(0) >= g_prefetch_rows.load(std::memory_order_relaxed);
+    const View v = src.chunk(index, 1, p0, p1, !single || single_prefetches);
     for (int t = 0; t < tiling.count; ++t) {
-      const bool prefetch = Source::kInPlace && (single ? tiling.rows(0) >= kPrefetchRows : t == 0);
+      const bool prefetch = Source::kInPlace && (single ? single_prefetches : t == 0);
       Tiles{P.fma}.tile(tiling.rows(t), prefetch)(P.rows(tiling.start[t]), v.w, p0, p1, p0 == 0,
                                         sums + tiling.start[t] * kSumsRow, 0);
     }
@@ -1275,6 +1280,12 @@ extern "C" int64_t pagoda_gemm_set_fma_rows(int64_t rows) {
   (void)rows;
   return 0;
 #endif
+}
+
+// One tile of at least `rows` rows (a step of few rows) prefetches the weight stream ahead of it.
+extern "C" int64_t pagoda_gemm_set_prefetch_rows(int64_t rows) {
+  pagoda::g_prefetch_rows.store(rows, std::memory_order_relaxed);
+  return 1;
 }
 
 // Steps of at least `rows` rows multiply bf16 panels on AMX tiles (where K is a multiple of 32);

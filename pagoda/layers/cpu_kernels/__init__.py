@@ -45,6 +45,7 @@ def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
         # one kind: nothing to choose or key the plan by
         ops.GEMM_FMA_ROWS = ops.GEMM_AMX_ROWS = gemm_tiles.NEVER
         ops.GEMM_AMX_INTEGER_ROWS.update({8: gemm_tiles.NEVER, 4: gemm_tiles.NEVER})
+        ops.GEMM_PREFETCH_ROWS = gemm_tiles.DEFAULT_PREFETCH_ROWS
         return
     probe: dict[str, ops.PackedWeight | ops.Int8Panels | ops.Int4Panels] = {}
 
@@ -54,6 +55,8 @@ def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
             n, k = 512, gemm_tiles.PROBE_K
             if kind == "bf16":
                 probe[kind] = ops.PackedWeight((torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
+            elif kind == "stream":  # NOTE: zeros: only the stream's timing matters, and they are quick to make
+                probe[kind] = ops.PackedWeight(torch.zeros(gemm_tiles.STREAM_PROBE_SHAPE, dtype=torch.bfloat16))
             elif kind == "int8":
                 probe[kind] = ops.Int8Panels(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
                                              torch.rand(n, generator=gen) * 0.01)
@@ -69,11 +72,12 @@ def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
     has_amx = ops.set_gemm_amx_rows(gemm_tiles.NEVER)
     integer = {bits: run(f"int{bits}") for bits in (8, 4) if ops.set_gemm_amx_integer_rows(bits, gemm_tiles.NEVER)}
     gemm_tiles.choose(_apply_tiles, run("bf16"), gemm_tiles.PROBE_K, cache, retune, amx=has_amx,
-                      run_integer=integer)
+                      run_integer=integer, run_stream=run("stream"))
 
 
 def _apply_tiles(choice: gemm_tiles.TileChoice) -> None:
     ops.set_gemm_fma_rows(choice.fma_rows)
+    ops.set_gemm_prefetch_rows(choice.prefetch_rows)
     granted = ops.set_gemm_amx_rows(choice.amx_rows)
     for bits, rows in ((8, choice.amx_int8_rows), (4, choice.amx_int4_rows)):
         granted = ops.set_gemm_amx_integer_rows(bits, rows) and granted

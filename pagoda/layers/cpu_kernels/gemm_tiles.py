@@ -14,6 +14,11 @@ tile at that count and every larger one take it (`decide_amx`), the vector kinds
 int8 and int4 panels likewise: their `vpdpbusd` tiles against AMX on the weight widened to
 bf16 (gemm.cpp's `AmxInt8`, `AmxInt4`), each timed on a weight of its kind and the same shape,
 AMX from the smallest count where it wins at that count and every larger one.
+A step of a few rows streams its weights from memory, which the L2 probe does not see: a
+second probe times the choice against the vector tiles with prefetching (from one row) on a
+weight larger than the caches, at 1-8 rows, and gives the rows below the first count where
+they stop winning to them (`decide_stream`): on the Intel AMX CPU a one-row pass read 17.8 GB/s
+so against AMX's 15.4 (docs/performance.md), on Zen 4 the hardware prefetcher alone kept pace.
 `PAGODA_GEMM_TILE` forces it: `dpbf16`, `fma`, `fma:ROWS`, `amx` or `amx:ROWS` (AMX from ROWS,
 every kind alike, vdpbf16ps and vpdpbusd below). Other builds have one tile kind and ignore this.
 """
@@ -38,6 +43,9 @@ NEVER = 1 << 62
 PROBE_ROWS = (4, 8, 16, 64)  # below 4 rows a step streams its weights: vdpbf16ps, fewer chains
 AMX_PROBE_ROWS = (1, 2, 4, 8, 16, 64)  # AMX is timed from one row: it may win there too
 PROBE_K = 1024  # a 512 x 1024 bf16 weight: 1 MiB, in L2
+STREAM_PROBE_ROWS = (1, 2, 4, 8)  # the stream probe's row counts (steps that read their weights from memory)
+STREAM_PROBE_SHAPE = (24576, 2048)  # its weight: 96 MiB of bf16, larger than the caches of the CPUs seen
+DEFAULT_PREFETCH_ROWS = 6  # gemm.cpp's kPrefetchRows: one tile prefetches from 6 rows unless measured otherwise
 # NOTE: the FMA tiles must win by this much to be taken: near-equal timings keep vdpbf16ps
 # (fewer instructions, and what the other kernels' numerics were checked against first).
 MARGIN = 0.95
@@ -46,12 +54,13 @@ MARGIN = 0.95
 @dataclass(frozen=True)
 class TileChoice:
     """Row counts from which the bf16 GEMM takes the FMA tiles and the AMX tiles, and the int8
-    and int4 GEMMs the AMX tiles (NEVER: not at all)."""
+    and int4 GEMMs the AMX tiles (NEVER: not at all), and from which one tile prefetches."""
 
     fma_rows: int = NEVER
     amx_rows: int = NEVER
     amx_int8_rows: int = NEVER
     amx_int4_rows: int = NEVER
+    prefetch_rows: int = DEFAULT_PREFETCH_ROWS  # one tile of this many rows or more prefetches
 
     def integer_rows(self, bits: int) -> int:
         return self.amx_int8_rows if bits == 8 else self.amx_int4_rows
@@ -83,6 +92,25 @@ def decide_amx(timings: Mapping[int, tuple[float, float, float]]) -> TileChoice:
     amx = _wins_from({r: (min(dot, fma), a) for r, (dot, fma, a) in timings.items()})
     fma = _wins_from({r: (dot, f) for r, (dot, f, _) in timings.items() if r < amx})
     return TileChoice(fma, amx)
+
+
+def decide_stream(timings: Mapping[int, tuple[float, float]]) -> int:
+    """The smallest probed row count at which the vector tiles with prefetching no longer beat
+    the choice (by MARGIN) on a streamed weight, counting up from the first; twice the largest
+    probe where they win at every one. `timings`: rows -> (the choice's, the vector tiles with
+    prefetching seconds)."""
+    for rows in sorted(timings):
+        old, new = timings[rows]
+        if new > MARGIN * old:
+            return rows
+    return 2 * max(timings)
+
+
+def with_stream(choice: TileChoice, stream_rows: int) -> TileChoice:
+    """`choice` with steps below `stream_rows` on the vector tiles, prefetching (`decide_stream`)."""
+    if stream_rows <= 1:
+        return choice
+    return replace(choice, prefetch_rows=1, amx_rows=max(choice.amx_rows, stream_rows))
 
 
 def parse_forced(value: str) -> TileChoice:
@@ -133,10 +161,11 @@ def _best_times(apply: Callable[[TileChoice], object], run: Callable[[torch.Tens
 
 def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], object], k: int,
            cache: Path | None = None, retune: bool = False, amx: bool = False,
-           run_integer: Mapping[int, Callable[[torch.Tensor], object]] | None = None) -> TileChoice:
+           run_integer: Mapping[int, Callable[[torch.Tensor], object]] | None = None,
+           run_stream: Callable[[torch.Tensor], object] | None = None) -> TileChoice:
     """Applies and returns the tile choice: forced, else read from `cache` (unless `retune`),
-    else measured (AMX too where `amx`; for int8 and int4 panels too, by `run_integer[bits]`) and
-    written there. The cache keeps one start's noise from flipping the choice (and with it the
+    else measured (AMX too where `amx`; for int8 and int4 panels too, by `run_integer[bits]`;
+    the few-row steps on a streamed weight by `run_stream`, of STREAM_PROBE_SHAPE) and written there. The cache keeps one start's noise from flipping the choice (and with it the
     kernel plan's key) at the next."""
     forced = os.environ.get(ENV)
     if forced:
@@ -161,10 +190,16 @@ def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], 
     for bits, times in integer.items():
         starts = _wins_from(times)  # type: ignore[arg-type]
         choice = replace(choice, **{"amx_int8_rows" if bits == 8 else "amx_int4_rows": starts})
+    stream: dict[int, tuple[float, ...]] = {}
+    if run_stream is not None:
+        prefetching = replace(choice, amx_rows=NEVER, prefetch_rows=1)
+        stream = _best_times(apply, run_stream, [choice, prefetching], STREAM_PROBE_ROWS, STREAM_PROBE_SHAPE[1], 7)
+        choice = with_stream(choice, decide_stream(stream))  # type: ignore[arg-type]
     apply(choice)
-    logger.info("GEMM tiles (measured): %s [time / vdpbf16ps time, FMA%s: %s%s]", describe(choice),
+    logger.info("GEMM tiles (measured): %s [time / vdpbf16ps time, FMA%s: %s%s%s]", describe(choice),
                 " and AMX" if amx else "", _ratios(timings),
-                "".join(f"; int{bits}, AMX / vpdpbusd: {_ratios(times)}" for bits, times in integer.items()))
+                "".join(f"; int{bits}, AMX / vpdpbusd: {_ratios(times)}" for bits, times in integer.items()),
+                f"; streamed, vector tiles prefetching / the choice: {_ratios(stream)}" if stream else "")
     if cache is not None:
         _write(cache, choice, timings)
     return choice
@@ -189,15 +224,18 @@ def _read(path: Path) -> TileChoice | None:
         # AMX choice) is measured again, so that this CPU's int8 and int4 steps get them
         if data.get("amx_rows", NEVER) < NEVER and "amx_int4_rows" not in data:
             return None
+        # NOTE: likewise a choice made before the stream probe (no "prefetch_rows")
+        if "prefetch_rows" not in data:
+            return None
         choice = TileChoice(data["fma_rows"], data.get("amx_rows", NEVER), data.get("amx_int8_rows", NEVER),
-                            data.get("amx_int4_rows", NEVER))
+                            data.get("amx_int4_rows", NEVER), data["prefetch_rows"])
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.warning("ignoring the cached GEMM tile choice %s (%s); measuring again", path, exc)
         return None
     valid = all(isinstance(r, int) and r >= 1 for r in (choice.fma_rows, choice.amx_rows, choice.amx_int8_rows,
-                                                        choice.amx_int4_rows))
+                                                        choice.amx_int4_rows, choice.prefetch_rows))
     return choice if valid else None
 
 
@@ -207,6 +245,7 @@ def _write(path: Path, choice: TileChoice, timings: Mapping[int, tuple[float, ..
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps({"fma_rows": choice.fma_rows, "amx_rows": choice.amx_rows,
                                    "amx_int8_rows": choice.amx_int8_rows, "amx_int4_rows": choice.amx_int4_rows,
+                                   "prefetch_rows": choice.prefetch_rows,
                                    "timings": {str(r): t for r, t in timings.items()}}))
         os.replace(tmp, path)
     except OSError as exc:
@@ -218,6 +257,8 @@ def describe(choice: TileChoice) -> str:
     gemm.cpp does), then "; int8: vpdpbusd up to 15 rows, AMX tiles from 16" (and int4) where AMX
     takes integer panels."""
     bf16 = _spans([("vdpbf16ps", 1), ("fp32 FMAs", min(choice.fma_rows, choice.amx_rows)), ("AMX tiles", choice.amx_rows)])
+    if choice.prefetch_rows != DEFAULT_PREFETCH_ROWS:
+        bf16 += f"; one vector tile prefetches from {choice.prefetch_rows} row{'s' if choice.prefetch_rows > 1 else ''}"
     return bf16 + "".join(f"; int{bits}: {_spans([('vpdpbusd', 1), ('AMX tiles', choice.integer_rows(bits))])}"
                           for bits in (8, 4) if choice.integer_rows(bits) < NEVER)
 
@@ -232,5 +273,6 @@ def _spans(starts: list[tuple[str, int]]) -> str:
                      else f"{name} {start}-{end - 1} rows" for name, start, end in spans)
 
 
-__all__ = ["AMX_PROBE_ROWS", "ENV", "NEVER", "TileChoice", "cache_path", "choose", "decide", "decide_amx",
-           "describe", "measure", "measure_integer", "parse_forced"]
+__all__ = ["AMX_PROBE_ROWS", "DEFAULT_PREFETCH_ROWS", "ENV", "NEVER", "STREAM_PROBE_ROWS", "STREAM_PROBE_SHAPE",
+           "TileChoice", "cache_path", "choose", "decide", "decide_amx", "decide_stream", "describe", "measure",
+           "measure_integer", "parse_forced", "with_stream"]

@@ -60,6 +60,7 @@ _RETURNING: dict[str, tuple[ArgTypes, type]] = {
     "gemm_int8_format": ([], _L),
     "gemm_set_fma_rows": ([_L], _L),
     "gemm_set_amx_rows": ([_L], _L),
+    "gemm_set_prefetch_rows": ([_L], _L),
     "gemm_set_amx_integer_rows": ([_L, _L], _L),
     "qgemv_x_group": ([_L, _L], _L),
 }

@@ -418,6 +418,19 @@ def set_gemm_fma_rows(rows: int) -> int:
     return rows
 
 
+# NOTE: likewise the row count from which one tile prefetches its weight stream (gemm_tiles.py).
+DEFAULT_PREFETCH_ROWS = 6  # gemm.cpp's kPrefetchRows
+GEMM_PREFETCH_ROWS = DEFAULT_PREFETCH_ROWS
+
+
+def set_gemm_prefetch_rows(rows: int) -> int:
+    """Steps of at least `rows` rows (one tile) prefetch the weight stream ahead; returns `rows`."""
+    global GEMM_PREFETCH_ROWS
+    _lib().fn("gemm_set_prefetch_rows")(rows)
+    GEMM_PREFETCH_ROWS = rows
+    return rows
+
+
 # NOTE: likewise the row count from which it runs on AMX tiles (gemm_tiles.py), where the CPU has them.
 GEMM_AMX_ROWS = 1 << 62
 
