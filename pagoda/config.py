@@ -169,6 +169,13 @@ class SchedulerConfig:
         long_prefill_token_threshold: vLLM's: when above 0, the most prompt tokens one request
             computes in a step, so a long prompt leaves the rest of the budget to others (0: a
             request takes what the budget has).
+        max_num_scheduled_tokens: vLLM's: the most tokens the scheduler issues in a step, below
+            `max_num_batched_tokens` (None: that budget).
+        max_num_active_seqs: vLLM's: the most requests admitted to run, at most `max_num_seqs`
+            (None: `max_num_seqs`), so decode batches stay smaller.
+        watermark: vLLM's: the fraction of KV blocks a waiting (or preempted) request may not
+            take when others are scheduled in the step, headroom against repeated preemption
+            (0: none).
     """
 
     max_num_seqs: int = 256
@@ -180,8 +187,26 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     step_time_target_ms: float | None = None
     long_prefill_token_threshold: int = 0
+    max_num_scheduled_tokens: int | None = None
+    max_num_active_seqs: int | None = None
+    watermark: float = 0.0
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one step schedules."""
+        return min(self.max_num_batched_tokens, self.max_num_scheduled_tokens or self.max_num_batched_tokens)
+
+    @property
+    def admission_limit(self) -> int:
+        """The most requests running at once."""
+        return self.max_num_active_seqs or self.max_num_seqs
 
     def __post_init__(self) -> None:
+        _check(self.max_num_scheduled_tokens is None or self.max_num_scheduled_tokens > 0,
+               "max_num_scheduled_tokens", self.max_num_scheduled_tokens, "must be positive")
+        _check(self.max_num_active_seqs is None or 0 < self.max_num_active_seqs <= self.max_num_seqs,
+               "max_num_active_seqs", self.max_num_active_seqs, f"must be in [1, max_num_seqs={self.max_num_seqs}]")
+        _check(0.0 <= self.watermark < 1.0, "watermark", self.watermark, "must be in [0, 1)")
         _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                self.long_prefill_token_threshold, "must be 0 (off) or positive")
         _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",

@@ -107,8 +107,8 @@ class Scheduler:
         """This step's token budget: the configured one, or less under a step time target."""
         target = self.config.step_time_target_ms
         if target is None:
-            return self.config.max_num_batched_tokens
-        return self.step_cost.budget(target / 1000, self.config.max_num_batched_tokens)
+            return self.config.step_tokens
+        return self.step_cost.budget(target / 1000, self.config.step_tokens)
 
     def record_step(self, num_tokens: int, seconds: float) -> None:
         """A finished step's scheduled tokens and time (the step time target's evidence)."""
@@ -127,7 +127,7 @@ class Scheduler:
         group, seats = held.most_common(1)[0]
         if held[head.group] or seats < 2:
             return 0
-        if len(self.running) >= self.config.max_num_seqs:
+        if len(self.running) >= self.config.admission_limit:
             victim = next((r for r in reversed(self.running)
                            if r.group == group and not self._better(r, head)), None)
             if victim is None:
@@ -214,11 +214,13 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         held = Counter(r.group for r in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.admission_limit:
             request = self.waiting.peek(held)
             computed = bm.get_computed_blocks(request)
             num_hit = len(computed) * bm.block_size
             num_tokens = min(self._capped(request.num_tokens - num_hit), budget)
+            if out.requests and not self._keeps_watermark(num_hit, num_tokens):
+                break
             if not bm.allocate_slots(request, num_tokens, computed):
                 break
             self.waiting.popleft(held)
@@ -227,6 +229,17 @@ class Scheduler:
             out.add(request, num_tokens)
             self._last_served[request] = self._num_steps
             budget -= num_tokens
+
+    def _keeps_watermark(self, num_hit: int, num_tokens: int) -> bool:
+        """Whether a waiting request's `num_tokens` after `num_hit` cached ones leave vLLM's
+        watermark (a fraction of the full-attention group's blocks) free; asked only once
+        others are scheduled in the step, as vLLM does."""
+        if self.config.watermark <= 0:
+            return True
+        bm = self.block_manager
+        group = bm.full if isinstance(bm, HybridBlockManager) else bm
+        needed = group.blocks_needed(num_hit + num_tokens) - num_hit // group.block_size
+        return group.num_free_blocks - needed >= int(self.config.watermark * group.num_usable_blocks)
 
     def _admit(self, request: Request, num_hit: int) -> None:
         if request.status is RequestStatus.WAITING:

@@ -273,6 +273,51 @@ def test_long_prefill_token_threshold_caps_a_prompts_chunk_per_step():
         SchedulerConfig(long_prefill_token_threshold=-1)
 
 
+def test_max_num_scheduled_tokens_caps_a_step_below_the_budget():
+    """vLLM's --max-num-scheduled-tokens: 8 tokens a step out of a 64-token budget."""
+    scheduler = _scheduler(budget=64)
+    scheduler.config = replace(scheduler.config, max_num_scheduled_tokens=8)
+    for i in range(4):
+        scheduler.add_request(_request(f"r{i}"))
+    out = scheduler.schedule()
+    assert scheduler.token_budget() == 8 and out.total_num_scheduled_tokens == 8
+    assert out.num_scheduled_tokens == [3, 3, 2]  # the third prompt chunked
+    assert replace(scheduler.config, max_num_scheduled_tokens=100).step_tokens == 64  # never above the budget
+    with pytest.raises(ValueError, match="max_num_scheduled_tokens"):
+        SchedulerConfig(max_num_scheduled_tokens=0)
+
+
+def test_max_num_active_seqs_admits_fewer_than_max_num_seqs():
+    """vLLM's --max-num-active-seqs: 2 of 4 requests run while max_num_seqs is 8; the others
+    start as the first finish."""
+    scheduler = _scheduler(max_num_seqs=8)
+    scheduler.config = replace(scheduler.config, max_num_active_seqs=2)
+    requests = [_request(f"r{i}", max_tokens=1) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    assert _step(scheduler) == requests[:2] and len(scheduler.running) == 2
+    for request in requests[:2]:
+        scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
+    assert _step(scheduler) == requests[2:]
+    with pytest.raises(ValueError, match="max_num_active_seqs"):
+        SchedulerConfig(max_num_seqs=8, max_num_active_seqs=9)
+
+
+def test_a_watermark_keeps_kv_blocks_free_from_newcomers():
+    """vLLM's --watermark 0.5 on a 10-block pool: newcomers stop where admitting one would
+    leave fewer than 5 blocks free (the first of a step is always admitted)."""
+    def admitted(watermark: float) -> int:
+        scheduler = _scheduler(max_num_seqs=8, num_blocks=10)
+        scheduler.config = replace(scheduler.config, watermark=watermark)
+        for i in range(8):
+            scheduler.add_request(_request(f"r{i}"))  # 3 tokens: one 4-token block each
+        return len(scheduler.schedule().requests)
+
+    assert admitted(0.0) == 8 and admitted(0.5) == 5 and admitted(0.95) == 1
+    with pytest.raises(ValueError, match="watermark"):
+        SchedulerConfig(watermark=1.0)
+
+
 def test_a_step_time_target_cuts_the_budget_to_the_measured_line():
     scheduler = _scheduler(max_num_seqs=100, budget=64, step_ms=30.0)
     assert scheduler.token_budget() == 64  # nothing measured yet

@@ -63,6 +63,8 @@ ENGINE_FLAGS = {
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "scheduling_policy": "scheduling_policy", "step_time_target_ms": "step_time_target_ms",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
+    "max_num_scheduled_tokens": "max_num_scheduled_tokens", "max_num_active_seqs": "max_num_active_seqs",
+    "watermark": "watermark",
     "tensor_parallel_size": "tensor_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size", "nnodes": "nnodes",
     "node_rank": "node_rank", "dist_init_addr": "dist_init_addr", "core_process": "core_process",
@@ -312,6 +314,15 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",
                        help="the most prompt tokens one request computes in a step (vLLM's; 0, "
                             "the default: what the budget has), so long prompts leave room to others")
+    cache.add_argument("--max-num-scheduled-tokens", type=human_int, default=None, metavar="TOKENS",
+                       help="the most tokens the scheduler issues in a step (vLLM's; default: "
+                            "--max-num-batched-tokens)")
+    cache.add_argument("--max-num-active-seqs", type=int, default=None, metavar="N",
+                       help="the most requests running at once, at most --max-num-seqs (vLLM's; "
+                            "default: --max-num-seqs): smaller decode batches")
+    cache.add_argument("--watermark", type=float, default=None, metavar="FRACTION",
+                       help="fraction of KV blocks a waiting or preempted request may not take "
+                            "while others run in the step (vLLM's; 0, the default: none)")
     cache.add_argument("--step-time-target-ms", type=float, default=None, metavar="MS",
                        help="cut each step's token budget to what the last steps' times say "
                             "ends within MS milliseconds (at most --max-num-batched-tokens): a "
