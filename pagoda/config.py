@@ -174,8 +174,11 @@ class SchedulerConfig:
         max_num_active_seqs: vLLM's: the most requests admitted to run, at most `max_num_seqs`
             (None: `max_num_seqs`), so decode batches stay smaller.
         watermark: vLLM's: the fraction of KV blocks a waiting (or preempted) request may not
-            take when others are scheduled in the step, headroom against repeated preemption
-            (0: none).
+            take while others run, headroom against repeated preemption (0: none).
+        scheduler_reserve_full_isl: vLLM's: a waiting request is admitted only when its whole
+            sequence fits in the free blocks, not just its first chunk (fewer preemptions under
+            memory pressure). Off by default, unlike vLLM 0.32: pagoda admits on the first
+            chunk and preempts by recompute when the pool runs short.
     """
 
     max_num_seqs: int = 256
@@ -190,6 +193,7 @@ class SchedulerConfig:
     max_num_scheduled_tokens: int | None = None
     max_num_active_seqs: int | None = None
     watermark: float = 0.0
+    scheduler_reserve_full_isl: bool = False
 
     @property
     def step_tokens(self) -> int:

@@ -219,7 +219,8 @@ class Scheduler:
             computed = bm.get_computed_blocks(request)
             num_hit = len(computed) * bm.block_size
             num_tokens = min(self._capped(request.num_tokens - num_hit), budget)
-            if out.requests and not self._keeps_watermark(num_hit, num_tokens):
+            to_fit = request.num_tokens - num_hit if self.config.scheduler_reserve_full_isl else num_tokens
+            if not self._fits(num_hit, to_fit, self.config.watermark if self.running else 0.0):
                 break
             if not bm.allocate_slots(request, num_tokens, computed):
                 break
@@ -230,16 +231,14 @@ class Scheduler:
             self._last_served[request] = self._num_steps
             budget -= num_tokens
 
-    def _keeps_watermark(self, num_hit: int, num_tokens: int) -> bool:
-        """Whether a waiting request's `num_tokens` after `num_hit` cached ones leave vLLM's
-        watermark (a fraction of the full-attention group's blocks) free; asked only once
-        others are scheduled in the step, as vLLM does."""
-        if self.config.watermark <= 0:
-            return True
+    def _fits(self, num_hit: int, num_tokens: int, watermark: float) -> bool:
+        """Whether `num_tokens` after `num_hit` cached ones fit in the full-attention group's
+        free blocks with vLLM's `watermark` fraction of its blocks left over (the scheduler's
+        admission gate; `allocate_slots` still decides the chunk exactly)."""
         bm = self.block_manager
         group = bm.full if isinstance(bm, HybridBlockManager) else bm
         needed = group.blocks_needed(num_hit + num_tokens) - num_hit // group.block_size
-        return group.num_free_blocks - needed >= int(self.config.watermark * group.num_usable_blocks)
+        return group.num_free_blocks - needed >= int(watermark * group.num_usable_blocks)
 
     def _admit(self, request: Request, num_hit: int) -> None:
         if request.status is RequestStatus.WAITING:

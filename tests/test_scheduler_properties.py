@@ -305,7 +305,7 @@ def test_max_num_active_seqs_admits_fewer_than_max_num_seqs():
 
 def test_a_watermark_keeps_kv_blocks_free_from_newcomers():
     """vLLM's --watermark 0.5 on a 10-block pool: newcomers stop where admitting one would
-    leave fewer than 5 blocks free (the first of a step is always admitted)."""
+    leave fewer than 5 blocks free (the first, with nothing running, is always admitted)."""
     def admitted(watermark: float) -> int:
         scheduler = _scheduler(max_num_seqs=8, num_blocks=10)
         scheduler.config = replace(scheduler.config, watermark=watermark)
@@ -316,6 +316,24 @@ def test_a_watermark_keeps_kv_blocks_free_from_newcomers():
     assert admitted(0.0) == 8 and admitted(0.5) == 5 and admitted(0.95) == 1
     with pytest.raises(ValueError, match="watermark"):
         SchedulerConfig(watermark=1.0)
+
+
+def test_reserve_full_isl_admits_only_a_whole_sequence_that_fits():
+    """vLLM's --scheduler-reserve-full-isl: a 40-token prompt (10 blocks of 4) on a 12-block pool
+    where two decoding requests hold 6 blocks waits, though its first 14-token chunk would fit;
+    without the flag it starts."""
+    def starts(reserve: bool) -> bool:
+        scheduler = _scheduler(max_num_seqs=8, num_blocks=12, budget=16)
+        scheduler.config = replace(scheduler.config, scheduler_reserve_full_isl=reserve)
+        for i in range(2):
+            scheduler.add_request(Request(f"held{i}", list(range(1, 9)), SamplingParams(max_tokens=4), set(),
+                                          max_model_len=MAX_MODEL_LEN))
+        _step(scheduler)  # 8 prompt tokens each: 2 blocks each
+        long = Request("long", list(range(1, 41)), SamplingParams(max_tokens=4), set(), max_model_len=MAX_MODEL_LEN)
+        scheduler.add_request(long)
+        return long in _step(scheduler)
+
+    assert starts(False) and not starts(True)
 
 
 def test_a_step_time_target_cuts_the_budget_to_the_measured_line():

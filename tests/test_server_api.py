@@ -373,11 +373,13 @@ def test_vllms_speculative_shorthands_and_shutdown_timeout():
 
 def test_vllms_admission_knobs_reach_the_scheduler():
     args = serve_parser().parse_args(["serve", "m", "--max-num-scheduled-tokens", "1k", "--max-num-active-seqs", "4",
-                                      "--watermark", "0.01"])
+                                      "--watermark", "0.01", "--scheduler-reserve-full-isl"])
     scheduler = EngineConfig.from_kwargs("m", **engine_kwargs(args)).scheduler
-    assert (scheduler.max_num_scheduled_tokens, scheduler.max_num_active_seqs, scheduler.watermark) == (1000, 4, 0.01)
+    assert (scheduler.max_num_scheduled_tokens, scheduler.max_num_active_seqs, scheduler.watermark,
+            scheduler.scheduler_reserve_full_isl) == (1000, 4, 0.01, True)
     default = EngineConfig.from_kwargs("m").scheduler
-    assert (default.max_num_scheduled_tokens, default.max_num_active_seqs, default.watermark) == (None, None, 0.0)
+    assert (default.max_num_scheduled_tokens, default.max_num_active_seqs, default.watermark,
+            default.scheduler_reserve_full_isl) == (None, None, 0.0, False)
 
 
 def test_long_prefill_token_threshold_reaches_the_scheduler():

@@ -64,7 +64,7 @@ ENGINE_FLAGS = {
     "scheduling_policy": "scheduling_policy", "step_time_target_ms": "step_time_target_ms",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
     "max_num_scheduled_tokens": "max_num_scheduled_tokens", "max_num_active_seqs": "max_num_active_seqs",
-    "watermark": "watermark",
+    "watermark": "watermark", "scheduler_reserve_full_isl": "scheduler_reserve_full_isl",
     "tensor_parallel_size": "tensor_parallel_size",
     "pipeline_parallel_size": "pipeline_parallel_size", "nnodes": "nnodes",
     "node_rank": "node_rank", "dist_init_addr": "dist_init_addr", "core_process": "core_process",
@@ -322,7 +322,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                             "default: --max-num-seqs): smaller decode batches")
     cache.add_argument("--watermark", type=float, default=None, metavar="FRACTION",
                        help="fraction of KV blocks a waiting or preempted request may not take "
-                            "while others run in the step (vLLM's; 0, the default: none)")
+                            "while others run (vLLM's; 0, the default: none)")
+    cache.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=None,
+                       help="admit a waiting request only when its whole sequence fits in the free "
+                            "KV blocks, not just its first chunk (vLLM's; off by default, on in vLLM 0.32)")
     cache.add_argument("--step-time-target-ms", type=float, default=None, metavar="MS",
                        help="cut each step's token budget to what the last steps' times say "
                             "ends within MS milliseconds (at most --max-num-batched-tokens): a "
