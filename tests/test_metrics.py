@@ -11,6 +11,7 @@ from pagoda.config import EngineConfig, SchedulerConfig
 from pagoda.metrics import (
     LoggingStatLogger,
     PrometheusStatLogger,
+    check_histogram_buckets,
     default_stat_loggers,
     format_kv_memory_report,
     render_metrics,
@@ -123,6 +124,35 @@ def test_bucket_sizes_follow_config() -> None:
     assert buckets(registry, "vllm:request_prompt_tokens") == [1, 2, 5, 10, 20, 50, 100]
     assert buckets(registry, "vllm:iteration_tokens_total") == [
         1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def test_custom_histogram_buckets_replace_a_familys_bounds() -> None:
+    """vLLM's --custom-histogram-buckets: a family's bounds replace every histogram's in it;
+    families left out keep vLLM's defaults."""
+    custom = check_histogram_buckets({"request_latency": [0.01, 0.05, 0.1], "inter_token_latency": [0.002, 1],
+                                      "request_tokens": [4, 64], "iteration_tokens": [16, 256]})
+    registry = CollectorRegistry()
+    PrometheusStatLogger(MODEL, EngineConfig(), registry=registry, histogram_buckets=custom)
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "request_inference_time_seconds"):
+        assert buckets(registry, f"vllm:{name}") == [0.01, 0.05, 0.1]
+    assert buckets(registry, "vllm:inter_token_latency_seconds") == [0.002, 1.0]
+    assert buckets(registry, "vllm:request_time_per_output_token_seconds") == [0.002, 1.0]
+    assert buckets(registry, "vllm:request_prompt_tokens") == [4, 64]
+    assert buckets(registry, "vllm:iteration_tokens_total") == [16, 256]
+    assert buckets(registry, "vllm:time_to_first_token_seconds") == VLLM_TTFT
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"latency": [1]}, "unknown bucket family 'latency'"),
+    ({"request_latency": []}, "non-empty list"),
+    ({"request_latency": [0.5, 0.1]}, "strictly increasing"),
+    ({"request_latency": [0, 1]}, "greater than 0"),
+    ({"request_latency": [True, 2]}, "must be a number"),
+    ([0.1], "JSON object"),
+])
+def test_custom_histogram_buckets_refused_with_the_reason(bad: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_histogram_buckets(bad)
 
 
 def test_labels_and_zero_valued_finish_reasons() -> None:

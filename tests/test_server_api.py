@@ -371,6 +371,15 @@ def test_vllms_speculative_shorthands_and_shutdown_timeout():
         unsupported_flag_error(serve_parser().parse_args(["serve", "m", "--worker-cls", "my.Worker"])))
 
 
+def test_custom_histogram_buckets_flag_parsed_and_checked(capsys: pytest.CaptureFixture[str]):
+    args = serve_parser().parse_args(["serve", "m", "--custom-histogram-buckets", '{"request_latency": [0.1, 1]}'])
+    assert args.custom_histogram_buckets == {"request_latency": [0.1, 1.0]}
+    assert serve_parser().parse_args(["serve", "m"]).custom_histogram_buckets is None
+    with pytest.raises(SystemExit):
+        serve_parser().parse_args(["serve", "m", "--custom-histogram-buckets", '{"request_latency": [1, 0.1]}'])
+    assert "strictly increasing" in capsys.readouterr().err
+
+
 def test_vllms_admission_knobs_reach_the_scheduler():
     args = serve_parser().parse_args(["serve", "m", "--max-num-scheduled-tokens", "1k", "--max-num-active-seqs", "4",
                                       "--watermark", "0.01", "--scheduler-reserve-full-isl"])

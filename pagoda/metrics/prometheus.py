@@ -16,6 +16,8 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import weakref
 from typing import TypeVar
 
@@ -48,6 +50,34 @@ STEP_DURATION_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.
                          0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 LABEL_NAMES = ["model_name", "engine"]
+# vLLM's histogram bucket families (vllm/v1/metrics/buckets.py), which --custom-histogram-buckets
+# keys; request_params_n, request_num_preemptions and kv_cache_residency have no histogram here.
+BUCKET_FAMILIES = ("request_latency", "time_to_first_token", "inter_token_latency", "iteration_tokens",
+                   "request_params_n", "request_num_preemptions", "request_tokens", "kv_cache_residency")
+
+
+def check_histogram_buckets(value: object) -> dict[str, list[float]]:
+    """vLLM's --custom-histogram-buckets, parsed JSON: a family -> strictly increasing, positive,
+    finite bounds; ValueError naming what is wrong."""
+    if not isinstance(value, dict):
+        raise ValueError("custom_histogram_buckets: expected a JSON object of bucket family -> bounds")
+    checked: dict[str, list[float]] = {}
+    for family, bounds in value.items():
+        if family not in BUCKET_FAMILIES:
+            raise ValueError(f"custom_histogram_buckets: unknown bucket family {family!r}; "
+                             f"known families: {sorted(BUCKET_FAMILIES)}")
+        if not isinstance(bounds, list) or not bounds:
+            raise ValueError(f"custom_histogram_buckets[{family!r}]: bucket list must be a non-empty list")
+        for bound in bounds:
+            if isinstance(bound, bool) or not isinstance(bound, int | float):
+                raise ValueError(f"custom_histogram_buckets[{family!r}]: bound {bound!r} must be a number")
+            if not math.isfinite(bound) or bound <= 0:
+                raise ValueError(f"custom_histogram_buckets[{family!r}]: bound {bound!r} must be finite "
+                                 "and greater than 0")
+        if any(a >= b for a, b in itertools.pairwise(bounds)):
+            raise ValueError(f"custom_histogram_buckets[{family!r}]: bounds {bounds} must be strictly increasing")
+        checked[family] = [float(b) for b in bounds]
+    return checked
 MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
 
 
@@ -86,10 +116,13 @@ class PrometheusStatLogger(StatLoggerBase):
         config: the engine config (max_model_len and the token budget size the buckets).
         engine_index: the `engine` label ("0" for a single engine).
         registry: where to register; defaults to prometheus_client's global registry.
+        histogram_buckets: vLLM's --custom-histogram-buckets (`check_histogram_buckets`): a
+            family's bounds replace the defaults of every histogram in it.
     """
 
     def __init__(self, model_name: str, config: EngineConfig, engine_index: int = 0,
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None,
+                 histogram_buckets: dict[str, list[float]] | None = None) -> None:
         self.registry = DEFAULT_REGISTRY if registry is None else registry
         for old in _OWNED.pop(self.registry, []):
             self.registry.unregister(old)
@@ -100,7 +133,11 @@ class PrometheusStatLogger(StatLoggerBase):
         self._parallel = config.parallel
         self._num_gpu_blocks = config.cache.num_kv_blocks
         self._last_prefix_totals = (0, 0)
-        token_buckets = build_1_2_5_buckets(config.scheduler.max_model_len)
+        custom = histogram_buckets or {}
+        token_buckets = custom.get("request_tokens") or build_1_2_5_buckets(config.scheduler.max_model_len)
+        ttft_buckets = custom.get("time_to_first_token") or TTFT_BUCKETS
+        token_latency_buckets = custom.get("inter_token_latency") or TOKEN_LATENCY_BUCKETS
+        request_latency_buckets = custom.get("request_latency") or REQUEST_LATENCY_BUCKETS
         g, c, h = self._gauge, self._counter, self._histogram
 
         self.running = g("vllm:num_requests_running", "Number of requests in model execution batches.")
@@ -120,22 +157,22 @@ class PrometheusStatLogger(StatLoggerBase):
             self._success.labels(**self.labels, finished_reason=reason)
 
         self.ttft = h("vllm:time_to_first_token_seconds",
-                      "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+                      "Histogram of time to first token in seconds.", ttft_buckets)
         self.itl = h("vllm:inter_token_latency_seconds",
-                     "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
+                     "Histogram of inter-token latency in seconds.", token_latency_buckets)
         self.tpot = h("vllm:request_time_per_output_token_seconds",
-                      "Histogram of time_per_output_token_seconds per request.", TOKEN_LATENCY_BUCKETS)
+                      "Histogram of time_per_output_token_seconds per request.", token_latency_buckets)
         self.e2e = h("vllm:e2e_request_latency_seconds",
-                     "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+                     "Histogram of e2e request latency in seconds.", request_latency_buckets)
         self.queue = h("vllm:request_queue_time_seconds",
-                       "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+                       "Histogram of time spent in WAITING phase for request.", request_latency_buckets)
         self.prefill = h("vllm:request_prefill_time_seconds",
-                         "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+                         "Histogram of time spent in PREFILL phase for request.", request_latency_buckets)
         self.decode = h("vllm:request_decode_time_seconds",
-                        "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+                        "Histogram of time spent in DECODE phase for request.", request_latency_buckets)
         self.inference = h("vllm:request_inference_time_seconds",
                            "Histogram of time spent in RUNNING phase for request.",
-                           REQUEST_LATENCY_BUCKETS)
+                           request_latency_buckets)
         self.req_prompt_tokens = h("vllm:request_prompt_tokens",
                                    "Number of prefill tokens processed.", token_buckets)
         self.req_generation_tokens = h("vllm:request_generation_tokens",
@@ -147,7 +184,7 @@ class PrometheusStatLogger(StatLoggerBase):
                                  "(excluding cached tokens).", token_buckets)
         self.iteration_tokens = h(
             "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-            iteration_tokens_buckets(config.scheduler.max_num_batched_tokens))
+            custom.get("iteration_tokens") or iteration_tokens_buckets(config.scheduler.max_num_batched_tokens))
 
         self.spec_drafts = c("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = c("vllm:spec_decode_num_draft_tokens",

@@ -39,7 +39,12 @@ from pagoda.config import (
     json_object,
     parse_bytes,
 )
-from pagoda.metrics import LiveStatLogger, default_stat_loggers, format_kv_memory_report
+from pagoda.metrics import (
+    LiveStatLogger,
+    check_histogram_buckets,
+    default_stat_loggers,
+    format_kv_memory_report,
+)
 from pagoda.server.api import CorsPolicy, build_app
 from pagoda.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from pagoda.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
@@ -94,6 +99,14 @@ def json_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
     return value
+
+
+def histogram_buckets_arg(text: str) -> dict[str, list[float]]:
+    """--custom-histogram-buckets: JSON checked as vLLM checks it."""
+    try:
+        return check_histogram_buckets(json.loads(text))
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def human_int(text: str) -> int:
@@ -206,6 +219,10 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                           "stream_options.include_usage")
     net.add_argument("--disable-log-stats", action="store_true",
                      help="turn off the periodic engine stats log")
+    net.add_argument("--custom-histogram-buckets", type=histogram_buckets_arg, default=None, metavar="JSON",
+                     help="Prometheus histogram bounds by vLLM's bucket family, e.g. "
+                          "'{\"request_latency\": [0.01, 0.05, 0.1, 0.5]}' (families: request_latency, "
+                          "time_to_first_token, inter_token_latency, iteration_tokens, request_tokens, ...)")
     net.add_argument("--disable-web-ui", action="store_true",
                      help="do not serve the web page (chat and live stats) at /")
     net.add_argument("--disable-fastapi-docs", action="store_true",
@@ -839,7 +856,7 @@ def _load_engine(model: str, config: EngineConfig, name: str, args: argparse.Nam
                  live: LiveStatLogger | None = None) -> Any:
     from pagoda.async_engine import AsyncLLM
 
-    loggers = default_stat_loggers(name, config, live)
+    loggers = default_stat_loggers(name, config, live, args.custom_histogram_buckets)
     return AsyncLLM.from_engine_args(model=model, stat_loggers=loggers,
                                      stall_timeout=args.engine_stall_timeout,
                                      **engine_kwargs(args))
