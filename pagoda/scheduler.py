@@ -219,8 +219,7 @@ class Scheduler:
             computed = bm.get_computed_blocks(request)
             num_hit = len(computed) * bm.block_size
             num_tokens = min(self._capped(request.num_tokens - num_hit), budget)
-            to_fit = request.num_tokens - num_hit if self.config.scheduler_reserve_full_isl else num_tokens
-            if not self._fits(num_hit, to_fit, self.config.watermark if self.running else 0.0):
+            if not self._admissible(request, num_hit, num_tokens):
                 break
             if not bm.allocate_slots(request, num_tokens, computed):
                 break
@@ -230,6 +229,15 @@ class Scheduler:
             out.add(request, num_tokens)
             self._last_served[request] = self._num_steps
             budget -= num_tokens
+
+    def _admissible(self, request: Request, num_hit: int, num_tokens: int) -> bool:
+        """vLLM's admission gates beyond the chunk's own blocks, each off by default: the whole
+        sequence must fit (`scheduler_reserve_full_isl`), and while others run a `watermark`
+        of the blocks stays free."""
+        reserve, watermark = self.config.scheduler_reserve_full_isl, self.config.watermark if self.running else 0.0
+        if not reserve and watermark <= 0:
+            return True
+        return self._fits(num_hit, request.num_tokens - num_hit if reserve else num_tokens, watermark)
 
     def _fits(self, num_hit: int, num_tokens: int, watermark: float) -> bool:
         """Whether `num_tokens` after `num_hit` cached ones fit in the full-attention group's

@@ -78,6 +78,8 @@ def check_histogram_buckets(value: object) -> dict[str, list[float]]:
             raise ValueError(f"custom_histogram_buckets[{family!r}]: bounds {bounds} must be strictly increasing")
         checked[family] = [float(b) for b in bounds]
     return checked
+
+
 MetricT = TypeVar("MetricT", Counter, Gauge, Histogram)
 
 

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from pagoda.layers.cpu_kernels.ops import DEFAULT_PREFETCH_ROWS
+
 logger = logging.getLogger("pagoda")
 
 ENV = "PAGODA_GEMM_TILE"
@@ -45,7 +47,6 @@ AMX_PROBE_ROWS = (1, 2, 4, 8, 16, 64)  # AMX is timed from one row: it may win t
 PROBE_K = 1024  # a 512 x 1024 bf16 weight: 1 MiB, in L2
 STREAM_PROBE_ROWS = (1, 2, 4, 8)  # the stream probe's row counts (steps that read their weights from memory)
 STREAM_PROBE_SHAPE = (24576, 2048)  # its weight: 96 MiB of bf16, larger than the caches of the CPUs seen
-DEFAULT_PREFETCH_ROWS = 6  # gemm.cpp's kPrefetchRows: one tile prefetches from 6 rows unless measured otherwise
 # NOTE: the FMA tiles must win by this much to be taken: near-equal timings keep vdpbf16ps
 # (fewer instructions, and what the other kernels' numerics were checked against first).
 MARGIN = 0.95
