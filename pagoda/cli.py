@@ -71,12 +71,12 @@ def _run_tune(args: argparse.Namespace) -> int:
     hf_config = load_hf_config(path)
     model = load_model(path, hf_config, torch.bfloat16, torch.device("cpu"), 16)
     lib = cpu_kernels.library()
-    if lib is not None and lib.variant == "avx512bf16":
+    if lib is not None and lib.variant in cpu_kernels.gemm_tiles.KIND_NAMES:
         cpu_kernels.choose_gemm_tiles(lib, retune=True)
         ops = cpu_kernels.ops
         choice = cpu_kernels.gemm_tiles.TileChoice(ops.GEMM_FMA_ROWS, ops.GEMM_AMX_ROWS, ops.GEMM_AMX_INTEGER_ROWS[8],
                                                    ops.GEMM_AMX_INTEGER_ROWS[4], ops.GEMM_PREFETCH_ROWS)
-        print(f"GEMM tiles: {cpu_kernels.gemm_tiles.describe(choice)}")
+        print(f"GEMM tiles: {cpu_kernels.gemm_tiles.describe(choice, lib.variant)}")
     plan = plan_linears(model, retune=True)
     if plan is None:
         print("no bf16 linear to plan (PAGODA_DISABLE_CPU_KERNELS set, or no such layer)", file=sys.stderr)

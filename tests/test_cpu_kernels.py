@@ -361,10 +361,12 @@ def test_gemm_over_x_too_big_to_widen_at_once() -> None:
 @pytest.fixture(params=["dpbf16", "fma", "amx"])
 def gemm_tile_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """The bf16 GEMM on one tile kind from one row, the load-time choice restored after: the
-    avx512bf16 build's vdpbf16ps and fp32 FMA tiles, and AMX tiles where the CPU has them."""
+    avx512bf16 build's vdpbf16ps and fp32 FMA tiles, and AMX tiles where the CPU has them; the
+    avx2 build's register tiles ("dpbf16") and its tiles on widened chunks ("fma")."""
     fma_before, amx_before = ops.GEMM_FMA_ROWS, ops.GEMM_AMX_ROWS
-    if not cpu_kernels.available() or cpu_kernels.library().variant != "avx512bf16":
-        pytest.skip("only the avx512bf16 build has several tile kinds")
+    variant = cpu_kernels.library().variant if cpu_kernels.available() else None
+    if variant not in ("avx512bf16", "avx2") or variant == "avx2" and request.param == "amx":
+        pytest.skip("only the avx512bf16 and avx2 builds have several tile kinds (AMX: avx512bf16)")
     ops.set_gemm_fma_rows(1 if request.param == "fma" else 1 << 62)
     if not ops.set_gemm_amx_rows(1 if request.param == "amx" else 1 << 62) and request.param == "amx":
         pytest.skip("this CPU has no AMX tiles (amx_bf16), or Linux refused the tile data")
@@ -384,6 +386,20 @@ def test_gemm_on_each_tile_kind_matches_fp32_linear(gemm_tile_kind: str) -> None
                           (800, 48, 40, True), (800, 40, 64, False)]:
         x, w, b, want = gemm_case(m, n, k, bias, seed=m * 7 + n + k)
         assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
+
+
+def test_avx2_tile_kinds_give_bit_equal_outputs(gemm_tile_kind: str) -> None:
+    # NOTE: gemm_tiles.MARGINS takes the faster avx2 kind at no margin because of this: both add
+    # each row's products in k order into fp32 FMAs (one row tile, several, odd K, 800 rows).
+    if cpu_kernels.library().variant != "avx2" or gemm_tile_kind != "fma":
+        pytest.skip("the avx2 build's two kinds, compared once")
+    for m, n, k in [(16, 960, 576), (37, 100, 131), (300, 576, 1536), (800, 48, 40)]:
+        x, w, b, _ = gemm_case(m, n, k, True, seed=m + n + k)
+        packed = ops.PackedWeight(w)
+        widened = ops.gemm(x, packed, b)
+        ops.set_gemm_fma_rows(1 << 62)
+        assert torch.equal(ops.gemm(x, packed, b), widened)
+        ops.set_gemm_fma_rows(1)
 
 
 def test_gemm_refuses_mismatched_inputs() -> None:

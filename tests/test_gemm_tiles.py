@@ -52,6 +52,8 @@ def test_the_choice_described_as_the_kernel_runs_it() -> None:
     assert describe(TileChoice(NEVER, 4, 32)) == ("vdpbf16ps up to 3 rows, AMX tiles from 4; "
                                                   "int8: vpdpbusd up to 31 rows, AMX tiles from 32")
     assert describe(TileChoice(NEVER, 4, 16, 8)).endswith("; int4: vpdpbusd up to 7 rows, AMX tiles from 8")
+    # the avx2 build names its own two kinds
+    assert describe(TileChoice(64), "avx2") == "FMAs widening in registers up to 63 rows, FMAs on widened chunks from 64"
 
 
 def test_integer_amx_measured_beside_vpdpbusd_and_cached(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,6 +152,30 @@ def test_forced_choice_skips_the_measurement(monkeypatch: pytest.MonkeyPatch) ->
         raise AssertionError("measured despite the override")
 
     assert gemm_tiles.choose(got.append, run, 64) == TileChoice(fma_rows=8) and got == [TileChoice(fma_rows=8)]
+
+
+def test_avx2_build_chooses_its_widened_chunks_by_the_same_rule(monkeypatch: pytest.MonkeyPatch, caplog) -> None:  # noqa: ANN001
+    # the widened chunks losing below 64 rows and winning there, as on the Zen 3 seen on 2026-12-03
+    # (gemm_ab.py; wider gaps here, timed by sleeps): they take the steps from 64 rows, and the log
+    # names them
+    monkeypatch.delenv(gemm_tiles.ENV, raising=False)
+    zen3 = {8: 1.4, 16: 1.2, 64: 0.6, 256: 0.6}
+    assert decide({64: (1.0, 0.97), 256: (1.0, 0.96)}, gemm_tiles.MARGINS["avx2"]) == 64  # no margin there
+    assert decide({64: (1.0, 0.97), 256: (1.0, 0.96)}) == NEVER
+    state = {"fma": NEVER}
+
+    def apply(choice: TileChoice) -> None:
+        state["fma"] = choice.fma_rows
+
+    def run(x) -> None:  # noqa: ANN001
+        import time
+        rows = x.shape[0]
+        time.sleep(0.002 * (zen3[rows] if state["fma"] <= rows else 1.0))
+
+    with caplog.at_level("INFO", logger="pagoda"):
+        choice = gemm_tiles.choose(apply, run, 16, variant="avx2")  # type: ignore[arg-type]
+    assert choice.fma_rows == 64 and state["fma"] == 64
+    assert "FMAs on widened chunks from 64" in caplog.text and "vdpbf16ps" not in caplog.text
 
 
 def test_measure_times_each_kind_and_leaves_vdpbf16ps_on() -> None:

@@ -19,8 +19,10 @@
 // tile over a chunk), the tile prefetches the stream kPrefetchPairs ahead into L2, so that the
 // weight's transfer and the arithmetic overlap. Threads split the panels (pairs of panels).
 // The AVX2 build widens the weight to fp32 in registers (a shift or a mask per vector) and
-// multiplies with FMAs, in tiles of up to 4 rows x 16 columns; the portable build runs the same
-// loops in plain code (slow: layers route around it).
+// multiplies with FMAs, in tiles of up to 4 rows x 16 columns; from a row count measured at load
+// it widens each chunk of a panel to fp32 once instead, for tiles of 6 rows x 16 columns that
+// multiply it with plain FMAs (`avx2_wide_panel`). The portable build runs the same loops in
+// plain code (slow: layers route around it).
 // Each output is the fp32 sum (+ bias) rounded once to bf16.
 //
 // int8 variant (pagoda_qgemm_int8, quantized weights with one scale per output column). On the
@@ -232,17 +234,29 @@ void tile_fma(const Rows& rows, const bf16* w, int64_t p0, int64_t p1, bool firs
 constexpr int kAvx2Rows = 4;  // 4 rows x 2 vectors of sums + 4 weight vectors + 2 broadcasts
 
 
+// A tile's R rows x V vectors of running sums read from `sums` (zeros when `first`), and written back.
+template <int R, int V>
+inline void load_sums(__m256 (&acc)[R][V], const float* sums, bool first) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kSumsRow + 8 * j);
+}
+template <int R, int V>
+inline void store_sums(const __m256 (&acc)[R][V], float* sums) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) _mm256_storeu_ps(sums + r * kSumsRow + 8 * j, acc[r][j]);
+}
+
 // R rows x one block of 16 columns over k-pairs [p0, p1): a 256-bit load holds 8 columns at
 // both k's of a pair (bf16 k0 in each 32-bit lane's low half, k1 in its high half), widened to
 // fp32 by a shift and a mask, then two FMAs per row and vector.
 template <int R, bool PF>
 void avx2_block(const float* xf, int64_t xf_stride, const bf16* w, int64_t p0, int64_t p1, float* sums, bool first) {
   __m256 acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h)
-      acc[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kSumsRow + 8 * h);
+  load_sums(acc, sums, first);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const float* xp = xf;
   for (int64_t p = p0; p < p1; ++p, xp += 2) {
@@ -262,10 +276,7 @@ void avx2_block(const float* xf, int64_t xf_stride, const bf16* w, int64_t p0, i
       for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_fmadd_ps(wo[h], b, _mm256_fmadd_ps(we[h], a, acc[r][h]));
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(sums + r * kSumsRow + 8 * h, acc[r][h]);
+  store_sums(acc, sums);
 }
 
 // R rows x a whole panel (both blocks, 32 columns) over k-pairs [p0, p1): the panel's 128 bytes
@@ -276,10 +287,7 @@ template <int R, bool PF>
 void avx2_panel(const float* xf, int64_t xf_stride, const bf16* w, int64_t p0, int64_t p1, float* sums, bool first) {
   constexpr int V = kPanelPair / 16;  // 256-bit weight vectors per k-pair
   __m256 acc[R][V];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < V; ++j) acc[r][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * kSumsRow + 8 * j);
+  load_sums(acc, sums, first);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   const float* xp = xf;
   for (int64_t p = p0; p < p1; ++p, xp += 2) {
@@ -296,10 +304,7 @@ void avx2_panel(const float* xf, int64_t xf_stride, const bf16* w, int64_t p0, i
                                     _mm256_fmadd_ps(we, _mm256_broadcast_ss(xp + r * xf_stride), acc[r][j]));
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 4
-    for (int j = 0; j < V; ++j) _mm256_storeu_ps(sums + r * kSumsRow + 8 * j, acc[r][j]);
+  store_sums(acc, sums);
 }
 constexpr int kAvx2PanelRows = 2;  // rows a whole-panel pass takes at once
 constexpr int64_t kMaxWidened = int64_t{1} << 21;  // floats of x widened once per call (8 MB)
@@ -314,6 +319,49 @@ constexpr Avx2BlockFn kAvx2Panels[2][kAvx2PanelRows] = {{avx2_panel<1, false>, a
 constexpr Avx2BlockFn kAvx2Blocks[2][kAvx2Rows] = {
     {avx2_block<1, false>, avx2_block<2, false>, avx2_block<3, false>, avx2_block<4, false>},
     {avx2_block<1, true>, avx2_block<2, true>, avx2_block<3, true>, avx2_block<4, true>}};
+
+// From kAvx2WideFrom rows: each chunk of a panel widened to fp32 once ([k][32 columns], 16 KB,
+// L1-resident), then tiles of 6 rows x 16 columns multiply it with plain fp32 FMAs: per k, two
+// weight loads and 6 broadcasts feed 12 FMAs, and no tile widens the weight again.
+constexpr int kAvx2WideRows = 6;  // 6 x 2 accumulators + 2 weight vectors + a broadcast
+
+// Panel k-pairs [p0, p1) at w (indexed by absolute k-pair) as fp32 [k - 2 p0][32 columns] in wf;
+// prefetches the next chunk into L2.
+inline void widen_panel_chunk(const bf16* w, int64_t p0, int64_t p1, float* wf) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = p0; p < p1; ++p, wf += 2 * kPanel) {
+    const bf16* src = w + p * kPanelPair;
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair + kPanel), _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * j));
+      _mm256_store_ps(wf + 8 * j, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+      _mm256_store_ps(wf + kPanel + 8 * j, _mm256_castsi256_ps(_mm256_and_si256(u, high)));
+    }
+  }
+}
+
+// R rows x 16 columns of a widened chunk (column block at wf, k stride kPanel) over ks k's.
+template <int R>
+void avx2_wide_tile(const float* xf, int64_t xf_stride, const float* wf, int64_t ks, float* sums, bool first) {
+  __m256 acc[R][2];
+  load_sums(acc, sums, first);
+  for (int64_t k = 0; k < ks; ++k, wf += kPanel) {
+    const __m256 b0 = _mm256_load_ps(wf), b1 = _mm256_load_ps(wf + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(xf + r * xf_stride + k);
+      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+    }
+  }
+  store_sums(acc, sums);
+}
+
+using Avx2WideFn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool);
+constexpr Avx2WideFn kAvx2WideTiles[kAvx2WideRows] = {avx2_wide_tile<1>, avx2_wide_tile<2>, avx2_wide_tile<3>,
+                                                       avx2_wide_tile<4>, avx2_wide_tile<5>, avx2_wide_tile<6>};
 
 // The AVX-512 tile's contract, in groups of up to kAvx2Rows rows x one block at a time (the
 // weight chunk is re-read from L1 by each group; only the first prefetches).
@@ -381,8 +429,8 @@ constexpr std::array<std::array<TileFn, kTileRows>, 2> kFmaWideTiles{
     make_fma_tiles<false, 2>(std::make_integer_sequence<int, kWideRows>()),
     make_fma_tiles<true, 2>(std::make_integer_sequence<int, kWideRows>())};
 #endif
-// Steps of at least this many rows take the FMA tiles (AVX-512 build; set at load by
-// measurement, `pagoda_gemm_set_fma_rows`); never by default.
+// Steps of at least this many rows take the FMA tiles (AVX-512 build) or the widened chunks (AVX2
+// build; set at load by measurement, `pagoda_gemm_set_fma_rows`); never by default.
 std::atomic<int64_t> g_fma_rows{int64_t{1} << 62};
 
 // The tiles for a pass of M rows (fma: the FMA tiles, which read x widened once per call).
@@ -524,6 +572,30 @@ inline void widen_x(Problem& P) {
 }
 #endif
 
+#if defined(PAGODA_AVX2)
+// All M rows over panel `index` on the widened chunks (see kAvx2WideRows).
+template <class Source>
+void avx2_wide_panel(const Problem& P, const Source& src, int64_t index, float* sums) {
+  alignas(64) static thread_local float wf[2 * kChunkPairs * kPanel];
+  const int64_t pairs = num_pairs(P.K), c0 = index * kPanel;
+  const Tiling tiling(P.M, kAvx2WideRows);
+  for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
+    const int64_t p1 = std::min(pairs, p0 + kChunkPairs);
+    widen_panel_chunk(src.chunk(index, 1, p0, p1, true).w, p0, p1, wf);
+    for (int t = 0; t < tiling.count; ++t) {
+      const int rows = tiling.rows(t);
+      const Rows r = P.rows(tiling.start[t]);
+      const int64_t n = r.xf ? r.xf_stride : 2 * (p1 - p0);
+      const float* xf = r.xf ? r.xf + 2 * p0 : widen_rows(r, rows, p0, p1);
+      for (int b = 0; b < 2; ++b)
+        kAvx2WideTiles[rows - 1](xf, n, wf + b * kBlock, 2 * (p1 - p0), sums + tiling.start[t] * kSumsRow + b * kBlock,
+                                 p0 == 0);
+    }
+  }
+  emit(P, sums, 0, static_cast<int>(P.M), c0, kPanel);
+}
+#endif
+
 // `make_source(buffer)` gives each thread its Source (`buffer`: that thread's decode buffer).
 template <class MakeSource>
 void gemm_pass(const Problem& problem, MakeSource make_source) {
@@ -554,6 +626,12 @@ void gemm_pass(const Problem& problem, MakeSource make_source) {
     sums.resize(P.M * kSumsRow);
     const auto src = make_source(buffer.data());
     for (int64_t i = i0; i < i1; ++i) {
+#if defined(PAGODA_AVX2)
+      if (P.M >= g_fma_rows.load(std::memory_order_relaxed)) {
+        avx2_wide_panel(P, src, i, sums.data());
+        continue;
+      }
+#endif
       if (!wide)
         panel(P, src, tiling, i, sums.data());
       else if (2 * i + 1 < panels)
@@ -1270,10 +1348,10 @@ bool amx_dot_wins(int64_t rows) {
 
 extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }
 
-// Steps of at least `rows` rows multiply bf16 panels on the FMA tiles (the AVX-512 build; other
-// builds ignore it); returns whether this build has them.
+// Steps of at least `rows` rows multiply bf16 panels on the FMA tiles (the AVX-512 build) or on
+// widened chunks (the AVX2 build; see kAvx2WideRows); returns whether this build has them.
 extern "C" int64_t pagoda_gemm_set_fma_rows(int64_t rows) {
-#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+#if (defined(PAGODA_AVX512) && defined(__AVX512BF16__)) || defined(PAGODA_AVX2)
   pagoda::g_fma_rows.store(rows, std::memory_order_relaxed);
   return 1;
 #else

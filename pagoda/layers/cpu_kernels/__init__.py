@@ -40,8 +40,8 @@ def _adopt(lib: KernelLibrary | None) -> KernelLibrary | None:
 
 
 def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
-    """The avx512bf16 build's GEMM tile kind by row count (gemm_tiles.py): cached, else measured."""
-    if lib.variant != "avx512bf16":
+    """The avx512bf16 and avx2 builds' GEMM tile kind by row count (gemm_tiles.py): cached, else measured."""
+    if lib.variant not in gemm_tiles.KIND_NAMES:
         # one kind: nothing to choose or key the plan by
         ops.GEMM_FMA_ROWS = ops.GEMM_AMX_ROWS = gemm_tiles.NEVER
         ops.GEMM_AMX_INTEGER_ROWS.update({8: gemm_tiles.NEVER, 4: gemm_tiles.NEVER})
@@ -72,7 +72,7 @@ def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
     has_amx = ops.set_gemm_amx_rows(gemm_tiles.NEVER)
     integer = {bits: run(f"int{bits}") for bits in (8, 4) if ops.set_gemm_amx_integer_rows(bits, gemm_tiles.NEVER)}
     gemm_tiles.choose(_apply_tiles, run("bf16"), gemm_tiles.PROBE_K, cache, retune, amx=has_amx,
-                      run_integer=integer, run_stream=run("stream"))
+                      run_integer=integer, run_stream=run("stream"), variant=lib.variant)
 
 
 def _apply_tiles(choice: gemm_tiles.TileChoice) -> None:

@@ -19,8 +19,13 @@ second probe times the choice against the vector tiles with prefetching (from on
 weight larger than the caches, at 1-8 rows, and gives the rows below the first count where
 they stop winning to them (`decide_stream`): on the Intel AMX CPU a one-row pass read 17.8 GB/s
 so against AMX's 15.4 (docs/performance.md), on Zen 4 the hardware prefetcher alone kept pace.
+The `avx2` build has two kinds as well, chosen the same way (`decide`, then the stream probe):
+tiles that widen the weight in registers as they read it, and, from the chosen row count, each
+chunk of a panel widened to fp32 once for 6-row FMA tiles (gemm.cpp's `avx2_wide_panel`; its
+"FMA tiles" here, `TileChoice.fma_rows`).
 `PAGODA_GEMM_TILE` forces it: `dpbf16`, `fma`, `fma:ROWS`, `amx` or `amx:ROWS` (AMX from ROWS,
-every kind alike, vdpbf16ps and vpdpbusd below). Other builds have one tile kind and ignore this.
+every kind alike, vdpbf16ps and vpdpbusd below; on the avx2 build `dpbf16` names its register
+tiles). The portable build has one tile kind and ignores this.
 """
 
 from __future__ import annotations
@@ -41,8 +46,15 @@ from pagoda.layers.cpu_kernels.ops import DEFAULT_PREFETCH_ROWS
 logger = logging.getLogger("pagoda")
 
 ENV = "PAGODA_GEMM_TILE"
+# What each build calls its first and second bf16 tile kinds (log lines, `pagoda tune`).
+KIND_NAMES = {"avx512bf16": ("vdpbf16ps", "fp32 FMAs"),
+              "avx2": ("FMAs widening in registers", "FMAs on widened chunks")}
 NEVER = 1 << 62
 PROBE_ROWS = (4, 8, 16, 64)  # below 4 rows a step streams its weights: vdpbf16ps, fewer chains
+# NOTE: the avx2 build's widened chunks win only where arithmetic binds hard (Zen 3, SmolLM2's
+# linears: 0.95-1.00x the register tiles' time at 64 rows, 0.90-0.91x at 256-512), so its probe
+# reaches prefill's row counts.
+AVX2_PROBE_ROWS = (8, 16, 64, 256)
 AMX_PROBE_ROWS = (1, 2, 4, 8, 16, 64)  # AMX is timed from one row: it may win there too
 PROBE_K = 1024  # a 512 x 1024 bf16 weight: 1 MiB, in L2
 STREAM_PROBE_ROWS = (1, 2, 4, 8)  # the stream probe's row counts (steps that read their weights from memory)
@@ -50,6 +62,9 @@ STREAM_PROBE_SHAPE = (24576, 2048)  # its weight: 96 MiB of bf16, larger than th
 # NOTE: the FMA tiles must win by this much to be taken: near-equal timings keep vdpbf16ps
 # (fewer instructions, and what the other kernels' numerics were checked against first).
 MARGIN = 0.95
+# NOTE: the avx2 build's two kinds add the same products in the same order (bit-equal outputs,
+# tests/test_cpu_kernels.py), so there the faster kind is taken at no margin.
+MARGINS = {"avx512bf16": MARGIN, "avx2": 1.0}
 
 
 @dataclass(frozen=True)
@@ -67,23 +82,23 @@ class TileChoice:
         return self.amx_int8_rows if bits == 8 else self.amx_int4_rows
 
 
-def _wins_from(pairs: Mapping[int, tuple[float, float]]) -> int:
-    """The smallest row count from which the second time beats the first (by MARGIN) at it and at
-    every larger count; NEVER when it does not win at the largest."""
+def _wins_from(pairs: Mapping[int, tuple[float, float]], margin: float = MARGIN) -> int:
+    """The smallest row count from which the second time beats the first (by `margin`) at it and
+    at every larger count; NEVER when it does not win at the largest."""
     start = NEVER
     for rows in sorted(pairs, reverse=True):
         old, new = pairs[rows]
-        if new > MARGIN * old:
+        if new > margin * old:
             break
         start = rows
     return start
 
 
-def decide(timings: Mapping[int, tuple[float, float]]) -> int:
-    """The smallest probed row count from which the FMA tiles beat vdpbf16ps (by MARGIN) at it
+def decide(timings: Mapping[int, tuple[float, float]], margin: float = MARGIN) -> int:
+    """The smallest probed row count from which the FMA tiles beat vdpbf16ps (by `margin`) at it
     and at every larger probed count; NEVER when they do not win at the largest.
     `timings`: rows -> (vdpbf16ps seconds, FMA seconds)."""
-    return _wins_from(timings)
+    return _wins_from(timings, margin)
 
 
 def decide_amx(timings: Mapping[int, tuple[float, float, float]]) -> TileChoice:
@@ -127,11 +142,12 @@ def parse_forced(value: str) -> TileChoice:
 
 
 def measure(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], object],
-            k: int, repeats: int = 9, amx: bool = False) -> dict[int, tuple[float, ...]]:
-    """Best-of-`repeats` seconds of `run(x)` at each probed row count with vdpbf16ps, with the
-    FMA tiles and (`amx`) with the AMX tiles, alternating; leaves vdpbf16ps on."""
+            k: int, repeats: int = 9, amx: bool = False, counts: tuple[int, ...] = PROBE_ROWS) -> dict[int, tuple[float, ...]]:
+    """Best-of-`repeats` seconds of `run(x)` at each probed row count (`counts`; AMX_PROBE_ROWS
+    with `amx`) with vdpbf16ps, with the FMA tiles and (`amx`) with the AMX tiles, alternating;
+    leaves vdpbf16ps on."""
     kinds = [TileChoice(), TileChoice(fma_rows=1)] + ([TileChoice(amx_rows=1)] if amx else [])
-    return _best_times(apply, run, kinds, AMX_PROBE_ROWS if amx else PROBE_ROWS, k, repeats)
+    return _best_times(apply, run, kinds, AMX_PROBE_ROWS if amx else counts, k, repeats)
 
 
 def measure_integer(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], object], bits: int,
@@ -163,7 +179,8 @@ def _best_times(apply: Callable[[TileChoice], object], run: Callable[[torch.Tens
 def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], object], k: int,
            cache: Path | None = None, retune: bool = False, amx: bool = False,
            run_integer: Mapping[int, Callable[[torch.Tensor], object]] | None = None,
-           run_stream: Callable[[torch.Tensor], object] | None = None) -> TileChoice:
+           run_stream: Callable[[torch.Tensor], object] | None = None,
+           variant: str = "avx512bf16") -> TileChoice:
     """Applies and returns the tile choice: forced, else read from `cache` (unless `retune`),
     else measured (AMX too where `amx`; for int8 and int4 panels too, by `run_integer[bits]`;
     the few-row steps on a streamed weight by `run_stream`, of STREAM_PROBE_SHAPE) and written there. The cache keeps one start's noise from flipping the choice (and with it the
@@ -172,7 +189,7 @@ def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], 
     if forced:
         choice = parse_forced(forced)
         apply(choice)
-        logger.info("GEMM tiles (forced by %s): %s", ENV, describe(choice))
+        logger.info("GEMM tiles (forced by %s): %s", ENV, describe(choice, variant))
         return choice
     cached = None if retune or cache is None else _read(cache)
     if cached is not None and min(cached.amx_rows, cached.amx_int8_rows, cached.amx_int4_rows) < NEVER and not amx:
@@ -182,10 +199,10 @@ def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], 
         cached = None
     if cached is not None:
         apply(cached)
-        logger.info("GEMM tiles (cached): %s", describe(cached))
+        logger.info("GEMM tiles (cached): %s", describe(cached, variant))
         return cached
-    timings = measure(apply, run, k, amx=amx)
-    choice = decide_amx(timings) if amx else TileChoice(fma_rows=decide(timings))  # type: ignore[arg-type]
+    timings = measure(apply, run, k, amx=amx, counts=AVX2_PROBE_ROWS if variant == "avx2" else PROBE_ROWS)
+    choice = decide_amx(timings) if amx else TileChoice(fma_rows=decide(timings, MARGINS[variant]))  # type: ignore[arg-type]
     integer = {bits: measure_integer(apply, run_bits, bits, k) for bits, run_bits in (run_integer or {}).items()
                if amx}
     for bits, times in integer.items():
@@ -197,8 +214,9 @@ def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], 
         stream = _best_times(apply, run_stream, [choice, prefetching], STREAM_PROBE_ROWS, STREAM_PROBE_SHAPE[1], 7)
         choice = with_stream(choice, decide_stream(stream))  # type: ignore[arg-type]
     apply(choice)
-    logger.info("GEMM tiles (measured): %s [time / vdpbf16ps time, FMA%s: %s%s%s]", describe(choice),
-                " and AMX" if amx else "", _ratios(timings),
+    first, second = KIND_NAMES[variant]
+    logger.info("GEMM tiles (measured): %s [time / %s time, %s%s: %s%s%s]", describe(choice, variant), first,
+                second, " and AMX" if amx else "", _ratios(timings),
                 "".join(f"; int{bits}, AMX / vpdpbusd: {_ratios(times)}" for bits, times in integer.items()),
                 f"; streamed, vector tiles prefetching / the choice: {_ratios(stream)}" if stream else "")
     if cache is not None:
@@ -253,11 +271,12 @@ def _write(path: Path, choice: TileChoice, timings: Mapping[int, tuple[float, ..
         logger.warning("could not cache the GEMM tile choice in %s (%s)", path.parent, exc)
 
 
-def describe(choice: TileChoice) -> str:
+def describe(choice: TileChoice, variant: str = "avx512bf16") -> str:
     """E.g. "vdpbf16ps up to 3 rows, AMX tiles from 4" (AMX taken first, then the FMA tiles, as
     gemm.cpp does), then "; int8: vpdpbusd up to 15 rows, AMX tiles from 16" (and int4) where AMX
-    takes integer panels."""
-    bf16 = _spans([("vdpbf16ps", 1), ("fp32 FMAs", min(choice.fma_rows, choice.amx_rows)), ("AMX tiles", choice.amx_rows)])
+    takes integer panels; the kinds named as `variant`'s build calls them (KIND_NAMES)."""
+    first, second = KIND_NAMES[variant]
+    bf16 = _spans([(first, 1), (second, min(choice.fma_rows, choice.amx_rows)), ("AMX tiles", choice.amx_rows)])
     if choice.prefetch_rows != DEFAULT_PREFETCH_ROWS:
         bf16 += f"; one vector tile prefetches from {choice.prefetch_rows} row{'s' if choice.prefetch_rows > 1 else ''}"
     return bf16 + "".join(f"; int{bits}: {_spans([('vpdpbusd', 1), ('AMX tiles', choice.integer_rows(bits))])}"
@@ -274,6 +293,6 @@ def _spans(starts: list[tuple[str, int]]) -> str:
                      else f"{name} {start}-{end - 1} rows" for name, start, end in spans)
 
 
-__all__ = ["AMX_PROBE_ROWS", "DEFAULT_PREFETCH_ROWS", "ENV", "NEVER", "STREAM_PROBE_ROWS", "STREAM_PROBE_SHAPE",
+__all__ = ["AMX_PROBE_ROWS", "AVX2_PROBE_ROWS", "DEFAULT_PREFETCH_ROWS", "ENV", "KIND_NAMES", "MARGINS", "NEVER", "STREAM_PROBE_ROWS", "STREAM_PROBE_SHAPE",
            "TileChoice", "cache_path", "choose", "decide", "decide_amx", "decide_stream", "describe", "measure",
            "measure_integer", "parse_forced", "with_stream"]

@@ -410,8 +410,9 @@ GEMM_FMA_ROWS = 1 << 62
 
 
 def set_gemm_fma_rows(rows: int) -> int:
-    """Steps of at least `rows` rows multiply bf16 panels on fp32 FMAs (the avx512bf16 build; the
-    others have one tile kind and ignore it); returns `rows`."""
+    """Steps of at least `rows` rows multiply bf16 panels on fp32 FMAs (the avx512bf16 build) or on
+    chunks widened to fp32 (the avx2 build; the portable one has one tile kind and ignores it);
+    returns `rows`."""
     global GEMM_FMA_ROWS
     if _lib().fn("gemm_set_fma_rows")(rows):
         GEMM_FMA_ROWS = rows
