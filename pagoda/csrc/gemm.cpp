@@ -533,7 +533,14 @@ template <class Source>
 void panel(const Problem& P, const Source& src, const Tiling& tiling, int64_t index, float* sums) {
   const int64_t pairs = num_pairs(P.K), c0 = index * kPanel;
   const bool single = tiling.count == 1;
-  const int64_t chunk = single && Source::kInPlace ? pairs : kChunkPairs;
+#if defined(PAGODA_AVX2)
+  // NOTE: a single AVX2 tile of more than kAvx2PanelTileRows rows is several passes over its
+  // weight (groups of 4 rows x a block): in chunks, so that every pass after the first reads L1.
+  const bool streams = single && Source::kInPlace && tiling.rows(0) <= kAvx2PanelTileRows;
+#else
+  const bool streams = single && Source::kInPlace;
+#endif
+  const int64_t chunk = streams ? pairs : kChunkPairs;
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t p1 = std::min(pairs, p0 + chunk);
     const bool single_prefetches = tiling.rows(0) >= g_prefetch_rows.load(std::memory_order_relaxed);
