@@ -327,6 +327,16 @@ inline int nibble(const uint8_t* q, int64_t i) {
 }
 
 #if defined(PAGODA_AVX2)
+// The scales of the record after the one at `q` (from `offset` to its end): a row reads its
+// scales, past its codes, before the codes, so the next row's are fetched while this one runs
+// (its codes follow this row's in the stream the hardware prefetcher already runs).
+// NOTE: int8 records only: on Zen 3 (qgemv_ab.py, one row, seven paired runs) per-channel int8
+// read 1.00-1.18x faster with it, int4 records (360 bytes a row at K = 576) 0.95x.
+inline void prefetch_next_scales(const uint8_t* q, int64_t row_bytes, int64_t offset) {
+  for (int64_t b = offset; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(q + row_bytes + b), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(q + 2 * row_bytes - 1), _MM_HINT_T0);  // the last line
+}
+
 // n f16 values as fp32, 8 at a time with F16C.
 inline void f16_to_float(const uint16_t* src, float* dst, int64_t n) {
   int64_t i = 0;
@@ -479,6 +489,7 @@ void int8_rows_int(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float*
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
     const auto* q = reinterpret_cast<const int8_t*>(a.w + n * a.row_bytes);
+    prefetch_next_scales(a.w + n * a.row_bytes, a.row_bytes, a.K);
     alignas(64) float dbuf[kMaxF16Scales];  // NOTE: used by f16 scales only
     const float* d = int8_scales(a, q, dbuf);
     GroupScales dg(d, per_group);
