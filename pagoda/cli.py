@@ -71,7 +71,7 @@ def _run_tune(args: argparse.Namespace) -> int:
     hf_config = load_hf_config(path)
     model = load_model(path, hf_config, torch.bfloat16, torch.device("cpu"), 16)
     lib = cpu_kernels.library()
-    if lib is not None and lib.variant in cpu_kernels.gemm_tiles.KIND_NAMES:
+    if lib is not None and lib.variant in cpu_kernels.gemm_tiles.BUILDS:
         cpu_kernels.choose_gemm_tiles(lib, retune=True)
         ops = cpu_kernels.ops
         choice = cpu_kernels.gemm_tiles.TileChoice(ops.GEMM_FMA_ROWS, ops.GEMM_AMX_ROWS, ops.GEMM_AMX_INTEGER_ROWS[8],

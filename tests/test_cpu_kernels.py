@@ -389,7 +389,7 @@ def test_gemm_on_each_tile_kind_matches_fp32_linear(gemm_tile_kind: str) -> None
 
 
 def test_avx2_tile_kinds_give_bit_equal_outputs(gemm_tile_kind: str) -> None:
-    # NOTE: gemm_tiles.MARGINS takes the faster avx2 kind at no margin because of this: both add
+    # NOTE: gemm_tiles.BUILDS takes the faster avx2 kind at no margin because of this: both add
     # each row's products in k order into fp32 FMAs (one row tile, several, odd K, 800 rows).
     if cpu_kernels.library().variant != "avx2" or gemm_tile_kind != "fma":
         pytest.skip("the avx2 build's two kinds, compared once")

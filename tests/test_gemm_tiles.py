@@ -160,7 +160,7 @@ def test_avx2_build_chooses_its_widened_chunks_by_the_same_rule(monkeypatch: pyt
     # names them
     monkeypatch.delenv(gemm_tiles.ENV, raising=False)
     zen3 = {8: 1.4, 16: 1.2, 64: 0.6, 256: 0.6}
-    assert decide({64: (1.0, 0.97), 256: (1.0, 0.96)}, gemm_tiles.MARGINS["avx2"]) == 64  # no margin there
+    assert decide({64: (1.0, 0.97), 256: (1.0, 0.96)}, gemm_tiles.BUILDS["avx2"].margin) == 64  # no margin there
     assert decide({64: (1.0, 0.97), 256: (1.0, 0.96)}) == NEVER
     state = {"fma": NEVER}
 

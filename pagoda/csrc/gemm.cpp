@@ -459,7 +459,7 @@ struct Problem {
   int64_t ys, M, N, K;
   const float* xf = nullptr;  // see Rows
   int64_t xf_stride = 0;
-  bool fma = false;  // the FMA tiles (`Tiles`), over xf
+  bool fma = false;  // the FMA tiles (`Tiles`), over xf; on AVX2 the widened chunks (`avx2_wide_panel`)
 
   Rows rows(int64_t m0) const { return {x + m0 * xs, xs, K, xf ? xf + m0 * xf_stride : nullptr, xf_stride}; }
 };
@@ -612,6 +612,7 @@ void gemm_pass(const Problem& problem, MakeSource make_source) {
   // allocated); bigger passes widen per chunk as before.
   Problem P = problem;
   if (P.M * 2 * num_pairs(P.K) <= kMaxWidened) widen_x(P);
+  P.fma = P.M >= g_fma_rows.load(std::memory_order_relaxed);  // the widened chunks (avx2_wide_panel)
 #elif defined(PAGODA_AVX512) && defined(__AVX512BF16__)
   Problem P = problem;
   using Source = decltype(make_source(static_cast<bf16*>(nullptr)));
@@ -634,7 +635,7 @@ void gemm_pass(const Problem& problem, MakeSource make_source) {
     const auto src = make_source(buffer.data());
     for (int64_t i = i0; i < i1; ++i) {
 #if defined(PAGODA_AVX2)
-      if (P.M >= g_fma_rows.load(std::memory_order_relaxed)) {
+      if (P.fma) {
         avx2_wide_panel(P, src, i, sums.data());
         continue;
       }

@@ -41,7 +41,7 @@ def _adopt(lib: KernelLibrary | None) -> KernelLibrary | None:
 
 def choose_gemm_tiles(lib: KernelLibrary, retune: bool = False) -> None:
     """The avx512bf16 and avx2 builds' GEMM tile kind by row count (gemm_tiles.py): cached, else measured."""
-    if lib.variant not in gemm_tiles.KIND_NAMES:
+    if lib.variant not in gemm_tiles.BUILDS:
         # one kind: nothing to choose or key the plan by
         ops.GEMM_FMA_ROWS = ops.GEMM_AMX_ROWS = gemm_tiles.NEVER
         ops.GEMM_AMX_INTEGER_ROWS.update({8: gemm_tiles.NEVER, 4: gemm_tiles.NEVER})

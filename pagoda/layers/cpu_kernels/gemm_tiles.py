@@ -46,15 +46,8 @@ from pagoda.layers.cpu_kernels.ops import DEFAULT_PREFETCH_ROWS
 logger = logging.getLogger("pagoda")
 
 ENV = "PAGODA_GEMM_TILE"
-# What each build calls its first and second bf16 tile kinds (log lines, `pagoda tune`).
-KIND_NAMES = {"avx512bf16": ("vdpbf16ps", "fp32 FMAs"),
-              "avx2": ("FMAs widening in registers", "FMAs on widened chunks")}
 NEVER = 1 << 62
 PROBE_ROWS = (4, 8, 16, 64)  # below 4 rows a step streams its weights: vdpbf16ps, fewer chains
-# NOTE: the avx2 build's widened chunks win only where arithmetic binds hard (Zen 3, SmolLM2's
-# linears: 0.95-1.00x the register tiles' time at 64 rows, 0.90-0.91x at 256-512), so its probe
-# reaches prefill's row counts.
-AVX2_PROBE_ROWS = (8, 16, 64, 256)
 AMX_PROBE_ROWS = (1, 2, 4, 8, 16, 64)  # AMX is timed from one row: it may win there too
 PROBE_K = 1024  # a 512 x 1024 bf16 weight: 1 MiB, in L2
 STREAM_PROBE_ROWS = (1, 2, 4, 8)  # the stream probe's row counts (steps that read their weights from memory)
@@ -62,9 +55,24 @@ STREAM_PROBE_SHAPE = (24576, 2048)  # its weight: 96 MiB of bf16, larger than th
 # NOTE: the FMA tiles must win by this much to be taken: near-equal timings keep vdpbf16ps
 # (fewer instructions, and what the other kernels' numerics were checked against first).
 MARGIN = 0.95
-# NOTE: the avx2 build's two kinds add the same products in the same order (bit-equal outputs,
-# tests/test_cpu_kernels.py), so there the faster kind is taken at no margin.
-MARGINS = {"avx512bf16": MARGIN, "avx2": 1.0}
+
+
+@dataclass(frozen=True)
+class BuildTiles:
+    """How a kernel build's two bf16 tile kinds are named (log lines, `pagoda tune`), probed and
+    decided between."""
+
+    names: tuple[str, str]
+    margin: float = MARGIN
+    probe_rows: tuple[int, ...] = PROBE_ROWS
+
+
+# The builds with two bf16 tile kinds. NOTE: the avx2 build's add the same products in the same
+# order (bit-equal outputs, tests/test_cpu_kernels.py), so the faster is taken at no margin; its
+# widened chunks win only where arithmetic binds hard (Zen 3, SmolLM2's linears: 0.95-1.00x the
+# register tiles' time at 64 rows, 0.90-0.91x at 256-512), so its probe reaches prefill's rows.
+BUILDS = {"avx512bf16": BuildTiles(("vdpbf16ps", "fp32 FMAs")),
+          "avx2": BuildTiles(("FMAs widening in registers", "FMAs on widened chunks"), 1.0, (8, 16, 64, 256))}
 
 
 @dataclass(frozen=True)
@@ -201,8 +209,9 @@ def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], 
         apply(cached)
         logger.info("GEMM tiles (cached): %s", describe(cached, variant))
         return cached
-    timings = measure(apply, run, k, amx=amx, counts=AVX2_PROBE_ROWS if variant == "avx2" else PROBE_ROWS)
-    choice = decide_amx(timings) if amx else TileChoice(fma_rows=decide(timings, MARGINS[variant]))  # type: ignore[arg-type]
+    build = BUILDS[variant]
+    timings = measure(apply, run, k, amx=amx, counts=build.probe_rows)
+    choice = decide_amx(timings) if amx else TileChoice(fma_rows=decide(timings, build.margin))  # type: ignore[arg-type]
     integer = {bits: measure_integer(apply, run_bits, bits, k) for bits, run_bits in (run_integer or {}).items()
                if amx}
     for bits, times in integer.items():
@@ -214,9 +223,7 @@ def choose(apply: Callable[[TileChoice], object], run: Callable[[torch.Tensor], 
         stream = _best_times(apply, run_stream, [choice, prefetching], STREAM_PROBE_ROWS, STREAM_PROBE_SHAPE[1], 7)
         choice = with_stream(choice, decide_stream(stream))  # type: ignore[arg-type]
     apply(choice)
-    first, second = KIND_NAMES[variant]
-    logger.info("GEMM tiles (measured): %s [time / %s time, %s%s: %s%s%s]", describe(choice, variant), first,
-                second, " and AMX" if amx else "", _ratios(timings),
+    logger.info("GEMM tiles (measured): %s [time / %s time, %s%s: %s%s%s]", describe(choice, variant), *build.names, " and AMX" if amx else "", _ratios(timings),
                 "".join(f"; int{bits}, AMX / vpdpbusd: {_ratios(times)}" for bits, times in integer.items()),
                 f"; streamed, vector tiles prefetching / the choice: {_ratios(stream)}" if stream else "")
     if cache is not None:
@@ -274,8 +281,8 @@ def _write(path: Path, choice: TileChoice, timings: Mapping[int, tuple[float, ..
 def describe(choice: TileChoice, variant: str = "avx512bf16") -> str:
     """E.g. "vdpbf16ps up to 3 rows, AMX tiles from 4" (AMX taken first, then the FMA tiles, as
     gemm.cpp does), then "; int8: vpdpbusd up to 15 rows, AMX tiles from 16" (and int4) where AMX
-    takes integer panels; the kinds named as `variant`'s build calls them (KIND_NAMES)."""
-    first, second = KIND_NAMES[variant]
+    takes integer panels; the kinds named as `variant`'s build calls them (BUILDS)."""
+    first, second = BUILDS[variant].names
     bf16 = _spans([(first, 1), (second, min(choice.fma_rows, choice.amx_rows)), ("AMX tiles", choice.amx_rows)])
     if choice.prefetch_rows != DEFAULT_PREFETCH_ROWS:
         bf16 += f"; one vector tile prefetches from {choice.prefetch_rows} row{'s' if choice.prefetch_rows > 1 else ''}"
@@ -293,6 +300,6 @@ def _spans(starts: list[tuple[str, int]]) -> str:
                      else f"{name} {start}-{end - 1} rows" for name, start, end in spans)
 
 
-__all__ = ["AMX_PROBE_ROWS", "AVX2_PROBE_ROWS", "DEFAULT_PREFETCH_ROWS", "ENV", "KIND_NAMES", "MARGINS", "NEVER", "STREAM_PROBE_ROWS", "STREAM_PROBE_SHAPE",
+__all__ = ["AMX_PROBE_ROWS", "BUILDS", "DEFAULT_PREFETCH_ROWS", "BuildTiles", "ENV", "NEVER", "STREAM_PROBE_ROWS", "STREAM_PROBE_SHAPE",
            "TileChoice", "cache_path", "choose", "decide", "decide_amx", "decide_stream", "describe", "measure",
            "measure_integer", "parse_forced", "with_stream"]
