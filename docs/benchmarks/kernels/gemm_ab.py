@@ -4,10 +4,15 @@ pass by pass over 15 passes (the first dropped): an A/B of the GEMM that holds o
 machine.
 
 Usage: python gemm_ab.py LIB_A.so LIB_B.so M [M ...]
+Env: SHAPE=1b the Llama-3.2-1B shape's 16 layers instead (2.1 GB); FMA_ROWS_A / FMA_ROWS_B the row
+count from which each build takes its second tile kind (`pagoda_gemm_set_fma_rows`: the AVX-512
+build's FMA tiles, the AVX2 build's widened chunks; default: never); PASSES (15).
+A and B must be different files (one file loads once: copy it to compare a build with itself).
 Build A from another checkout (a git worktree: `python -m pagoda.layers.cpu_kernels` there);
 copy a .so away before rebuilding, since a build replaces its variant's older files.
 """
 import ctypes
+import os
 import statistics
 import sys
 import time
@@ -19,15 +24,18 @@ from pagoda.layers.cpu_kernels import ops
 
 cpu_kernels.library()
 libs = [ctypes.CDLL(p) for p in sys.argv[1:3]]
-H, INTER = 576, 1536
-shapes = [(960, H), (H, H), (2 * INTER, H), (H, INTER)]
+H, QKV, INTER, LAYERS = (2048, 3072, 8192, 16) if os.environ.get("SHAPE") == "1b" else (576, 960, 1536, 30)
+shapes = [(QKV, H), (H, H), (2 * INTER, H), (H, INTER)]
 torch.manual_seed(0)
-weights = [ops.PackedWeight((torch.randn(n, k) * 0.05).to(torch.bfloat16)) for _ in range(30) for n, k in shapes]
+weights = [ops.PackedWeight((torch.randn(n, k) * 0.05).to(torch.bfloat16)) for _ in range(LAYERS) for n, k in shapes]
 L, P = ctypes.c_int64, ctypes.c_void_p
 for lib in libs:
     lib.pagoda_gemm_packed.argtypes = [P, P, L, P, P, L, L]
     lib.pagoda_set_num_threads.argtypes = [ctypes.c_int]
     lib.pagoda_set_num_threads(2)
+for lib, env in zip(libs, ("FMA_ROWS_A", "FMA_ROWS_B"), strict=True):
+    if os.environ.get(env):
+        lib.pagoda_gemm_set_fma_rows(ctypes.c_int64(int(os.environ[env])))
 cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
 print(f"# {cpu}; load {open('/proc/loadavg').read().split()[:3]}")
 for m in [int(a) for a in sys.argv[3:]] or [16]:
@@ -41,7 +49,7 @@ for m in [int(a) for a in sys.argv[3:]] or [16]:
         return time.perf_counter() - start
 
     times: list[list[float]] = [[], []]
-    for _ in range(15):
+    for _ in range(int(os.environ.get("PASSES", 15))):
         for j, lib in enumerate(libs):
             times[j].append(one_pass(lib))
     a, b = (statistics.median(t[1:]) for t in times)
