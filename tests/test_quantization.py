@@ -198,8 +198,8 @@ def test_tensor_parallel_int8_equals_one_process(tiny_llama) -> None:
         llm.engine.shutdown()
 
 
-@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()),
-                    reason="needs the native GEMM (avx512bf16 kernels)")
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.panels_are_native("int4")),
+                    reason="needs the GEMM's integer panels (avx512bf16 or avx2 kernels)")
 def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
     from torch import nn
 
@@ -219,19 +219,24 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
     dense = [m.method.dequantize(torch.float32) for m in model]
     for layer in model:
         layer.weight.data = torch.empty(0, dtype=torch.bfloat16)
-    assert prepack_for_cpu(model) == 2
+    # NOTE: int8 panels where vpdpbusd multiplies them (avx512bf16); the avx2 build keeps int8 records.
+    int8_panels = cpu_kernels.ops.panels_are_native("int8")
+    assert prepack_for_cpu(model) == (2 if int8_panels else 1)
     assert model[1].method.panels is None and model[1].method.packed is not None
     rows = torch.tensor([39, 0, 33, 32])
     for layer, w in zip(model, dense, strict=True):
         method = layer.method
-        assert layer is model[1] or (method.packed is None and method.panels is not None)
+        repacked = layer is model[2] or (layer is model[0] and int8_panels)
+        assert (method.packed is None and method.panels is not None) == repacked
         assert torch.equal(method.dequantize(torch.bfloat16, True, rows), w[rows].to(torch.bfloat16))
         assert torch.equal(method.dequantize(torch.float32), w)
         # NOTE: records above NATIVE_MAX_ROWS multiply a bf16-rounded dense weight: looser.
         for m in (1, 17, 70) if method.panels is not None else (1, 16):
             x = torch.randn(m, layer.in_features, generator=gen).to(torch.bfloat16)
-            # NOTE: the panels round x to int8 codes by groups (ops.Int4Panels, Int8Panels)
-            group = method.panels.x_group(m) if method.panels is not None else 0
+            # NOTE: the panels round x to int8 codes by groups (ops.Int4Panels, Int8Panels), and
+            # so does the avx2 build's records GEMV (`qgemv_x_group`)
+            group = (method.panels.x_group(m) if method.panels is not None
+                     else cpu_kernels.ops.qgemv_x_group(layer.in_features, method.group_size))
             xr = packing.round_to_int8_groups(x, group) if group else x.float()
             # NOTE: on AMX tiles int4 panels are widened to a bf16 weight
             widened = isinstance(method.panels, cpu_kernels.ops.Int4Panels) and method.panels.amx_at(m)

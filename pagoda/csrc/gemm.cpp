@@ -342,16 +342,17 @@ inline void widen_panel_chunk(const bf16* w, int64_t p0, int64_t p1, float* wf) 
   }
 }
 
-// R rows x 16 columns of a widened chunk (column block at wf, k stride kPanel) over ks k's.
+// R rows x 16 columns of a widened chunk (column block at wf, k stride kPanel) over ks k's, the
+// rows' x packed at xt as [k][R] (`pack_x_tiles`).
 template <int R>
-void avx2_wide_tile(const float* xf, int64_t xf_stride, const float* wf, int64_t ks, float* sums, bool first) {
+void avx2_wide_tile(const float* xt, const float* wf, int64_t ks, float* sums, bool first) {
   __m256 acc[R][2];
   load_sums(acc, sums, first);
-  for (int64_t k = 0; k < ks; ++k, wf += kPanel) {
+  for (int64_t k = 0; k < ks; ++k, wf += kPanel, xt += R) {
     const __m256 b0 = _mm256_load_ps(wf), b1 = _mm256_load_ps(wf + 8);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m256 a = _mm256_broadcast_ss(xf + r * xf_stride + k);
+      const __m256 a = _mm256_broadcast_ss(xt + r);
       acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
     }
@@ -359,7 +360,7 @@ void avx2_wide_tile(const float* xf, int64_t xf_stride, const float* wf, int64_t
   store_sums(acc, sums);
 }
 
-using Avx2WideFn = void (*)(const float*, int64_t, const float*, int64_t, float*, bool);
+using Avx2WideFn = void (*)(const float*, const float*, int64_t, float*, bool);
 constexpr Avx2WideFn kAvx2WideTiles[kAvx2WideRows] = {avx2_wide_tile<1>, avx2_wide_tile<2>, avx2_wide_tile<3>,
                                                        avx2_wide_tile<4>, avx2_wide_tile<5>, avx2_wide_tile<6>};
 
@@ -580,23 +581,45 @@ inline void widen_x(Problem& P) {
 #endif
 
 #if defined(PAGODA_AVX2)
-// All M rows over panel `index` on the widened chunks (see kAvx2WideRows).
+// x packed once per call for the widened-chunk tiles (`Tiling(M, kAvx2WideRows)`): chunk by chunk
+// of kChunkPairs k-pairs (the chunk at k-pair p0 from 2 * p0 * M), tile t of the chunk (rows [s, s
+// + r)) from s * n as [k][r] (n: the chunk's k's); x[K] read as 0 for an odd K.
+// NOTE: read in place, a tile's rows are K floats apart: with K a multiple of 1,024 every row's
+// line falls into the same L1 set, and 16-32 rows overflow its 8 ways (a 32-row pass over the 1B
+// shape ran at 70 GFLOP/s on Zen 3). Packed, a chunk's x is one contiguous block next to its
+// widened weight.
+inline const float* pack_x_tiles(const Problem& P, const Tiling& tiling) {
+  static thread_local std::vector<float> xt;
+  const int64_t pairs = num_pairs(P.K);
+  xt.resize(P.M * 2 * pairs);
+  for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
+    const int64_t k0 = 2 * p0, n = 2 * (std::min(pairs, p0 + kChunkPairs) - p0);
+    for (int t = 0; t < tiling.count; ++t) {
+      const int rows = tiling.rows(t);
+      float* out = xt.data() + k0 * P.M + tiling.start[t] * n;
+      for (int r = 0; r < rows; ++r) {
+        const bf16* x = P.x + (tiling.start[t] + r) * P.xs;
+        for (int64_t k = 0; k < n; ++k) out[k * rows + r] = k0 + k < P.K ? to_float(x[k0 + k]) : 0.f;
+      }
+    }
+  }
+  return xt.data();
+}
+
+// All M rows over panel `index` on the widened chunks (see kAvx2WideRows), x packed at P.xf.
 template <class Source>
 void avx2_wide_panel(const Problem& P, const Source& src, int64_t index, float* sums) {
   alignas(64) static thread_local float wf[2 * kChunkPairs * kPanel];
   const int64_t pairs = num_pairs(P.K), c0 = index * kPanel;
   const Tiling tiling(P.M, kAvx2WideRows);
   for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
-    const int64_t p1 = std::min(pairs, p0 + kChunkPairs);
+    const int64_t p1 = std::min(pairs, p0 + kChunkPairs), n = 2 * (p1 - p0);
     widen_panel_chunk(src.chunk(index, 1, p0, p1, true).w, p0, p1, wf);
     for (int t = 0; t < tiling.count; ++t) {
-      const int rows = tiling.rows(t);
-      const Rows r = P.rows(tiling.start[t]);
-      const int64_t n = r.xf ? r.xf_stride : 2 * (p1 - p0);
-      const float* xf = r.xf ? r.xf + 2 * p0 : widen_rows(r, rows, p0, p1);
+      const float* xt = P.xf + 2 * p0 * P.M + tiling.start[t] * n;
       for (int b = 0; b < 2; ++b)
-        kAvx2WideTiles[rows - 1](xf, n, wf + b * kBlock, 2 * (p1 - p0), sums + tiling.start[t] * kSumsRow + b * kBlock,
-                                 p0 == 0);
+        kAvx2WideTiles[tiling.rows(t) - 1](xt, wf + b * kBlock, n, sums + tiling.start[t] * kSumsRow + b * kBlock,
+                                           p0 == 0);
     }
   }
   emit(P, sums, 0, static_cast<int>(P.M), c0, kPanel);
@@ -611,8 +634,11 @@ void gemm_pass(const Problem& problem, MakeSource make_source) {
   // 16-row step (perf, SmolLM2 at 16 streams). Up to kMaxWidened floats (the buffer stays
   // allocated); bigger passes widen per chunk as before.
   Problem P = problem;
-  if (P.M * 2 * num_pairs(P.K) <= kMaxWidened) widen_x(P);
   P.fma = P.M >= g_fma_rows.load(std::memory_order_relaxed);  // the widened chunks (avx2_wide_panel)
+  if (P.fma)
+    P.xf = pack_x_tiles(P, Tiling(P.M, kAvx2WideRows));
+  else if (P.M * 2 * num_pairs(P.K) <= kMaxWidened)
+    widen_x(P);
 #elif defined(PAGODA_AVX512) && defined(__AVX512BF16__)
   Problem P = problem;
   using Source = decltype(make_source(static_cast<bf16*>(nullptr)));
@@ -676,6 +702,12 @@ struct Int4Rows {
   float* sx;   // [rows, G]
   int64_t K, G;
   Int4Rows from(int64_t m) const { return {xq + m * K, dx + m * G, sx + m * G, K, G}; }
+  // Row m's 4 x codes of k-pairs p, p + 1 (kInt4Order), as the 32-bit lane the tiles broadcast.
+  int32_t quad(int m, int64_t p) const {
+    int32_t q;
+    std::memcpy(&q, xq + m * K + 2 * p, sizeof(q));
+    return q;
+  }
 };
 
 struct Int4Problem {
@@ -704,6 +736,18 @@ void quantize_row(const bf16* x, int64_t gs, const Int4Rows& out) {
       const __m512i r = _mm512_cvtps_epi32(_mm512_permute_ps((load(xg + i) * vset1(inv)).v, 0xD8));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(r));
       sum += _mm512_reduce_add_epi32(r);
+#elif defined(PAGODA_AVX2)
+      // the same: codes in [-127, 127] (|x| * inv <= 127), so packing saturates nothing
+      const Vf v = load(xg + i) * vset1(inv);
+      const __m256i lo = _mm256_cvtps_epi32(_mm256_permute_ps(v.lo, 0xD8));
+      const __m256i hi = _mm256_cvtps_epi32(_mm256_permute_ps(v.hi, 0xD8));
+      const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // 16 in order
+      const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words), 0x08);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(bytes));
+      const __m256i s8 = _mm256_add_epi32(lo, hi);
+      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+      const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      sum += _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
 #else
       for (int j = 0; j < kBlock; ++j) {
         const auto r = static_cast<int8_t>(std::clamp(std::nearbyint(to_float(xg[i + j]) * inv), -127.f, 127.f));
@@ -748,9 +792,7 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
       const __m512i v0 = _mm512_and_si512(raw, low), v1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        int32_t quad;
-        std::memcpy(&quad, x.xq + m * x.K + 2 * p, sizeof(quad));
-        const __m512i xv = _mm512_set1_epi32(quad);
+        const __m512i xv = _mm512_set1_epi32(x.quad(m, p));
         __m512i* acc = part[m] + 2 * half;
         acc[0] = _mm512_dpbusd_epi32(acc[0], v0, xv);
         acc[1] = _mm512_dpbusd_epi32(acc[1], v1, xv);
@@ -781,6 +823,88 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < 2; ++b) _mm512_storeu_ps(sums + m * kSumsRow + b * kBlock, acc[m][b]);
+}
+
+#elif defined(PAGODA_AVX2)
+
+// The AVX2 build multiplies the same panels on vpmaddubsw, as llama.cpp's AVX2 Q4_0 dot products
+// do: u8 codes times s8 x codes, adjacent products summed into int16 (a step's 4 k's give each
+// column two words of at most 2 * 15 * 127, so 8 steps, 32 k's, add up exactly in int16), then
+// vpmaddwd by ones moves a column's two words into its int32 lane. A step's 64 bytes are two
+// 32-byte halves, each the codes of 8 columns (low nibbles) and of the 8 columns 16 on (high).
+// Group sums are then scaled as on AVX-512 (same operations, same order: the same fp32 sums).
+// NOTE: 3 rows a pass (3 x 2 word sums + 2 code vectors + the raw codes + x + the mask): on Zen 3
+// 1.1-1.2x faster than 2 from 16 rows, 4 no faster (docs/performance.md, "int4 panels on AVX2").
+constexpr int kInt4Avx2Rows = 3;
+constexpr int kInt4Avx2Cols[4] = {0, kBlock, 8, kBlock + 8};  // each code vector's first column
+
+// R rows (at most kInt4Avx2Rows) x one int4 panel over k-pairs [p0, p1), whole groups; adds into sums.
+template <int R, bool PF>
+void int4_rows_avx2(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint16_t* dm, int64_t p0,
+                    int64_t p1, Sums sums) {
+  constexpr int64_t kExactPairs = 16;  // k-pairs whose words add up exactly in int16
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  int64_t g = p0 / group_pairs;
+  for (int64_t g0 = p0; g0 < p1; g0 += group_pairs, ++g) {
+    __m256i part[R][4];
+    for (int m = 0; m < R; ++m)
+      for (int j = 0; j < 4; ++j) part[m][j] = _mm256_setzero_si256();
+    // NOTE: one 32-byte half of the steps at a time (the second re-read from L1), so that the
+    // word sums stay in registers: both halves at once left two of 8 on the stack, a
+    // store-to-load chain a step.
+    for (int h = 0; h < 2; ++h)
+      for (int64_t s0 = g0; s0 < g0 + group_pairs; s0 += kExactPairs) {
+        __m256i words[R][2];
+        for (int m = 0; m < R; ++m) words[m][0] = words[m][1] = _mm256_setzero_si256();
+        for (int64_t p = s0; p < std::min(g0 + group_pairs, s0 + kExactPairs); p += 2) {
+          const uint8_t* src = w + p * kInt4PairBytes + 32 * h;
+          if constexpr (PF)
+            if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kInt4PairBytes), _MM_HINT_T1);
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+          const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+#pragma GCC unroll 4
+          for (int m = 0; m < R; ++m) {
+            const __m256i xv = _mm256_set1_epi32(x.quad(m, p));
+            words[m][0] = _mm256_add_epi16(words[m][0], _mm256_maddubs_epi16(lo, xv));
+            words[m][1] = _mm256_add_epi16(words[m][1], _mm256_maddubs_epi16(hi, xv));
+          }
+        }
+        for (int m = 0; m < R; ++m)
+          for (int e = 0; e < 2; ++e)
+            part[m][2 * h + e] = _mm256_add_epi32(part[m][2 * h + e], _mm256_madd_epi16(words[m][e], ones));
+      }
+    const uint16_t* s = dm + g * 2 * kPanel;
+    __m256 d[4], off[4];
+    for (int j = 0; j < 4; ++j) {
+      d[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kInt4Avx2Cols[j])));
+      off[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + kPanel + kInt4Avx2Cols[j])));
+    }
+    for (int m = 0; m < R; ++m) {
+      const __m256 scale = _mm256_set1_ps(x.dx[m * x.G + g]), xs = _mm256_set1_ps(x.sx[m * x.G + g]);
+      for (int j = 0; j < 4; ++j) {
+        float* out = sums + m * kSumsRow + kInt4Avx2Cols[j];
+        const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(part[m][j]), scale);
+        _mm256_storeu_ps(out, _mm256_fmadd_ps(off[j], xs, _mm256_fmadd_ps(d[j], t, _mm256_loadu_ps(out))));
+      }
+    }
+  }
+}
+
+// Rows [0, MR) x one int4 panel, kInt4Avx2Rows rows at a time (the first pass prefetches).
+template <int MR, bool PF>
+void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint16_t* dm, int64_t p0, int64_t p1,
+               bool first, Sums sums) {
+  if (first)
+    for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
+  using Pass = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint16_t*, int64_t, int64_t, Sums);
+  constexpr Pass kPasses[2][kInt4Avx2Rows] = {
+      {int4_rows_avx2<1, false>, int4_rows_avx2<2, false>, int4_rows_avx2<3, false>},
+      {int4_rows_avx2<1, PF>, int4_rows_avx2<2, PF>, int4_rows_avx2<3, PF>}};
+  for (int m0 = 0; m0 < MR;) {
+    const int rows = std::min(kInt4Avx2Rows, MR - m0);
+    kPasses[m0 == 0][rows - 1](x.from(m0), group_pairs, w, dm, p0, p1, sums + m0 * kSumsRow);
+    m0 += rows;
+  }
 }
 
 #else

@@ -151,8 +151,8 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset(),  # type: ign
     """Packs every bf16 CPU `Linear` for its fastest kernel; frees the plain weights not in `keep` (ids).
 
     With the native GEMM (`cpu_kernels.ops.gemm_is_native()`) each weight is packed for it, and
-    that packed copy is the only one kept; so are quantized weights whose format it takes
-    (int8 per channel and int4: the method's `use_gemm`). Otherwise, on CPUs where oneDNN has native bf16, each
+    that packed copy is the only one kept; so are quantized weights whose format this build's GEMM
+    takes (the method's `use_gemm`: int8 per channel on avx512bf16, int4 there and on avx2). Otherwise, on CPUs where oneDNN has native bf16, each
     weight is prepacked for oneDNN; where the (portable) kernels are available the plain weights
     stay too, for the GEMV kernel's small steps, at the cost of a second copy. The GEMM's packed
     weights live in huge pages, in module order: the bf16 ones packed straight into one buffer,
@@ -163,9 +163,9 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset(),  # type: ign
     """
     native_gemm = cpu_kernels.available() and cpu_kernels.ops.gemm_is_native()
     if plan is not None:
-        return _apply_plan(model, plan, keep) + _pack_quantized(model, native_gemm)
+        return _apply_plan(model, plan, keep) + _pack_quantized(model)
     if not native_gemm and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return 0
+        return _pack_quantized(model)
     keep_all = cpu_kernels.available() and not native_gemm
     dense = [m for m in model.modules() if is_dense_bf16(m)]
     if native_gemm:
@@ -176,7 +176,7 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset(),  # type: ign
             module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         if id(w) not in keep and not keep_all:
             w.data = torch.empty(0, dtype=w.dtype)
-    return len(dense) + _pack_quantized(model, native_gemm)
+    return len(dense) + _pack_quantized(model)
 
 
 def weight_shape(module: Linear) -> tuple[int, int]:
@@ -209,9 +209,9 @@ def _apply_plan(model: nn.Module, plan: KernelPlan, keep: set[int]) -> int:
     return len(planned)
 
 
-def _pack_quantized(model: nn.Module, native_gemm: bool) -> int:
-    """Gathers the quantized weights that the GEMM takes (the method's `use_gemm`) in huge pages."""
-    if not native_gemm:
+def _pack_quantized(model: nn.Module) -> int:
+    """Gathers the quantized weights that this build's GEMM takes (the method's `use_gemm`) in huge pages."""
+    if not cpu_kernels.available():
         return 0
     quantized = []
     for module in model.modules():

@@ -221,6 +221,15 @@ def gemm_is_native() -> bool:
     return _lib().variant == "avx512bf16"
 
 
+def panels_are_native(scheme: str) -> bool:
+    """Whether the GEMM multiplies `scheme`'s panels (`Int8Panels`, `Int4Panels`) on vector
+    integer products: int8 and int4 on avx512bf16 (vpdpbusd), int4 on avx2 too (vpmaddubsw,
+    about 2x the records' GEMV at every row count on a Zen 3: docs/performance.md, "int4 panels
+    on AVX2"). Elsewhere its tiles are plain loops and the layers keep their records."""
+    variant = _lib().variant
+    return variant == "avx512bf16" or (scheme == "int4" and variant == "avx2")
+
+
 class Int8Panels:
     """int8 codes [n, k] in [-127, 127] with one fp32 scale per output row, in the small-M
     GEMM's panel layout (pagoda/csrc/gemm.cpp): w = q * scale. On the avx512bf16 build
