@@ -390,10 +390,12 @@ def test_gemm_on_each_tile_kind_matches_fp32_linear(gemm_tile_kind: str) -> None
 
 def test_avx2_tile_kinds_give_bit_equal_outputs(gemm_tile_kind: str) -> None:
     # NOTE: gemm_tiles.BUILDS takes the faster avx2 kind at no margin because of this: both add
-    # each row's products in k order into fp32 FMAs (one row tile, several, odd K, 800 rows).
+    # each row's products in k order into fp32 FMAs (one row tile, several, odd K, 800 rows; the
+    # first tile over a chunk, which widens it, of 1 to 5 rows).
     if cpu_kernels.library().variant != "avx2" or gemm_tile_kind != "fma":
         pytest.skip("the avx2 build's two kinds, compared once")
-    for m, n, k in [(16, 960, 576), (37, 100, 131), (300, 576, 1536), (800, 48, 40)]:
+    for m, n, k in [(1, 64, 96), (2, 40, 300), (6, 70, 200), (12, 96, 130), (16, 960, 576), (37, 100, 131),
+                    (300, 576, 1536), (800, 48, 40)]:
         x, w, b, _ = gemm_case(m, n, k, True, seed=m + n + k)
         packed = ops.PackedWeight(w)
         widened = ops.gemm(x, packed, b)

@@ -325,23 +325,6 @@ constexpr Avx2BlockFn kAvx2Blocks[2][kAvx2Rows] = {
 // weight loads and 6 broadcasts feed 12 FMAs, and no tile widens the weight again.
 constexpr int kAvx2WideRows = 6;  // 6 x 2 accumulators + 2 weight vectors + a broadcast
 
-// Panel k-pairs [p0, p1) at w (indexed by absolute k-pair) as fp32 [k - 2 p0][32 columns] in wf;
-// prefetches the next chunk into L2.
-inline void widen_panel_chunk(const bf16* w, int64_t p0, int64_t p1, float* wf) {
-  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t p = p0; p < p1; ++p, wf += 2 * kPanel) {
-    const bf16* src = w + p * kPanelPair;
-    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kPanelPair + kPanel), _MM_HINT_T1);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * j));
-      _mm256_store_ps(wf + 8 * j, _mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
-      _mm256_store_ps(wf + kPanel + 8 * j, _mm256_castsi256_ps(_mm256_and_si256(u, high)));
-    }
-  }
-}
-
 // R rows x 16 columns of a widened chunk (column block at wf, k stride kPanel) over ks k's, the
 // rows' x packed at xt as [k][R] (`pack_x_tiles`).
 template <int R>
@@ -360,7 +343,44 @@ void avx2_wide_tile(const float* xt, const float* wf, int64_t ks, float* sums, b
   store_sums(acc, sums);
 }
 
+// NOTE: the first tile over a chunk widens it (`avx2_wide_tile_widening`) with 2 weight vectors,
+// a broadcast and the mask beside its 2 x R sums: at most 5 rows, or GCC 12 spills sums.
+constexpr int kAvx2WideningRows = 5;
+
+// The first tile over a chunk: the same sums, widening the chunk as it reads it (block at w:
+// k-pairs [0, pairs) of one 16-column block, kPanelPair elements apart) and storing it at wf for
+// the tiles after it, so that the stores overlap its FMAs.
+template <int R>
+void avx2_wide_tile_widening(const float* xt, const bf16* w, float* wf, int64_t pairs, float* sums, bool first) {
+  __m256 acc[R][2];
+  load_sums(acc, sums, first);
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p, w += kPanelPair, wf += 2 * kPanel, xt += 2 * R) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchPairs * kPanelPair), _MM_HINT_T1);
+#pragma GCC unroll 2
+    for (int e = 0; e < 2; ++e) {
+      __m256 b[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * h));
+        b[h] = _mm256_castsi256_ps(e ? _mm256_and_si256(u, high) : _mm256_slli_epi32(u, 16));
+        _mm256_store_ps(wf + e * kPanel + 8 * h, b[h]);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(xt + e * R + r);
+        acc[r][0] = _mm256_fmadd_ps(a, b[0], acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(a, b[1], acc[r][1]);
+      }
+    }
+  }
+  store_sums(acc, sums);
+}
+
 using Avx2WideFn = void (*)(const float*, const float*, int64_t, float*, bool);
+using Avx2WideningFn = void (*)(const float*, const bf16*, float*, int64_t, float*, bool);
+constexpr Avx2WideningFn kAvx2WideningTiles[kAvx2WideningRows] = {
+    avx2_wide_tile_widening<1>, avx2_wide_tile_widening<2>, avx2_wide_tile_widening<3>, avx2_wide_tile_widening<4>,
+    avx2_wide_tile_widening<5>};
 constexpr Avx2WideFn kAvx2WideTiles[kAvx2WideRows] = {avx2_wide_tile<1>, avx2_wide_tile<2>, avx2_wide_tile<3>,
                                                        avx2_wide_tile<4>, avx2_wide_tile<5>, avx2_wide_tile<6>};
 
@@ -468,9 +488,15 @@ struct Problem {
 // The rows cut into near-equal tiles of at most kTileRows; tile t is rows [start[t], start[t + 1]).
 struct Tiling {
   int count;
-  std::array<int64_t, kMaxRowsPerPass / kWideRows + 1> start;
+  std::array<int64_t, kMaxRowsPerPass / kWideRows + 2> start;
 
   Tiling(int64_t M, int max_rows) : count(static_cast<int>((M + max_rows - 1) / max_rows)) {
+    for (int t = 0; t <= count; ++t) start[t] = M * t / count;
+  }
+  // The same with the first tile (the smallest) of at most first_max rows: one tile more where needed.
+  Tiling(int64_t M, int max_rows, int first_max) : Tiling(M, max_rows) {
+    if (M / count <= first_max) return;
+    ++count;
     for (int t = 0; t <= count; ++t) start[t] = M * t / count;
   }
   int rows(int t) const { return static_cast<int>(start[t + 1] - start[t]); }
@@ -581,7 +607,7 @@ inline void widen_x(Problem& P) {
 #endif
 
 #if defined(PAGODA_AVX2)
-// x packed once per call for the widened-chunk tiles (`Tiling(M, kAvx2WideRows)`): chunk by chunk
+// x packed once per call for the widened-chunk tiles (`Tiling(M, kAvx2WideRows, kAvx2WideningRows)`): chunk by chunk
 // of kChunkPairs k-pairs (the chunk at k-pair p0 from 2 * p0 * M), tile t of the chunk (rows [s, s
 // + r)) from s * n as [k][r] (n: the chunk's k's); x[K] read as 0 for an odd K.
 // NOTE: read in place, a tile's rows are K floats apart: with K a multiple of 1,024 every row's
@@ -611,15 +637,19 @@ template <class Source>
 void avx2_wide_panel(const Problem& P, const Source& src, int64_t index, float* sums) {
   alignas(64) static thread_local float wf[2 * kChunkPairs * kPanel];
   const int64_t pairs = num_pairs(P.K), c0 = index * kPanel;
-  const Tiling tiling(P.M, kAvx2WideRows);
+  const Tiling tiling(P.M, kAvx2WideRows, kAvx2WideningRows);
   for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
     const int64_t p1 = std::min(pairs, p0 + kChunkPairs), n = 2 * (p1 - p0);
-    widen_panel_chunk(src.chunk(index, 1, p0, p1, true).w, p0, p1, wf);
+    const bf16* w = src.chunk(index, 1, p0, p1, true).w + p0 * kPanelPair;
     for (int t = 0; t < tiling.count; ++t) {
       const float* xt = P.xf + 2 * p0 * P.M + tiling.start[t] * n;
-      for (int b = 0; b < 2; ++b)
-        kAvx2WideTiles[tiling.rows(t) - 1](xt, wf + b * kBlock, n, sums + tiling.start[t] * kSumsRow + b * kBlock,
-                                           p0 == 0);
+      for (int b = 0; b < 2; ++b) {
+        float* s = sums + tiling.start[t] * kSumsRow + b * kBlock;
+        if (t == 0)
+          kAvx2WideningTiles[tiling.rows(t) - 1](xt, w + 2 * kBlock * b, wf + b * kBlock, p1 - p0, s, p0 == 0);
+        else
+          kAvx2WideTiles[tiling.rows(t) - 1](xt, wf + b * kBlock, n, s, p0 == 0);
+      }
     }
   }
   emit(P, sums, 0, static_cast<int>(P.M), c0, kPanel);
@@ -636,7 +666,7 @@ void gemm_pass(const Problem& problem, MakeSource make_source) {
   Problem P = problem;
   P.fma = P.M >= g_fma_rows.load(std::memory_order_relaxed);  // the widened chunks (avx2_wide_panel)
   if (P.fma)
-    P.xf = pack_x_tiles(P, Tiling(P.M, kAvx2WideRows));
+    P.xf = pack_x_tiles(P, Tiling(P.M, kAvx2WideRows, kAvx2WideningRows));
   else if (P.M * 2 * num_pairs(P.K) <= kMaxWidened)
     widen_x(P);
 #elif defined(PAGODA_AVX512) && defined(__AVX512BF16__)
