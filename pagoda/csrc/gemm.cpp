@@ -864,7 +864,7 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 // 32-byte halves, each the codes of 8 columns (low nibbles) and of the 8 columns 16 on (high).
 // Group sums are then scaled as on AVX-512 (same operations, same order: the same fp32 sums).
 // NOTE: 3 rows a pass (3 x 2 word sums + 2 code vectors + the raw codes + x + the mask): on Zen 3
-// 1.1-1.2x faster than 2 from 16 rows, 4 no faster (docs/performance.md, "int4 panels on AVX2").
+// 1.1-1.2x faster than 2 from 16 rows, 4 no faster (docs/performance.md, "AVX2 int4").
 constexpr int kInt4Avx2Rows = 3;
 constexpr int kInt4Avx2Cols[4] = {0, kBlock, 8, kBlock + 8};  // each code vector's first column
 

@@ -224,8 +224,8 @@ def gemm_is_native() -> bool:
 def panels_are_native(scheme: str) -> bool:
     """Whether the GEMM multiplies `scheme`'s panels (`Int8Panels`, `Int4Panels`) on vector
     integer products: int8 and int4 on avx512bf16 (vpdpbusd), int4 on avx2 too (vpmaddubsw,
-    about 2x the records' GEMV at every row count on a Zen 3: docs/performance.md, "int4 panels
-    on AVX2"). Elsewhere its tiles are plain loops and the layers keep their records."""
+    about 2x the records' GEMV at every row count on a Zen 3: docs/performance.md, "AVX2
+    int4"). Elsewhere its tiles are plain loops and the layers keep their records."""
     variant = _lib().variant
     return variant == "avx512bf16" or (scheme == "int4" and variant == "avx2")
 
