@@ -607,13 +607,16 @@ inline void widen_x(Problem& P) {
 #endif
 
 #if defined(PAGODA_AVX2)
-// x packed once per call for the widened-chunk tiles (`Tiling(M, kAvx2WideRows, kAvx2WideningRows)`): chunk by chunk
-// of kChunkPairs k-pairs (the chunk at k-pair p0 from 2 * p0 * M), tile t of the chunk (rows [s, s
-// + r)) from s * n as [k][r] (n: the chunk's k's); x[K] read as 0 for an odd K.
-// NOTE: read in place, a tile's rows are K floats apart: with K a multiple of 1,024 every row's
-// line falls into the same L1 set, and 16-32 rows overflow its 8 ways (a 32-row pass over the 1B
-// shape ran at 70 GFLOP/s on Zen 3). Packed, a chunk's x is one contiguous block next to its
-// widened weight.
+// How the widened-chunk steps cut M rows into tiles: pack_x_tiles lays x out by these tiles and
+// avx2_wide_panel runs them, so both take it from here.
+inline Tiling avx2_wide_tiling(int64_t M) { return Tiling(M, kAvx2WideRows, kAvx2WideningRows); }
+
+// x packed once per call for the widened-chunk tiles (`avx2_wide_tiling`): chunk by chunk of
+// kChunkPairs k-pairs (the chunk at k-pair p0 from 2 * p0 * M), tile t of the chunk (rows [s, s +
+// r)) from s * n as [k][r] (n: the chunk's k's); x[K] read as 0 for an odd K. The buffer keeps the
+// largest pass's M x K floats (768 x 8192: 25 MB for the 1B shape's prefill).
+// NOTE: read in place, a tile's rows are K floats apart, each chunk of x six strided runs; packed,
+// a chunk's x is one contiguous block next to its widened weight (gemm_ab.py 1.01-1.07x, Zen 3).
 inline const float* pack_x_tiles(const Problem& P, const Tiling& tiling) {
   static thread_local std::vector<float> xt;
   const int64_t pairs = num_pairs(P.K);
@@ -637,7 +640,7 @@ template <class Source>
 void avx2_wide_panel(const Problem& P, const Source& src, int64_t index, float* sums) {
   alignas(64) static thread_local float wf[2 * kChunkPairs * kPanel];
   const int64_t pairs = num_pairs(P.K), c0 = index * kPanel;
-  const Tiling tiling(P.M, kAvx2WideRows, kAvx2WideningRows);
+  const Tiling tiling = avx2_wide_tiling(P.M);
   for (int64_t p0 = 0; p0 < pairs; p0 += kChunkPairs) {
     const int64_t p1 = std::min(pairs, p0 + kChunkPairs), n = 2 * (p1 - p0);
     const bf16* w = src.chunk(index, 1, p0, p1, true).w + p0 * kPanelPair;
@@ -661,12 +664,13 @@ template <class MakeSource>
 void gemm_pass(const Problem& problem, MakeSource make_source) {
 #if defined(PAGODA_AVX2)
   // NOTE: x widened once per call, not once per panel and chunk: per panel it was 6% of a
-  // 16-row step (perf, SmolLM2 at 16 streams). Up to kMaxWidened floats (the buffer stays
-  // allocated); bigger passes widen per chunk as before.
+  // 16-row step (perf, SmolLM2 at 16 streams). The register tiles take it up to kMaxWidened
+  // floats (the buffer stays allocated; bigger passes widen per chunk as before); the widened
+  // chunks always take it packed (`pack_x_tiles`).
   Problem P = problem;
   P.fma = P.M >= g_fma_rows.load(std::memory_order_relaxed);  // the widened chunks (avx2_wide_panel)
   if (P.fma)
-    P.xf = pack_x_tiles(P, Tiling(P.M, kAvx2WideRows, kAvx2WideningRows));
+    P.xf = pack_x_tiles(P, avx2_wide_tiling(P.M));
   else if (P.M * 2 * num_pairs(P.K) <= kMaxWidened)
     widen_x(P);
 #elif defined(PAGODA_AVX512) && defined(__AVX512BF16__)
