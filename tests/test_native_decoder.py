@@ -19,8 +19,8 @@ from pagoda.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.computes_bf16(),
                                 reason="the native decoder stack needs a vectorized kernel build (avx512bf16, avx2)")
-def quantized_panels(scheme: str) -> bool:
-    return cpu_kernels.available() and cpu_kernels.ops.panels_are_native(scheme)
+def quantized_panels() -> bool:
+    return cpu_kernels.available() and cpu_kernels.ops.panels_are_native()
 
 
 @pytest.fixture(autouse=True)
@@ -86,9 +86,9 @@ class Recorder:
     ("gemma3_w32", {"kv_cache_dtype": "fp8"}),  # hybrid KV groups: blocks leave the local layers' window
 ])
 def test_native_stack_equals_the_layer_path(arch: str, engine: dict, tiny_model_factory) -> None:
-    # NOTE: without quantized panels (int8 on the avx2 build) the stack multiplies the records
+    # NOTE: without quantized panels (the portable build) the stack multiplies the records
     # by the GEMV, for steps of up to 16 rows; wider steps (the first prefill) run the layers.
-    records = "quantization" in engine and not quantized_panels(engine["quantization"])
+    records = "quantization" in engine and not quantized_panels()
     # NOTE: prefix caching off: the second run would compute only the prompts' uncached rows,
     # and a quantized GEMM rounds x by its row count (AMX tiles from the measured count take x as
     # it is, `vpdpbusd` below rounds it to int8 codes), so fewer rows may round differently.

@@ -198,7 +198,7 @@ def test_tensor_parallel_int8_equals_one_process(tiny_llama) -> None:
         llm.engine.shutdown()
 
 
-@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.panels_are_native("int4")),
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.panels_are_native()),
                     reason="needs the GEMM's integer panels (avx512bf16 or avx2 kernels)")
 def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
     from torch import nn
@@ -219,14 +219,12 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
     dense = [m.method.dequantize(torch.float32) for m in model]
     for layer in model:
         layer.weight.data = torch.empty(0, dtype=torch.bfloat16)
-    # NOTE: int8 panels where vpdpbusd multiplies them (avx512bf16); the avx2 build keeps int8 records.
-    int8_panels = cpu_kernels.ops.panels_are_native("int8")
-    assert prepack_for_cpu(model) == (2 if int8_panels else 1)
+    assert prepack_for_cpu(model) == 2
     assert model[1].method.panels is None and model[1].method.packed is not None
     rows = torch.tensor([39, 0, 33, 32])
     for layer, w in zip(model, dense, strict=True):
         method = layer.method
-        repacked = layer is model[2] or (layer is model[0] and int8_panels)
+        repacked = layer is not model[1]
         assert (method.packed is None and method.panels is not None) == repacked
         assert torch.equal(method.dequantize(torch.bfloat16, True, rows), w[rows].to(torch.bfloat16))
         assert torch.equal(method.dequantize(torch.float32), w)

@@ -150,7 +150,7 @@ def test_qgemv_splits_rows_over_threads() -> None:
 
 def check_qgemm(m: int, n: int, k: int, bias: bool, seed: int) -> None:
     """`gemm` on int8 panels against F.linear on the dequantized weight and x as the kernel
-    rounds it (avx512bf16: int8 codes by groups of 32; portable: as it is): exact products, fp32
+    rounds it (avx512bf16 and avx2: int8 codes by groups of 32; portable: as it is): exact products, fp32
     sums, one bf16 rounding of the scaled output."""
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
@@ -193,9 +193,9 @@ def int4_tiles(request: pytest.FixtureRequest) -> Iterator[str]:
     yield from integer_tiles(request, 4)
 
 
-# M covers one tile (up to 6 rows on avx512bf16, 12 portable), several tiles over chunks, the
-# portable build's wide tiles (96+), AMX's blocks of 16 and 32 rows; N and K cover SmolLM2's
-# shapes, partial panels and blocks, K not a multiple of 4 or of x's groups of 32.
+# M covers one tile (up to 6 rows on avx512bf16 and avx2, in passes of 3 on avx2; 12 portable),
+# several tiles over chunks, the portable build's wide tiles (96+), AMX's blocks of 16 and 32
+# rows; N and K cover SmolLM2's shapes, partial panels and blocks, K not a multiple of 4 or of x's groups of 32.
 @pytest.mark.usefixtures("int8_tiles")
 @pytest.mark.parametrize("m", [1, 5, 6, 12, 13, 16, 25, 64, 96, 101])
 @pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 70, False), (77, 129, True),
@@ -295,7 +295,7 @@ def test_panels_gathered_in_huge_pages_compute_the_same() -> None:
 def test_int8_panels_rows_and_refusals(variant: str) -> None:  # noqa: F811 - the fixture
     codes = torch.randint(-127, 128, (70, 64), dtype=torch.int8)
     weight = ops.Int8Panels(codes, torch.ones(70))
-    assert weight.format == (2 if variant == "avx512bf16" else 0)
+    assert weight.format == (0 if variant == "portable" else 2)
     rows = torch.tensor([69, 0, 33, 33])
     assert torch.equal(weight.codes(rows), codes[rows])
     with pytest.raises(ValueError):

@@ -26,11 +26,13 @@
 // Each output is the fp32 sum (+ bias) rounded once to bf16.
 //
 // int8 variant (pagoda_qgemm_int8, quantized weights with one scale per output column). On the
-// AVX-512 builds (format 2) x is rounded to int8 codes per row and group of 32 along K (as for
-// int4 below), the weight's codes are stored + 128 as u8, a panel by quads of k ([K/4][32
+// AVX-512 and AVX2 builds (format 2) x is rounded to int8 codes per row and group of 32 along K
+// (as for int4 below), the weight's codes are stored + 128 as u8, a panel by quads of k ([K/4][32
 // columns][4 codes]: one 64-byte vector holds a block's 16 columns x 4 k's, what vpdpbusd takes),
 // and a tile (up to kInt8TileRows rows) sums each group in int32 registers, started at -128 * the
-// group's sum of x codes, then scales it by x's step into fp32 sums held in registers. y is W
+// group's sum of x codes, then scales it by x's step into fp32 sums held in registers. The AVX2
+// tile gets the same integer sums from vpmaddubsw (|q| times x's codes with q's sign) and keeps
+// its fp32 sums in L1 (`int8_rows_avx2`). y is W
 // times the rounded x, up to fp32 sums. On CPUs with AMX, steps from a row count measured at load
 // (`pagoda_gemm_set_amx_integer_rows`) widen each panel's codes to bf16 instead and multiply x as it
 // is on the tile units (`AmxInt8`). The portable build (format 0) keeps the bf16 layout with
@@ -113,6 +115,9 @@ int64_t num_pairs(int64_t K) { return (K + 1) / 2; }
 #error "the AVX512_BF16 builds take AVX512_VNNI too (pagoda/layers/cpu_kernels/build.py)"
 #endif
 #define PAGODA_VNNI 1
+#endif
+#if defined(PAGODA_VNNI) || defined(PAGODA_AVX2)
+#define PAGODA_INT8_QUADS 1  // format 2: vpdpbusd, or vpmaddubsw on AVX2
 constexpr int kInt8Format = 2;
 #else
 constexpr int kInt8Format = 0;
@@ -534,7 +539,7 @@ struct Bf16Panels {
   }
 };
 
-#if !defined(PAGODA_VNNI)
+#if !defined(PAGODA_INT8_QUADS)
 // int8 panels (format 0), decoded a chunk at a time into a bf16 buffer that every tile then
 // reads: exact, every int8 is a bf16.
 struct Int8Panels {
@@ -751,6 +756,38 @@ struct Int4Problem {
   int64_t group_pairs;
 };
 
+// 16 values of x, already times 127 / max |x| of their group, rounded to nearest even as int8
+// codes at q (in kInt4Order by 4 k's when `kReorder`, else in k order); returns their sum.
+// NOTE: |v| <= 127, so no packing below saturates.
+template <bool kReorder>
+int32_t store_codes(const Vf& v, int8_t* q) {
+#if defined(PAGODA_AVX512)
+  const __m512i r = _mm512_cvtps_epi32(kReorder ? _mm512_permute_ps(v.v, 0xD8) : v.v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(r));
+  return _mm512_reduce_add_epi32(r);
+#elif defined(PAGODA_AVX2)
+  const __m256i lo = _mm256_cvtps_epi32(kReorder ? _mm256_permute_ps(v.lo, 0xD8) : v.lo);
+  const __m256i hi = _mm256_cvtps_epi32(kReorder ? _mm256_permute_ps(v.hi, 0xD8) : v.hi);
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // 16 in order
+  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(bytes));
+  const __m256i s8 = _mm256_add_epi32(lo, hi);
+  const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+#else
+  alignas(64) float f[kBlock];
+  store(f, v);
+  int32_t sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    const auto r = static_cast<int8_t>(std::clamp(std::nearbyint(f[j]), -127.f, 127.f));
+    q[kReorder ? (j & ~3) + kInt4Order[j & 3] : j] = r;
+    sum += r;
+  }
+  return sum;
+#endif
+}
+
 // Row m's x codes, scales and sums for every group (`out`: its buffers).
 void quantize_row(const bf16* x, int64_t gs, const Int4Rows& out) {
   for (int64_t g = 0; g < out.G; ++g) {
@@ -762,34 +799,8 @@ void quantize_row(const bf16* x, int64_t gs, const Int4Rows& out) {
     }
     const float a = reduce_max(amax);
     const float inv = a > 0.f ? 127.f / a : 0.f;
-    int8_t* q = out.xq + g * gs;
     int32_t sum = 0;
-    for (int64_t i = 0; i < gs; i += kBlock) {
-#if defined(PAGODA_AVX512)
-      // lanes in kInt4Order within each 128-bit lane of 4, rounded to nearest even, saturated
-      const __m512i r = _mm512_cvtps_epi32(_mm512_permute_ps((load(xg + i) * vset1(inv)).v, 0xD8));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(r));
-      sum += _mm512_reduce_add_epi32(r);
-#elif defined(PAGODA_AVX2)
-      // the same: codes in [-127, 127] (|x| * inv <= 127), so packing saturates nothing
-      const Vf v = load(xg + i) * vset1(inv);
-      const __m256i lo = _mm256_cvtps_epi32(_mm256_permute_ps(v.lo, 0xD8));
-      const __m256i hi = _mm256_cvtps_epi32(_mm256_permute_ps(v.hi, 0xD8));
-      const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // 16 in order
-      const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words), 0x08);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm256_castsi256_si128(bytes));
-      const __m256i s8 = _mm256_add_epi32(lo, hi);
-      const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-      const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-      sum += _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
-#else
-      for (int j = 0; j < kBlock; ++j) {
-        const auto r = static_cast<int8_t>(std::clamp(std::nearbyint(to_float(xg[i + j]) * inv), -127.f, 127.f));
-        q[i + (j & ~3) + kInt4Order[j & 3]] = r;
-        sum += r;
-      }
-#endif
-    }
+    for (int64_t i = 0; i < gs; i += kBlock) sum += store_codes<true>(load(xg + i) * vset1(inv), out.xq + g * gs + i);
     out.dx[g] = a / 127.f;
     out.sx[g] = out.dx[g] * static_cast<float>(sum);
   }
@@ -1298,25 +1309,32 @@ void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint16_t*
   });
 }
 
-#if defined(PAGODA_VNNI)
-// ---------------------------------------------------------------- int8 on vpdpbusd (format 2)
+#if defined(PAGODA_INT8_QUADS)
+// ---------------------------------------------------------------- int8 by quads of k (format 2)
 
 constexpr int kQuadBytes = 4 * kPanel;  // a panel's quad of k: 32 columns x 4 codes
 constexpr int kInt8Group = 32;          // x's rounding group along K (8 quads)
 constexpr int kInt8TileRows = 6;        // 6 x 2 group sums + 6 x 2 fp32 sums + 2 code vectors + x
 constexpr int64_t kChunkQuads = 64;     // 8 KB of a panel
+constexpr int64_t kGroupQuads = kInt8Group / 4;
 
 int64_t num_quads(int64_t K) { return (K + 3) / 4; }
 
 // x as the int8 tiles read it, a row at a time: per group of 32 along K (the last one shorter),
 // int8 codes xq (x * 127 / max |x| rounded to nearest even; zero past K), their step dx and
-// -128 * sum xq (what the codes' + 128 adds to each group's integer sum).
+// -128 * sum xq (what the codes' + 128 adds to each group's integer sum on vpdpbusd).
 struct Int8Rows {
   int8_t* xq;       // [rows, G * 32]
   float* dx;        // [rows, G]
   int32_t* offset;  // [rows, G]
   int64_t G;
   Int8Rows from(int64_t m) const { return {xq + m * G * kInt8Group, dx + m * G, offset + m * G, G}; }
+  // Row m's 4 x codes of quad q, as the 32-bit lane the tiles broadcast.
+  int32_t quad(int m, int64_t q) const {
+    int32_t v;
+    std::memcpy(&v, xq + m * G * kInt8Group + 4 * q, sizeof(v));
+    return v;
+  }
 };
 
 void quantize_row_int8(const bf16* x, int64_t K, const Int8Rows& out) {
@@ -1332,15 +1350,14 @@ void quantize_row_int8(const bf16* x, int64_t K, const Int8Rows& out) {
     int32_t sum = 0;
     for (int64_t i = 0; i < kInt8Group; i += kBlock) {
       const Mask mask = i < n ? tail_mask(static_cast<int>(n - i)) : Mask(0);
-      const __m512i r = _mm512_cvtps_epi32((load(x + k0 + i, mask) * vset1(inv)).v);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out.xq + k0 + i), _mm512_cvtsepi32_epi8(r));
-      sum += _mm512_reduce_add_epi32(r);
+      sum += store_codes<false>(load(x + k0 + i, mask) * vset1(inv), out.xq + k0 + i);
     }
     out.dx[g] = a / 127.f;
     out.offset[g] = -128 * sum;
   }
 }
 
+#if defined(PAGODA_VNNI)
 // Rows [0, MR) x one int8 panel over quads [q0, q1) (q0 a group's first); adds into `sums`
 // (from zero when `first`). Each group: integer sums of (q + 128) * xq in registers, started at
 // -128 * sum xq, then sums += dx * that; the column scales wait for `emit`.
@@ -1350,7 +1367,6 @@ void int8_tile(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, bool
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < 2; ++b) acc[m][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kSumsRow + b * kBlock);
-  constexpr int64_t kGroupQuads = kInt8Group / 4;
   for (int64_t g0 = q0; g0 < q1; g0 += kGroupQuads) {
     const int64_t g = g0 / kGroupQuads, end = std::min(q1, g0 + kGroupQuads);
     __m512i part[MR][2];
@@ -1362,9 +1378,7 @@ void int8_tile(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, bool
       const __m512i v0 = _mm512_loadu_si512(src), v1 = _mm512_loadu_si512(src + 4 * kBlock);
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
-        int32_t quad;
-        std::memcpy(&quad, x.xq + m * x.G * kInt8Group + 4 * q, sizeof(quad));
-        const __m512i xv = _mm512_set1_epi32(quad);
+        const __m512i xv = _mm512_set1_epi32(x.quad(m, q));
         part[m][0] = _mm512_dpbusd_epi32(part[m][0], v0, xv);
         part[m][1] = _mm512_dpbusd_epi32(part[m][1], v1, xv);
       }
@@ -1379,6 +1393,93 @@ void int8_tile(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, bool
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < 2; ++b) _mm512_storeu_ps(sums + m * kSumsRow + b * kBlock, acc[m][b]);
 }
+
+
+#else
+
+// The AVX2 build multiplies the same panels on vpmaddubsw, which takes one u8 operand: as in
+// llama.cpp's AVX2 Q8_0 dot products, but with the weight's sign moved onto x, so that the
+// weight's work is shared by the rows: |q| (u8; q back from + 128 by an xor) times x's codes
+// with q's sign (vpsignb), adjacent products summed into int16 (at most 2 * 127 * 127: exact),
+// vpmaddwd by ones moves a column's two words into its int32 lane. These are the integer sums
+// vpdpbusd's give after the -128 offset, and the group's scaling is the AVX-512 tile's
+// operation: the same fp32 sums, bit for bit. The sums wait in L1 (`sums`) between groups.
+// A 32-byte vector of a quad holds 8 columns x 4 k's.
+#ifndef PAGODA_INT8_AVX2_ROWS
+#define PAGODA_INT8_AVX2_ROWS 3
+#endif
+#ifndef PAGODA_INT8_AVX2_VECTORS
+#define PAGODA_INT8_AVX2_VECTORS 2
+#endif
+constexpr int kInt8Avx2Rows = PAGODA_INT8_AVX2_ROWS;        // rows a pass
+constexpr int kInt8Avx2Vectors = PAGODA_INT8_AVX2_VECTORS;  // a quad's vectors a pass (of 4)
+
+// R rows x one int8 panel over quads [q0, q1) (q0 a group's first), V of a quad's 4 vectors at a
+// time (the group's others re-read from L1); adds into sums.
+template <int R, bool PF>
+void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, Sums sums) {
+  constexpr int V = kInt8Avx2Vectors;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int64_t g0 = q0; g0 < q1; g0 += kGroupQuads) {
+    const int64_t g = g0 / kGroupQuads, end = std::min(q1, g0 + kGroupQuads);
+    for (int v0 = 0; v0 < 4; v0 += V) {
+      __m256i part[R][V];
+      for (int m = 0; m < R; ++m)
+        for (int j = 0; j < V; ++j) part[m][j] = _mm256_setzero_si256();
+      for (int64_t q = g0; q < end; ++q) {
+        const uint8_t* src = w + q * kQuadBytes + 32 * v0;
+        if constexpr (PF)  // each 64-byte line once
+          for (int line = v0 / 2; v0 % 2 == 0 && line < (v0 + V + 1) / 2; ++line)
+            _mm_prefetch(reinterpret_cast<const char*>(w + (q + kChunkQuads) * kQuadBytes + 64 * line), _MM_HINT_T1);
+        __m256i code[V], mag[V];
+        for (int j = 0; j < V; ++j) {
+          code[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * j)), flip);
+          mag[j] = _mm256_abs_epi8(code[j]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < R; ++m) {
+          const __m256i xv = _mm256_set1_epi32(x.quad(m, q));
+          for (int j = 0; j < V; ++j) {
+            const __m256i words = _mm256_maddubs_epi16(mag[j], _mm256_sign_epi8(xv, code[j]));
+            part[m][j] = _mm256_add_epi32(part[m][j], _mm256_madd_epi16(words, ones));
+          }
+        }
+      }
+      for (int m = 0; m < R; ++m) {
+        const __m256 step = _mm256_set1_ps(x.dx[m * x.G + g]);
+        for (int j = 0; j < V; ++j) {
+          float* out = sums + m * kSumsRow + 8 * (v0 + j);
+          _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m][j]), step, _mm256_loadu_ps(out)));
+        }
+      }
+    }
+  }
+}
+
+using Int8PassFn = void (*)(const Int8Rows&, const uint8_t*, int64_t, int64_t, Sums);
+template <bool PF, int... I>
+constexpr std::array<Int8PassFn, kInt8Avx2Rows> make_int8_passes(std::integer_sequence<int, I...>) {
+  return {int8_rows_avx2<I + 1, PF>...};
+}
+template <bool PF>
+constexpr std::array<Int8PassFn, kInt8Avx2Rows> kInt8Passes =
+    make_int8_passes<PF>(std::make_integer_sequence<int, kInt8Avx2Rows>());
+
+// Rows [0, MR) x one int8 panel over quads [q0, q1): kInt8Avx2Rows rows at a time over each chunk
+// of kChunkQuads (L1-resident for the passes after the first, which prefetches).
+template <int MR, bool PF>
+void int8_tile(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, bool first, Sums sums) {
+  if (first)
+    for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
+  for (int64_t c0 = q0; c0 < q1; c0 += kChunkQuads) {
+    const int64_t c1 = std::min(q1, c0 + kChunkQuads);
+    for (int m0 = 0; m0 < MR; m0 += kInt8Avx2Rows) {
+      const int rows = std::min(kInt8Avx2Rows, MR - m0);
+      (m0 == 0 ? kInt8Passes<PF> : kInt8Passes<false>)[rows - 1](x.from(m0), w, c0, c1, sums + m0 * kSumsRow);
+    }
+  }
+}
+#endif
 
 using Int8TileFn = void (*)(const Int8Rows&, const uint8_t*, int64_t, int64_t, bool, Sums);
 
@@ -1428,7 +1529,7 @@ void int8_pass(const Problem& P, const uint8_t* codes) {
     for (int64_t i = i0; i < i1; ++i) int8_panel(P, codes, rows, tiling, i, sums.data());
   });
 }
-#if defined(__x86_64__)
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
 // int8 panels on AMX: the codes widened to the bf16 panel layout (exact: every code is a bf16),
 // a panel at a time into L2 or a step at a time into L1 (`amx_pass`), and the bf16 blocks
 // multiply x as it is on it (no rounding of x to int8 codes: tdpbf16ps does 8x the
@@ -1485,6 +1586,8 @@ void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* sca
       amx_passes(P, AmxInt8{reinterpret_cast<const uint8_t*>(codes), num_quads(P.K)});
     else
       int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
+#elif defined(PAGODA_INT8_QUADS)
+    int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
 #else
     gemm_pass(P, [&](bf16* buffer) { return Int8Panels{codes, num_pairs(K), buffer}; });
 #endif

@@ -1,10 +1,10 @@
 """Two builds of the kernels, A and B, on one weight that stays in cache (N x K, default 2048 x
 1024): M rows through `pagoda_gemm_packed`, the builds alternating over 7 rounds (the first
 dropped), each round repeating the call for ~0.3-2 G multiply-adds; GFLOP/s (bf16) or G
-multiply-adds/s (int4, groups of 32). What a tile computes with the weight stream out of the way.
+multiply-adds/s (int4, groups of 32; int8, per channel). What a tile computes with the weight stream out of the way.
 
 Usage: python docs/benchmarks/kernels/gemm_hot.py LIB_A.so LIB_B.so M [M ...]
-Env: KIND bf16|int4 (bf16), N, K, T threads (1), FMA the row count from which bf16 steps take the
+Env: KIND bf16|int4|int8 (bf16), N, K, T threads (1), FMA the row count from which bf16 steps take the
 second tile kind (`pagoda_gemm_set_fma_rows`; default 8). A and B must be different files.
 """
 import ctypes
@@ -29,8 +29,12 @@ for lib in libs:
 N, K, kind = int(os.environ.get("N", 2048)), int(os.environ.get("K", 1024)), os.environ.get("KIND", "bf16")
 torch.manual_seed(0)
 w = torch.randn(N, K) * 0.05
-weight = (ops.Int4Panels(*packing.unpack_int4(packing.quantize_int4(w, 32), K, 32), 32) if kind == "int4"
-          else ops.PackedWeight(w.to(torch.bfloat16)))
+if kind == "int4":
+    weight = ops.Int4Panels(*packing.unpack_int4(packing.quantize_int4(w, 32), K, 32), 32)
+elif kind == "int8":
+    weight = ops.Int8Panels(*packing.unpack_int8(packing.quantize_int8(w), K))
+else:
+    weight = ops.PackedWeight(w.to(torch.bfloat16))
 cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
 print(f"# {cpu}; {kind} {N} x {K}; load {open('/proc/loadavg').read().split()[:3]}")
 for m in [int(a) for a in sys.argv[3:]]:

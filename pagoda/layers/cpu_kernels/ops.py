@@ -221,13 +221,12 @@ def gemm_is_native() -> bool:
     return _lib().variant == "avx512bf16"
 
 
-def panels_are_native(scheme: str) -> bool:
-    """Whether the GEMM multiplies `scheme`'s panels (`Int8Panels`, `Int4Panels`) on vector
-    integer products: int8 and int4 on avx512bf16 (vpdpbusd), int4 on avx2 too (vpmaddubsw,
-    about 2x the records' GEMV at every row count on a Zen 3: docs/performance.md, "AVX2
-    int4"). Elsewhere its tiles are plain loops and the layers keep their records."""
-    variant = _lib().variant
-    return variant == "avx512bf16" or (scheme == "int4" and variant == "avx2")
+def panels_are_native() -> bool:
+    """Whether the GEMM multiplies integer panels (`Int8Panels`, `Int4Panels`) on vector
+    integer products: int8 and int4 on avx512bf16 (vpdpbusd) and on avx2 (vpmaddubsw; faster
+    than the records' GEMV at every row count on a Zen 3: docs/performance.md, "AVX2 int4" and
+    "AVX2 int8"). The portable build's tiles are plain loops: its layers keep their records."""
+    return _lib().variant in ("avx512bf16", "avx2")
 
 
 class Int8Panels:

@@ -78,15 +78,15 @@ class PackedLinearMethod:
 
     def use_gemm(self) -> bool:
         """Repacks the records into the GEMM's panels, the only copy kept, where this build's GEMM
-        multiplies them natively (`ops.panels_are_native`: int8 per channel and int4 on
-        avx512bf16, int4 on avx2; the caller checks that activations are bf16). Returns whether
+        multiplies them natively (`ops.panels_are_native`: the avx512bf16 and avx2 builds; the
+        caller checks that activations are bf16). Returns whether
         this layer has panels (group-wise int8, GGUF's Q8_0, keeps its records)."""
         if self.offsets is not None:
             return False
         if self.packed is None:
             return self.panels is not None
         per_channel = self.scheme == "int8" and self.group_size == self.in_features
-        if not (self.scheme == "int4" or per_channel) or not cpu_kernels.ops.panels_are_native(self.scheme):
+        if not (self.scheme == "int4" or per_channel) or not cpu_kernels.ops.panels_are_native():
             return False
         if self.scheme == "int4":
             q, d, m = packing.unpack_int4(self.packed, self.in_features, self.group_size)
