@@ -244,7 +244,8 @@ class LimitsConfig:
             names, summed); its `enum` values, summed, count against max_guided_choices.
         grammar_compile_workers: processes that compile grammars (0: compile in the engine's
             own process, unprotected).
-        grammar_compile_timeout: longest one grammar may take to compile, in seconds.
+        grammar_compile_timeout: longest one grammar may take to compile, in seconds, both of
+            wall-clock time and of CPU time (a sandboxed compile's threads together).
         grammar_compile_memory: each compiling process's address-space limit, in MiB (0: none).
         max_logprobs: most logprobs / prompt_logprobs one request may ask for (vLLM's 20);
             -1 allows the whole vocabulary (a request's -1).

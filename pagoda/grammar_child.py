@@ -2,11 +2,13 @@
 
 `grammar_text` turns one constraint (kind and spec, as `StructuredOutputsParams` holds them)
 into llguidance's grammar text; the engine calls it in process or, through
-`GrammarSandbox`, here. Run as a script (`python -I grammar_child.py MEMORY_MIB`), this file
-is one sandbox worker: it reads the tokenizer once, then answers JSON lines: for each
-constraint it converts and compiles it against the tokenizer, and replies
-`{"grammar": text}` or `{"error": message}`. A native crash or a runaway compile kills only
-this process; the parent answers the request with a 400 and starts a fresh child.
+`GrammarSandbox`, here. Run as a script, this file
+is one sandbox worker (`python -I grammar_child.py MEMORY_MIB CPU_SECONDS`): it reads the
+tokenizer once, then answers JSON lines: for each constraint it converts and compiles it
+against the tokenizer, and replies `{"grammar": text}` or `{"error": message}`. A native crash
+or a runaway compile kills only this process; the parent answers the request with a 400 and
+starts a fresh child. Each compile may use CPU_SECONDS of CPU time (all its threads together;
+0: no limit), beyond which the kernel ends the process (SIGXCPU).
 
 Invariant: this module imports nothing from pagoda (nor torch), so a child starts in well
 under a second and its address-space limit stays small.
@@ -72,7 +74,18 @@ def _die_with_parent() -> None:
         pass  # NOTE: not Linux: the child still ends when its stdin closes
 
 
-def _serve(memory_mib: int) -> None:
+def limit_cpu(seconds: int) -> None:
+    """Lets this process use `seconds` more CPU-seconds (soft RLIMIT_CPU: SIGXCPU, which ends it,
+    once its total passes the limit). The hard limit stays, so that later calls can raise it."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = int(usage.ru_utime + usage.ru_stime) + 1 + seconds  # NOTE: + 1: the limit counts whole seconds
+    resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+
+
+def _serve(memory_mib: int, cpu_seconds: int) -> None:
     import resource
 
     from llguidance import LLTokenizer
@@ -84,6 +97,8 @@ def _serve(memory_mib: int) -> None:
     tokenizer = LLTokenizer(init["tokenizer"], n_vocab=init["n_vocab"], eos_token=init["eos"])
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
+        if cpu_seconds > 0:
+            limit_cpu(cpu_seconds)
         print(json.dumps(compile_one(tokenizer, json.loads(line))), flush=True)
 
 
@@ -91,7 +106,7 @@ def main() -> None:
     """The child's main: limits, tokenizer, then one reply per request line until EOF."""
     _die_with_parent()
     # NOTE: compiled on a thread, as the parent compiles on one: the same stack limit.
-    thread = threading.Thread(target=_serve, args=(int(sys.argv[1]),), name="grammar-compile")
+    thread = threading.Thread(target=_serve, args=(int(sys.argv[1]), int(sys.argv[2])), name="grammar-compile")
     thread.start()
     thread.join()
 

@@ -4,8 +4,10 @@ A 3,000-rule Lark grammar crashed llguidance's native code (SIGSEGV), taking the
 server and every request in it down. Here each constraint is first converted and compiled
 by one of a few children (`pagoda/grammar_child.py`, started on first use), each under an
 address-space limit; the engine then builds its own matcher only from a grammar a child
-compiled. A child that dies or overruns `timeout_s` is killed and replaced, and the request
-gets a `SandboxError` (the server's 400), naming the limit when one was hit.
+compiled. A child that dies, overruns `timeout_s` or uses more than `cpu_s` CPU-seconds on
+one compile (threads included: RLIMIT_CPU, set by the child before each) is killed or ends,
+and is replaced; the request gets a `SandboxError` (the server's 400), naming the limit when
+one was hit.
 
 Invariants: one request at a time per child; a caller waits for a free child, never for
 another request's compile beyond its timeout; children die with the engine's process.
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import queue
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -46,9 +50,9 @@ def tokenizer_init(hf_tokenizer: Any, n_vocab: int) -> dict[str, Any]:
 class _Child:
     """One compiling process and its pipes."""
 
-    def __init__(self, init_line: str, memory_mib: int) -> None:
+    def __init__(self, init_line: str, memory_mib: int, cpu_s: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", CHILD_SCRIPT, str(memory_mib)], stdin=subprocess.PIPE,
+            [sys.executable, "-I", CHILD_SCRIPT, str(memory_mib), str(cpu_s)], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, encoding="utf-8",
             errors="surrogatepass")
         self._write(init_line)
@@ -83,6 +87,14 @@ class _Child:
         result: dict[str, Any] = json.loads(line)
         return result
 
+    def exit_signal(self) -> int | None:
+        """The signal that ended the child, if it ended (waits up to a second for it)."""
+        try:
+            code = self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            return None
+        return -code if code < 0 else None
+
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
@@ -99,14 +111,17 @@ class GrammarSandbox:
         num_workers: most children, so most compiles at once.
         timeout_s: longest one compile may take.
         memory_mib: each child's address-space limit (0: none).
+        cpu_s: CPU-seconds one compile may use, all its threads together (default: `timeout_s`,
+            rounded up; 0: no limit).
     """
 
     def __init__(self, init: dict[str, Any], num_workers: int, timeout_s: float,
-                 memory_mib: int) -> None:
+                 memory_mib: int, cpu_s: int | None = None) -> None:
         self._init_line = json.dumps(init) + "\n"
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.memory_mib = memory_mib
+        self.cpu_s = max(1, math.ceil(timeout_s)) if cpu_s is None else cpu_s
         self._idle: queue.Queue[_Child] = queue.Queue()
         self._lock = threading.Lock()
         self._num_started = 0
@@ -122,17 +137,24 @@ class GrammarSandbox:
         start = time.monotonic()
         reply = child.ask(request, self.timeout_s)
         if reply is None:
+            elapsed = time.monotonic() - start
+            ended_by = child.exit_signal() if elapsed < self.timeout_s else None
             self._lose(child)
-            raise self._failure(request["kind"], time.monotonic() - start)
+            raise self._failure(request["kind"], elapsed, ended_by)
         self._idle.put(child)
         if "error" in reply:
             raise SandboxError(reply["error"])
         grammar: str = reply["grammar"]
         return grammar
 
-    def _failure(self, kind: str, elapsed: float) -> SandboxError:
-        """The request's error once its child was lost (logged, counted)."""
+    def _failure(self, kind: str, elapsed: float, ended_by: int | None) -> SandboxError:
+        """The request's error once its child was lost (logged, counted); `ended_by`: the
+        signal that ended it, if it ended on its own."""
         self.num_failures += 1
+        if ended_by == signal.SIGXCPU:
+            logger.warning("a %s used more than %d CPU-seconds to compile; its process was stopped", kind, self.cpu_s)
+            return SandboxError(f"compiling this {kind} used more than {self.cpu_s} CPU-seconds "
+                                "(--grammar-compile-timeout)")
         if elapsed >= self.timeout_s:
             logger.warning("a %s took more than %g s to compile; its process was stopped", kind, self.timeout_s)
             return SandboxError(f"compiling this {kind} took more than {self.timeout_s:g} s "
@@ -158,7 +180,7 @@ class GrammarSandbox:
             except queue.Empty:
                 continue
         try:
-            return _Child(self._init_line, self.memory_mib)
+            return _Child(self._init_line, self.memory_mib, self.cpu_s)
         except Exception:
             with self._lock:
                 self._num_started -= 1

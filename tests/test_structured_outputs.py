@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -312,6 +313,32 @@ def test_a_compile_over_its_timeout_is_stopped_and_named(smollm2_tokenizer_dir):
     finally:
         compiler.close()
     assert compiler._sandbox is not None and compiler._sandbox._num_started == 0
+
+
+def test_a_compile_over_its_cpu_time_is_ended_by_the_kernel_and_named(smollm2_tokenizer_dir):
+    """A compile's CPU time is bounded apart from the wall clock (threads add up): RLIMIT_CPU set
+    by the child before each compile ends it with SIGXCPU; the next compile gets a fresh child."""
+    from transformers import AutoTokenizer
+
+    from pagoda.grammar_sandbox import GrammarSandbox, SandboxError, tokenizer_init
+
+    sandbox = GrammarSandbox(tokenizer_init(AutoTokenizer.from_pretrained(smollm2_tokenizer_dir), 49152), 1,
+                             timeout_s=120.0, memory_mib=0, cpu_s=1)
+    options = {"disable_any_whitespace": True, "whitespace_pattern": None}
+    try:
+        assert "start" in sandbox.grammar_text({"kind": "choice", "spec": ["yes", "no"], **options})
+        first = sandbox._idle.queue[0].proc.pid
+        # NOTE: 60,000 of these took 4.7 CPU-seconds to compile on a Zen 3; twice as many leave
+        # a margin over the 1-2 s the limit allows on a faster CPU
+        many = [f"choice number {i} of many" for i in range(120_000)]
+        start = time.monotonic()
+        with pytest.raises(SandboxError, match=r"used more than 1 CPU-seconds \(--grammar-compile-timeout\)"):
+            sandbox.grammar_text({"kind": "choice", "spec": many, **options})
+        assert time.monotonic() - start < 30 and sandbox.num_failures == 1
+        assert "start" in sandbox.grammar_text({"kind": "choice", "spec": ["a", "b"], **options})
+        assert sandbox._idle.queue[0].proc.pid != first
+    finally:
+        sandbox.close()
 
 
 def test_without_sandbox_workers_grammars_compile_in_process(smollm2_tokenizer_dir):

@@ -420,7 +420,8 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
                              "hangs the compiler costs one of them, not the server (default 2; "
                              "0 compiles in the server's process)")
     limits.add_argument("--grammar-compile-timeout", type=positive_seconds, default=None,
-                        help="longest one grammar may take to compile, in seconds (default 10)")
+                        help="longest one grammar may take to compile, in seconds of wall-clock "
+                             "and of CPU time (default 10)")
     limits.add_argument("--grammar-compile-memory", type=non_negative_int, default=None,
                         help="address-space limit of each grammar-compiling process, in MiB "
                              "(default 2048; 0: none)")
