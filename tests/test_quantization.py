@@ -207,19 +207,24 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
     from pagoda.layers.quantization import make_method
 
     gen = torch.Generator().manual_seed(3)
-    model = nn.ModuleList([Linear(96, 70, bias=True), Linear(64, 45), Linear(128, 40, bias=True)]).to(torch.bfloat16)
+    model = nn.ModuleList([Linear(96, 70, bias=True), Linear(64, 45), Linear(128, 40, bias=True),
+                           Linear(96, 50, bias=True)]).to(torch.bfloat16)
     for layer in model:
         layer.weight.data.copy_(torch.randn(layer.weight.shape, generator=gen) / 8)
         if layer.bias is not None:
             layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
     model[0].method = make_method("int8", model[0].weight.data, 96)
-    # NOTE: group-wise int8 (GGUF's Q8_0) keeps its records.
+    # NOTE: group-wise int8 with fp32 scales keeps its records; with f16 ones (GGUF's Q8_0) it
+    # takes panels with group scales.
     model[1].method = PackedLinearMethod("int8", packing.quantize_int8(model[1].weight.data, 32), 64, 32)
     model[2].method = make_method("int4", model[2].weight.data, 64)
+    q8_0 = packing.pack_int8(torch.randint(-127, 128, (50, 96), generator=gen, dtype=torch.int8),
+                             (torch.rand(50, 3, generator=gen) / 100).half().float())
+    model[3].method = PackedLinearMethod("int8", q8_0, 96, 32)
     dense = [m.method.dequantize(torch.float32) for m in model]
     for layer in model:
         layer.weight.data = torch.empty(0, dtype=torch.bfloat16)
-    assert prepack_for_cpu(model) == 2
+    assert prepack_for_cpu(model) == 3
     assert model[1].method.panels is None and model[1].method.packed is not None
     rows = torch.tensor([39, 0, 33, 32])
     for layer, w in zip(model, dense, strict=True):

@@ -214,6 +214,49 @@ def test_qgemm_int8_random_shapes() -> None:
         check_qgemm(m, n, k, trial % 2 == 1, seed=trial)
 
 
+@pytest.mark.usefixtures("int8_tiles")
+@pytest.mark.parametrize("m", [1, 3, 6, 13, 64, 101])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 64, True), (77, 96, False)])
+def test_qgemm_int8_group_scales_match_dequantize_then_matmul(variant: str, m: int, n: int, k: int,  # noqa: F811
+                                                              bias: bool) -> None:
+    """int8 panels with an f16 scale per row and group of 32 (GGUF's Q8_0): each group's integer
+    sum scaled by its own scale, x rounded to int8 codes by the same groups, never on AMX tiles
+    (the fixture's "amx" case turns them on for every row count)."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
+    if variant == "portable":
+        with pytest.raises(ValueError, match="need the avx512bf16 or avx2 kernels"):
+            ops.Int8Panels(codes, scales)
+        return
+    weight = ops.Int8Panels(codes, scales)
+    assert weight.kind == ops.INT8_GROUP_PANELS and not weight.amx_at(m) and weight.x_group(m) == 32
+    rows = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(weight.codes(rows), codes[rows]) and torch.equal(weight.row_scales(rows), scales[rows])
+    base = torch.full((m, k + 3), float("nan")).to(torch.bfloat16)
+    base[:, :k] = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x = base[:, :k]
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    got = ops.gemm(x, weight, b).float()
+    w = (codes.float().view(n, -1, 32) * scales[..., None]).view(n, k)
+    xr = packing.round_to_int8_groups(x, 32)
+    want = F.linear(xr, w, b.float() if b is not None else None)
+    excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * (xr.abs() @ w.abs().t()) + 1e-6)
+    assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
+
+
+def test_int8_group_panels_refuse_what_they_cannot_hold(variant: str) -> None:  # noqa: F811 - the fixture
+    if variant == "portable":
+        pytest.skip("the portable build holds no group scales")
+    codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
+    with pytest.raises(ValueError, match="not all f16 values"):
+        ops.Int8Panels(codes, torch.full((8, 2), 0.1))  # 0.1 is no f16
+    with pytest.raises(ValueError, match="expected int8 codes"):
+        ops.Int8Panels(codes, torch.ones(8, 3))
+    with pytest.raises(ValueError, match="k a multiple of 32"):
+        ops.Int8Panels(torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 48 // 32 + 1))
+
+
 def check_qgemm_int4(m: int, n: int, k: int, group_size: int, bias: bool, seed: int) -> None:
     """`gemm` on int4 panels against F.linear on the dequantized weight (bf16 activations)."""
     gen = torch.Generator().manual_seed(seed)

@@ -32,7 +32,9 @@
 // and a tile (up to kInt8TileRows rows) sums each group in int32 registers, started at -128 * the
 // group's sum of x codes, then scales it by x's step into fp32 sums held in registers. The AVX2
 // tile gets the same integer sums from vpmaddubsw (|q| times x's codes with q's sign) and keeps
-// its fp32 sums in L1 (`int8_rows_avx2`). y is W
+// its fp32 sums in L1 (`int8_rows_avx2`). With group scales (kPackedInt8Groups: GGUF's Q8_0 and
+// Q5_0, one f16 scale per column and group of 32 along K, per panel [G][32]) each group's sum
+// times x's step is multiplied by the column's scale before it adds in, as int4's d. y is W
 // times the rounded x, up to fp32 sums. On CPUs with AMX, steps from a row count measured at load
 // (`pagoda_gemm_set_amx_integer_rows`) widen each panel's codes to bf16 instead and multiply x as it
 // is on the tile units (`AmxInt8`). The portable build (format 0) keeps the bf16 layout with
@@ -1360,9 +1362,11 @@ void quantize_row_int8(const bf16* x, int64_t K, const Int8Rows& out) {
 #if defined(PAGODA_VNNI)
 // Rows [0, MR) x one int8 panel over quads [q0, q1) (q0 a group's first); adds into `sums`
 // (from zero when `first`). Each group: integer sums of (q + 128) * xq in registers, started at
-// -128 * sum xq, then sums += dx * that; the column scales wait for `emit`.
+// -128 * sum xq, then sums += dx * that, or with the weight's group scales `d` (f16 [G][32], or
+// null) sums += d * (dx * that); per-column scales wait for `emit`.
 template <int MR, bool PF>
-void int8_tile(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, bool first, Sums sums) {
+void int8_tile(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q0, int64_t q1, bool first,
+               Sums sums) {
   __m512 acc[MR][2];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
@@ -1383,10 +1387,22 @@ void int8_tile(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, bool
         part[m][1] = _mm512_dpbusd_epi32(part[m][1], v1, xv);
       }
     }
+    if (d) {  // as int4_tile: t = sum * dx, then sums += d * t
+      __m512 dv[2];
+      for (int b = 0; b < 2; ++b)
+        dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kPanel + b * kBlock)));
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) {
-      const __m512 step = _mm512_set1_ps(x.dx[m * x.G + g]);
-      for (int b = 0; b < 2; ++b) acc[m][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[m][b]), step, acc[m][b]);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 step = _mm512_set1_ps(x.dx[m * x.G + g]);
+        for (int b = 0; b < 2; ++b)
+          acc[m][b] = _mm512_fmadd_ps(dv[b], _mm512_mul_ps(_mm512_cvtepi32_ps(part[m][b]), step), acc[m][b]);
+      }
+    } else {
+#pragma GCC unroll 16
+      for (int m = 0; m < MR; ++m) {
+        const __m512 step = _mm512_set1_ps(x.dx[m * x.G + g]);
+        for (int b = 0; b < 2; ++b) acc[m][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(part[m][b]), step, acc[m][b]);
+      }
     }
   }
 #pragma GCC unroll 16
@@ -1415,9 +1431,9 @@ constexpr int kInt8Avx2Rows = PAGODA_INT8_AVX2_ROWS;        // rows a pass
 constexpr int kInt8Avx2Vectors = PAGODA_INT8_AVX2_VECTORS;  // a quad's vectors a pass (of 4)
 
 // R rows x one int8 panel over quads [q0, q1) (q0 a group's first), V of a quad's 4 vectors at a
-// time (the group's others re-read from L1); adds into sums.
+// time (the group's others re-read from L1); adds into sums (with group scales `d`: as int8_tile).
 template <int R, bool PF>
-void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, Sums sums) {
+void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q0, int64_t q1, Sums sums) {
   constexpr int V = kInt8Avx2Vectors;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   for (int64_t g0 = q0; g0 < q1; g0 += kGroupQuads) {
@@ -1445,18 +1461,24 @@ void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1,
           }
         }
       }
+      __m256 dv[V];
+      if (d)
+        for (int j = 0; j < V; ++j)
+          dv[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kPanel + 8 * (v0 + j))));
       for (int m = 0; m < R; ++m) {
         const __m256 step = _mm256_set1_ps(x.dx[m * x.G + g]);
         for (int j = 0; j < V; ++j) {
           float* out = sums + m * kSumsRow + 8 * (v0 + j);
-          _mm256_storeu_ps(out, _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m][j]), step, _mm256_loadu_ps(out)));
+          const __m256 sum = _mm256_cvtepi32_ps(part[m][j]);
+          _mm256_storeu_ps(out, d ? _mm256_fmadd_ps(dv[j], _mm256_mul_ps(sum, step), _mm256_loadu_ps(out))
+                                  : _mm256_fmadd_ps(sum, step, _mm256_loadu_ps(out)));
         }
       }
     }
   }
 }
 
-using Int8PassFn = void (*)(const Int8Rows&, const uint8_t*, int64_t, int64_t, Sums);
+using Int8PassFn = void (*)(const Int8Rows&, const uint8_t*, const uint16_t*, int64_t, int64_t, Sums);
 template <bool PF, int... I>
 constexpr std::array<Int8PassFn, kInt8Avx2Rows> make_int8_passes(std::integer_sequence<int, I...>) {
   return {int8_rows_avx2<I + 1, PF>...};
@@ -1468,20 +1490,21 @@ constexpr std::array<Int8PassFn, kInt8Avx2Rows> kInt8Passes =
 // Rows [0, MR) x one int8 panel over quads [q0, q1): kInt8Avx2Rows rows at a time over each chunk
 // of kChunkQuads (L1-resident for the passes after the first, which prefetches).
 template <int MR, bool PF>
-void int8_tile(const Int8Rows& x, const uint8_t* w, int64_t q0, int64_t q1, bool first, Sums sums) {
+void int8_tile(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q0, int64_t q1, bool first,
+               Sums sums) {
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
   for (int64_t c0 = q0; c0 < q1; c0 += kChunkQuads) {
     const int64_t c1 = std::min(q1, c0 + kChunkQuads);
     for (int m0 = 0; m0 < MR; m0 += kInt8Avx2Rows) {
       const int rows = std::min(kInt8Avx2Rows, MR - m0);
-      (m0 == 0 ? kInt8Passes<PF> : kInt8Passes<false>)[rows - 1](x.from(m0), w, c0, c1, sums + m0 * kSumsRow);
+      (m0 == 0 ? kInt8Passes<PF> : kInt8Passes<false>)[rows - 1](x.from(m0), w, d, c0, c1, sums + m0 * kSumsRow);
     }
   }
 }
 #endif
 
-using Int8TileFn = void (*)(const Int8Rows&, const uint8_t*, int64_t, int64_t, bool, Sums);
+using Int8TileFn = void (*)(const Int8Rows&, const uint8_t*, const uint16_t*, int64_t, int64_t, bool, Sums);
 
 template <bool PF, int... I>
 constexpr std::array<Int8TileFn, kInt8TileRows> make_int8_tiles(std::integer_sequence<int, I...>) {
@@ -1492,17 +1515,19 @@ constexpr std::array<std::array<Int8TileFn, kInt8TileRows>, 2> kInt8Tiles{
     make_int8_tiles<true>(std::make_integer_sequence<int, kInt8TileRows>())};
 
 // All M rows over int8 panel `index`: one tile straight through K, or every tile over each chunk.
-void int8_panel(const Problem& P, const uint8_t* codes, const Int8Rows& x, const Tiling& tiling, int64_t index,
-                float* sums) {
+// `group_scales`: f16 per panel, group of 32 along K and column ([panels][G][32]), or null.
+void int8_panel(const Problem& P, const uint8_t* codes, const uint16_t* group_scales, const Int8Rows& x,
+                const Tiling& tiling, int64_t index, float* sums) {
   const int64_t quads = num_quads(P.K);
   const uint8_t* w = codes + index * kQuadBytes * quads;
+  const uint16_t* d = group_scales ? group_scales + index * x.G * kPanel : nullptr;
   const bool single = tiling.count == 1;
   const int64_t chunk = single ? quads : kChunkQuads;
   for (int64_t q0 = 0; q0 < quads; q0 += chunk) {
     const int64_t q1 = std::min(quads, q0 + chunk);
     for (int t = 0; t < tiling.count; ++t) {
       const bool prefetch = single || t == 0;  // as int4_panel
-      kInt8Tiles[prefetch][tiling.rows(t) - 1](x.from(tiling.start[t]), w, q0, q1, q0 == 0,
+      kInt8Tiles[prefetch][tiling.rows(t) - 1](x.from(tiling.start[t]), w, d, q0, q1, q0 == 0,
                                                sums + tiling.start[t] * kSumsRow);
     }
   }
@@ -1510,7 +1535,7 @@ void int8_panel(const Problem& P, const uint8_t* codes, const Int8Rows& x, const
     emit(P, sums + tiling.start[t] * kSumsRow, tiling.start[t], tiling.rows(t), index * kPanel, kPanel);
 }
 
-void int8_pass(const Problem& P, const uint8_t* codes) {
+void int8_pass(const Problem& P, const uint8_t* codes, const uint16_t* group_scales) {
   const int64_t G = (P.K + kInt8Group - 1) / kInt8Group;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx;
@@ -1526,7 +1551,7 @@ void int8_pass(const Problem& P, const uint8_t* codes) {
   parallel_ranges(padded_cols(P.N) / kPanel, 1, [&](int64_t i0, int64_t i1) {
     static thread_local std::vector<float> sums;
     sums.resize(P.M * kSumsRow);
-    for (int64_t i = i0; i < i1; ++i) int8_panel(P, codes, rows, tiling, i, sums.data());
+    for (int64_t i = i0; i < i1; ++i) int8_panel(P, codes, group_scales, rows, tiling, i, sums.data());
   });
 }
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
@@ -1578,17 +1603,21 @@ struct AmxInt8 {
 #endif
 #endif
 
-void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const bf16* bias, bf16* y,
-                int64_t ys, int64_t M, int64_t N, int64_t K) {
-  all_passes(x, xs, scales, bias, y, ys, M, N, K, [&](const Problem& P) {
+// int8 panels times x: `scales` fp32 per column, or (format 2 only) `group_scales` f16 per panel,
+// group of 32 along K and column (K a multiple of 32; never on AMX tiles, which take x as it is
+// and so could not scale each group's sum).
+void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const uint16_t* group_scales,
+                const bf16* bias, bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
+  all_passes(x, xs, group_scales ? nullptr : scales, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI)
-    if (takes_amx(P, g_amx_int8_rows))
+    if (!group_scales && takes_amx(P, g_amx_int8_rows))
       amx_passes(P, AmxInt8{reinterpret_cast<const uint8_t*>(codes), num_quads(P.K)});
     else
-      int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
+      int8_pass(P, reinterpret_cast<const uint8_t*>(codes), group_scales);
 #elif defined(PAGODA_INT8_QUADS)
-    int8_pass(P, reinterpret_cast<const uint8_t*>(codes));
+    int8_pass(P, reinterpret_cast<const uint8_t*>(codes), group_scales);
 #else
+    (void)group_scales;  // NOTE: ops.py builds no grouped panels for format 0
     gemm_pass(P, [&](bf16* buffer) { return Int8Panels{codes, num_pairs(K), buffer}; });
 #endif
   });
@@ -1671,7 +1700,7 @@ extern "C" void pagoda_gemm_pack_bf16(const void* w, int64_t w_stride, void* pac
 }
 
 // bf16: y = x . W^T; int8: the codes (panel layout, zero padded) times one fp32 scale per
-// column; int4: W = q * d + m by groups of gs along K, q as nibbles in the panel layout (64 bytes
+// column, or (int8 groups, format 2) one f16 scale per panel, group of 32 along K and column; int4: W = q * d + m by groups of gs along K, q as nibbles in the panel layout (64 bytes
 // per panel and two k-pairs, see the top of this file), d and m as f16 per panel and group (d for
 // its 32 columns, then m), K a multiple of gs, gs a multiple of 16.
 extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_stride, const void* bias, void* y,
@@ -1683,8 +1712,12 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
   auto* yb = static_cast<bf16*>(y);
   switch (w.kind) {
     case pagoda::kPackedInt8:
-      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), static_cast<const float*>(w.scales), b, yb,
-                         y_stride, M, w.n, w.k);
+      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), static_cast<const float*>(w.scales),
+                         nullptr, b, yb, y_stride, M, w.n, w.k);
+      break;
+    case pagoda::kPackedInt8Groups:
+      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
+                         static_cast<const uint16_t*>(w.scales), b, yb, y_stride, M, w.n, w.k);
       break;
     case pagoda::kPackedInt4:
       pagoda::qgemm_int4(xb, x_stride, static_cast<const uint8_t*>(w.data), static_cast<const uint16_t*>(w.scales),

@@ -6,8 +6,8 @@ once), M rows, the two alternating pass by pass over PASSES passes (the first dr
 ms a pass and GB/s of weights read.
 
 Usage: python docs/benchmarks/kernels/integer_paths.py [M ...]
-Env: KIND int4 (groups of 32) or int8 (per channel; default int4), SHAPE, LMHEAD, PASSES (11),
-KT threads (2).
+Env: KIND int4 (groups of 32), int8 (per channel) or q8_0 (int8 by groups of 32 with f16 scales,
+as GGUF's Q8_0; default int4), SHAPE, LMHEAD, PASSES (11), KT threads (2).
 """
 import os
 import statistics
@@ -33,6 +33,10 @@ def method(n: int, k: int) -> PackedLinearMethod:
     w = torch.randn(n, k) * 0.05
     if KIND == "int4":
         return PackedLinearMethod("int4", packing.quantize_int4(w, 32), k, 32)
+    if KIND == "q8_0":
+        d = (w.view(n, -1, 32).abs().amax(-1) / 127).half().float()
+        q = torch.round(w.view(n, -1, 32) / d[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+        return PackedLinearMethod("int8", packing.pack_int8(q, d), k, 32)
     return PackedLinearMethod("int8", packing.quantize_int8(w), k, k)
 
 

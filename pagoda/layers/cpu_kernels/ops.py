@@ -177,7 +177,7 @@ class GemmWeight(ctypes.Structure):
                 ("group_size", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
 
 
-BF16_PANELS, INT8_PANELS, INT4_PANELS = 0, 1, 2
+BF16_PANELS, INT8_PANELS, INT4_PANELS, INT8_GROUP_PANELS = 0, 1, 2, 6
 
 
 def describe(kind: int, data: torch.Tensor, scales: torch.Tensor | None, group_size: int, n: int,
@@ -230,25 +230,32 @@ def panels_are_native() -> bool:
 
 
 class Int8Panels:
-    """int8 codes [n, k] in [-127, 127] with one fp32 scale per output row, in the small-M
-    GEMM's panel layout (pagoda/csrc/gemm.cpp): w = q * scale. On the avx512bf16 build
-    (`gemm_int8_format` 2) the codes are stored + 128 as uint8, each panel of 32 rows by quads of
-    k (row c's 4 codes of quad j at j * 128 + 4 c); on the portable one (0) as int8 in the bf16
-    panels' layout (k-pairs). `x_group(rows)`: the groups along k in which the GEMM rounds x of
-    that many rows to int8 codes (`packing.round_to_int8_groups`), 0 where it multiplies x as it
-    is (the portable build; AMX tiles, `amx_at(rows)`)."""
-
-    kind = INT8_PANELS
-    group_size = 0
+    """int8 codes [n, k] in [-127, 127] with one fp32 scale per output row (scales [n]), or one
+    f16 scale per row and group of 32 along k (scales [n, k / 32], values f16 holds exactly:
+    GGUF's Q8_0 and Q5_0), in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp): w = q *
+    scale. On the avx512bf16 and avx2 builds (`gemm_int8_format` 2) the codes are stored + 128 as
+    uint8, each panel of 32 rows by quads of k (row c's 4 codes of quad j at j * 128 + 4 c), group
+    scales as f16 [panel][group][32 rows]; on the portable one (0) as int8 in the bf16 panels'
+    layout (k-pairs), per-row scales only. `x_group(rows)`: the groups along k in which the GEMM
+    rounds x of that many rows to int8 codes (`packing.round_to_int8_groups`), 0 where it
+    multiplies x as it is (the portable build; AMX tiles, `amx_at(rows)`, never for groups)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        if codes.dtype != torch.int8 or codes.dim() != 2 or not codes.numel() or scales.numel() != codes.shape[0]:
-            raise ValueError(f"expected int8 codes [n, k] and n scales, got {codes.dtype} {tuple(codes.shape)} "
-                             f"and {scales.numel()} scales")
+        grouped = scales.dim() == 2 and scales.shape[1] > 1
+        if (codes.dtype != torch.int8 or codes.dim() != 2 or not codes.numel() or scales.shape[0] != codes.shape[0]
+                or scales.numel() != codes.shape[0] * (-(-codes.shape[1] // 32) if grouped else 1)):
+            raise ValueError(f"expected int8 codes [n, k] and n scales (or [n, k / 32]), got {codes.dtype} "
+                             f"{tuple(codes.shape)} and scales {tuple(scales.shape)}")
         if bool((codes == -128).any()):
             raise ValueError("int8 panels take codes in [-127, 127] (symmetric quantization); -128 found")
         self.n, self.k = codes.shape
         self.format = int(_lib().fn("gemm_int8_format")())
+        self.kind, self.group_size = (INT8_GROUP_PANELS, 32) if grouped else (INT8_PANELS, 0)
+        if grouped and (self.format != 2 or self.k % 32):
+            raise ValueError(f"int8 panels with group scales need the avx512bf16 or avx2 kernels and k a multiple "
+                             f"of 32 (this build's format {self.format}, k {self.k})")
+        if grouped and not torch.equal(scales.to(torch.float16).float(), scales.float()):
+            raise ValueError("int8 panels keep group scales as f16: these are not all f16 values")
         self.width = 4 if self.format == 2 else 2  # k's of a row side by side
         cols, steps = -(-self.n // 32) * 32, -(-self.k // self.width)
         padded = torch.zeros(cols, self.width * steps, dtype=torch.int8)
@@ -258,15 +265,28 @@ class Int8Panels:
         if self.format == 2:
             panels = (panels.to(torch.int16) + 128).to(torch.uint8).view(torch.int8)
         self.data = panels.view(-1)
-        self.scales = scales.float().reshape(-1).contiguous()
-        self.desc, self.desc_ptr = describe(INT8_PANELS, self.data, self.scales, 0, self.n, self.k)
+        if grouped:
+            groups = torch.zeros(cols, self.k // 32, dtype=torch.float16)
+            groups[:self.n] = scales
+            self.scales = groups.view(cols // 32, 32, -1).transpose(1, 2).contiguous().view(-1)
+        else:
+            self.scales = scales.float().reshape(-1).contiguous()
+        self.desc, self.desc_ptr = describe(self.kind, self.data, self.scales, self.group_size, self.n, self.k)
 
     def amx_at(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs on AMX tiles (the codes widened to bf16, exact)."""
-        return self.format == 2 and rows >= GEMM_AMX_INTEGER_ROWS[8] and self.k % 32 == 0
+        return (self.format == 2 and not self.group_size and rows >= GEMM_AMX_INTEGER_ROWS[8]
+                and self.k % 32 == 0)
 
     def x_group(self, rows: int) -> int:
         return 0 if self.format != 2 or self.amx_at(rows) else 32
+
+    def row_scales(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 [n, G] scales (G = 1, or k / 32 with groups) of every row or of `rows`."""
+        ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
+        if not self.group_size:
+            return self.scales[ids][:, None]
+        return self.scales.view(-1, self.k // 32, 32)[ids // 32, :, ids % 32].float()
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 codes [n, k] (or of `rows`), back in row order; reads only those rows."""
@@ -342,9 +362,9 @@ def gather_in_huge_pages(weights: list[PackedWeight | Int8Panels | Int4Panels]) 
 def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels | Records,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 (rows may be strided) times a packed weight^T (+ bias): exact bf16 products
-    of x and the weight (bf16 values or int8 codes), fp32 sums, scaled per column (int8), rounded
-    once to bf16; int8 on vpdpbusd multiplies x rounded to int8 codes by groups of 32
-    (`Int8Panels.x_group`). int4: x rounded to int8 codes per row and group first (step max |x| / 127, as
+    of x and the weight (bf16 values or int8 codes), fp32 sums, scaled per column (int8; with
+    group scales, per column and group of 32), rounded once to bf16; int8 on vpdpbusd and
+    vpmaddubsw multiplies x rounded to int8 codes by groups of 32 (`Int8Panels.x_group`). int4: x rounded to int8 codes per row and group first (step max |x| / 127, as
     llama.cpp's Q8_0 activations), integer products and sums per group, then scaled per column
     and group in fp32 (the offsets through the rounded x's group sums). `Records`: as `qgemv`."""
     _check_rows(x, x.shape[-1])

@@ -12,6 +12,10 @@ records whose per-group offsets m are added outside the kernel (`PackedLinearMet
 | Q6_K | int8, groups of 16, codes q - 32 | exact (fp32 scales d * sc) |
 | Q4_K | int4, groups of 32, scale d * sc and offset -dmin * m | near: both rounded to f16 |
 
+On the avx512bf16 and avx2 kernels the int4 records and Q8_0/Q5_0's int8 records (f16 scales,
+no offsets) are repacked into the GEMM's panels at load (`PackedLinearMethod.use_gemm`); the
+others keep their records (the GEMV, up to 256 rows).
+
 NOTE: Q4_K's d * sc (f16 d times a 6-bit sc: up to 17 significant bits) and dmin * m do not
 always fit the int4 records' f16 (11 bits): each is rounded to nearest, by at most 2^-11 of
 itself, so a weight moves by at most 2^-11 (|q d sc| + |dmin m|) (2^-25 absolute more for

@@ -79,20 +79,27 @@ class PackedLinearMethod:
     def use_gemm(self) -> bool:
         """Repacks the records into the GEMM's panels, the only copy kept, where this build's GEMM
         multiplies them natively (`ops.panels_are_native`: the avx512bf16 and avx2 builds; the
-        caller checks that activations are bf16). Returns whether
-        this layer has panels (group-wise int8, GGUF's Q8_0, keeps its records)."""
+        caller checks that activations are bf16). Returns whether this layer has panels: int4,
+        int8 per channel, and int8 by groups of 32 whose scales are f16 values and codes in
+        [-127, 127] (GGUF's Q8_0 and Q5_0); other int8 (groups of 16, fp32 scales: Q6_K) keeps
+        its records."""
         if self.offsets is not None:
             return False
         if self.packed is None:
             return self.panels is not None
-        per_channel = self.scheme == "int8" and self.group_size == self.in_features
-        if not (self.scheme == "int4" or per_channel) or not cpu_kernels.ops.panels_are_native():
+        if not cpu_kernels.ops.panels_are_native():
             return False
         if self.scheme == "int4":
             q, d, m = packing.unpack_int4(self.packed, self.in_features, self.group_size)
             self.panels = cpu_kernels.ops.Int4Panels(q, d, m, self.group_size)
-        else:
+        elif self.group_size == self.in_features:
             q, d = packing.unpack_int8(self.packed, self.in_features)
+            self.panels = cpu_kernels.ops.Int8Panels(q, d)
+        else:
+            q, d = packing.unpack_int8(self.packed, self.in_features, self.group_size)
+            if (self.group_size != 32 or not torch.equal(d.to(torch.float16).float(), d)
+                    or bool((q == -128).any())):
+                return False
             self.panels = cpu_kernels.ops.Int8Panels(q, d)
         self.packed = None
         return True
@@ -176,8 +183,8 @@ class PackedLinearMethod:
                            rows: torch.Tensor | None) -> torch.Tensor:
         """fp32 [rows, K]: q * d (+ m), as packing's dequantize computes them."""
         if isinstance(panels, cpu_kernels.ops.Int8Panels):
-            scales = panels.scales if rows is None else panels.scales[rows.reshape(-1)]
-            return panels.codes(rows).float() * scales[:, None]
+            q, d = panels.codes(rows).float(), panels.row_scales(rows)
+            return (q.view(q.shape[0], d.shape[1], -1) * d[..., None]).view(q.shape[0], self.in_features)
         q, d, m = panels.unpack(rows)
         groups = q.float().view(q.shape[0], -1, self.group_size) * d.float()[..., None] + m.float()[..., None]
         return groups.view(q.shape[0], self.in_features)
