@@ -231,6 +231,53 @@ def test_request_id_headers_echo_the_clients_id_or_make_one(engine: FakeEngine):
     assert "x-request-id" not in call(engine, "GET", "/v1/models").headers  # off by default
 
 
+def test_vllm_032_flags_start_or_refuse_by_what_they_ask():
+    args = serve_parser().parse_args([
+        "serve", "m", "--enable-hc-sp", "--prefix-match-unit", "32", "--renderer-num-workers", "4",
+        "--fingerprint-mode", "none", "--no-enable-offline-docs", "--tool-strict-level", "auto",
+        "--per-request-spec-decode-metrics", "none", "--log-error-stack"])
+    lines = no_effect_lines(args)
+    assert len(lines) == 5 and any(line.startswith("--prefix-match-unit 32: ") for line in lines)
+    assert unsupported_flag_error(args) is None and args.log_error_stack
+    for refused, why in ((["--use-fp64-gumbel"], "fp32 exponential"), (["--tool-strict-level", "function"], "tool_choice"),
+                         (["-dc", "{}"], "diffusion"), (["--kv-cache-dtype-skip-layers", "0", "2"], "every layer")):
+        message = unsupported_flag_error(serve_parser().parse_args(["serve", "m", *refused]))
+        assert message is not None and why in message, refused
+
+
+def test_error_responses_log_their_stack_when_asked(engine: FakeEngine, caplog: pytest.LogCaptureFixture):
+    ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake", max_model_len=64)
+
+    async def post(app: object) -> int:
+        transport = httpx.ASGITransport(app=app)  # type: ignore[arg-type]
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return (await client.post("/v1/completions", json={"model": "fake", "prompt": "hi",
+                                                                "max_tokens": -1})).status_code
+
+    with caplog.at_level("ERROR", logger="pagoda"):
+        assert asyncio.run(post(build_app(ctx))) == 400
+        assert not [r for r in caplog.records if r.exc_info]
+        assert asyncio.run(post(build_app(ctx, log_error_stack=True))) == 400
+    logged = [r for r in caplog.records if r.exc_info]
+    assert len(logged) == 1 and "POST /v1/completions answered 400" in logged[0].getMessage()
+
+
+def test_log_config_file_is_applied_or_named(tmp_path: Path):
+    import logging
+
+    from pagoda.server.serve import apply_log_config
+
+    good = tmp_path / "log.json"
+    good.write_text(json.dumps({"version": 1, "disable_existing_loggers": False,
+                                "loggers": {"pagoda.test_probe": {"level": "WARNING"}}}))
+    assert apply_log_config(str(good)) is None
+    assert logging.getLogger("pagoda.test_probe").level == logging.WARNING
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]")
+    assert "JSON object" in (apply_log_config(str(bad)) or "")
+    assert apply_log_config(str(tmp_path / "missing.json")) is not None
+
+
 def test_vllm_flags_pagoda_implements_under_vllms_names():
     args = serve_parser().parse_args([
         "serve", "m", "--kv-cache-memory-bytes", "1GiB", "--num-gpu-blocks-override", "64",

@@ -262,7 +262,7 @@ class CorsPolicy:
 
 def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
               web_ui: bool = True, request_id_headers: bool = False, api_docs: bool = True,
-              cors: CorsPolicy | None = None) -> FastAPI:
+              cors: CorsPolicy | None = None, log_error_stack: bool = False) -> FastAPI:
     """The app serving `ctx.engine`; `ctx` is shared with the launcher (draining, counts).
 
     Args:
@@ -282,7 +282,7 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
     app.state.ctx = ctx
     app.state.live_stats = live_stats
     app.state.web_ui = web_ui
-    install_error_handlers(app)
+    install_error_handlers(app, log_stack=log_error_stack)
     app.add_middleware(GateMiddleware, ctx=ctx)
     if web_ui:
         # NOTE: added last, so outermost: the page's static files are answered before the gate.

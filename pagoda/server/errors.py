@@ -9,7 +9,8 @@ FastAPI's 422 for a malformed body becomes a 400.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+from collections.abc import Awaitable, Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -135,9 +136,26 @@ async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(APIError(500, f"{type(exc).__name__}: {exc}"))
 
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Routes every error the app can raise to the OpenAI shape."""
-    app.add_exception_handler(Exception, _on_unexpected_error)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)
-    app.add_exception_handler(APIError, _on_api_error)
-    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+Handler = Callable[[Request, Exception], Awaitable[JSONResponse]]
+
+
+def _logging_stack(handler: Handler) -> Handler:
+    """`handler`, logging each error response with the stack trace that led to it (vLLM's
+    --log-error-stack)."""
+    async def logged(request: Request, exc: Exception) -> JSONResponse:
+        response = await handler(request, exc)
+        logging.getLogger("pagoda").error("%s %s answered %d", request.method, request.url.path,
+                                          response.status_code, exc_info=exc)
+        return response
+
+    return logged
+
+
+def install_error_handlers(app: FastAPI, log_stack: bool = False) -> None:
+    """Routes every error the app can raise to the OpenAI shape; with `log_stack`, each error
+    response is logged with its stack trace."""
+    handlers: list[tuple[type[Exception], Handler]] = [
+        (Exception, _on_unexpected_error), (RequestValidationError, _on_validation_error),
+        (APIError, _on_api_error), (StarletteHTTPException, _on_http_error)]
+    for kind, handler in handlers:
+        app.add_exception_handler(kind, _logging_stack(handler) if log_stack else handler)

@@ -202,6 +202,11 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--log-level", default=None, type=str.lower,
                      choices=["debug", "info", "warning", "error", "critical"],
                      help="the level of pagoda's own log (default info), as vLLM's")
+    net.add_argument("--log-error-stack", action=argparse.BooleanOptionalAction, default=False,
+                     help="log the stack trace of each error response, as vLLM's")
+    net.add_argument("--log-config-file", default=None, metavar="PATH",
+                     help="a JSON file of Python logging configuration (logging.config.dictConfig), "
+                          "applied at start, as vLLM's")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
@@ -580,6 +585,23 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
                   "pagoda serves the OpenAI API only (no Cohere or Anthropic routes)"),
     *_table_flags("--kv-cache-metrics-sample --jit-monitor-mode --jit-monitor-verbose? --fail-on-environ-validation?",
                   "pagoda has no such monitor (no sampled KV residency metrics, no JIT at serve time, no VLLM_* environment)"),
+    *_table_flags("--enable-hc-sp? --engram-config --swa-bounded-replay? --kv-sharing-fast-prefill? --prefix-cache-retention-interval",
+                  "pagoda runs none of the models these serve (HyperConnection, n-gram embeddings, "
+                  "DeepSeek-V4.1's bounded replay, YOCO KV sharing, Mamba checkpoints)"),
+    *_table_flags("--enable-shm-tensor-arena? --ec-manager-config", "pagoda serves text-only models"),
+    ("--enable-batch-sharded-sampling", "bool", "with tensor parallelism the last rank samples the whole "
+                                                "batch and sends token ids"),
+    ("--prefill-schedule-interval", "value", "one server is one engine (no data-parallel ranks to align)"),
+    ("--prefix-match-unit", "value", "prefix-cache hits land on whole KV blocks (--block-size)"),
+    ("--long-prefill-token-threshold-adaptive", "bool", "the scheduler already shares each step's "
+                                                        "prefill budget between requests (fair admission)"),
+    ("--renderer-num-workers", "value", "chat templates and tokenizing run on the server's thread pool"),
+    ("--enable-offline-docs", "bool", "/docs loads FastAPI's page assets from their CDN as usual "
+                                      "(no vendored copy); --disable-fastapi-docs turns it off"),
+    *_table_flags("--fingerprint-mode --fingerprint-value", "responses carry no system_fingerprint (as vLLM's "
+                                                            "--fingerprint-mode none)"),
+    ("--enable-logging-iteration-details", "bool", "the stats log gives steps' throughput every interval; "
+                                                   "per-step figures are on /metrics"),
 )
 
 # vLLM flags for features pagoda does not have: given with a value that asks for the feature,
@@ -626,6 +648,18 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
                   "LoRA adapters are not supported yet"),
     *_refused_flags("--tool-parser-plugin --reasoning-parser-plugin --io-processor-plugin --model-class-overrides",
                   "plugins are not loaded: parsers and models are pagoda's own (--tool-call-parser, --reasoning-parser)"),
+    ("--diffusion-config -dc", "value", None, "pagoda serves no diffusion language models"),
+    ("--kv-cache-dtype-skip-layers", "list", None, "the fp8 KV cache covers every layer"),
+    ("--reasoning-config", "value", None, "reasoning budgets are not supported (--reasoning-parser "
+                                          "separates the reasoning)"),
+    ("--aux-output-config", "value", None, "responses carry no auxiliary outputs (routed experts)"),
+    *_refused_flags("--enable-per-request-metrics? --per-request-spec-decode-metrics=none",
+                    "responses carry no per-request metrics (they are on /metrics)"),
+    ("--enable-mfu-metrics", "bool", None, "model FLOPs utilization metrics are not exported"),
+    ("--use-fp64-gumbel", "bool", None, "sampling draws fp32 exponential noise"),
+    ("--tool-strict-level", "value", "auto", "tool calls are constrained by tool_choice (required or "
+                                             "named), per request"),
+    ("--logging-config", "value", None, "use --log-level and --log-config-file"),
     *_refused_flags("--tool-server --tokens-only? --enable-scale-out? --grpc-port --enable-ssl-refresh? --hf-config-path --quantization-config --enable-return-routed-experts? --return-sampling-mask? --enable-trace-replay? --device-ids --enable-fault-tolerance? --fault-tolerance-config --watermark-config --ec-transfer-config --weight-transfer-config --enable-tokenizer-info-endpoint? --convert=auto --profiler-config --pooler-config --enable-mm-embeds? --mm-encoder-only? --max-num-queued-reqs --max-num-queued-tokens --sse-keep-alive-interval=0 --h11-max-header-count",
                   "not supported by pagoda"),
 )
@@ -844,6 +878,9 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.log_level:
         logging.getLogger("pagoda").setLevel(args.log_level.upper())
+    if args.log_config_file and (problem := apply_log_config(args.log_config_file)) is not None:
+        print(f"pagoda serve: error: --log-config-file {args.log_config_file}: {problem}", file=sys.stderr)
+        return 2
     for line in no_effect_lines(args):
         logger.info("%s", line)
     if args.headless or config.parallel.node_rank > 0:
@@ -851,6 +888,21 @@ def run_serve(args: argparse.Namespace) -> int:
 
         return run_headless(config)
     return asyncio.run(_serve(args, model, config, middlewares))
+
+
+def apply_log_config(path: str) -> str | None:
+    """Applies a JSON logging configuration (dictConfig); returns what is wrong with it, if anything."""
+    import logging.config
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            return "expected a JSON object (a logging.config.dictConfig dictionary)"
+        logging.config.dictConfig(config)
+    except (OSError, ValueError, TypeError, AttributeError, ImportError) as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 def _load_engine(model: str, config: EngineConfig, name: str, args: argparse.Namespace,
@@ -900,7 +952,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
         logger.info("%s", format_kv_memory_report(engine.kv_report()))
         app = build_app(ctx, live, web_ui=not args.disable_web_ui,
                         request_id_headers=args.enable_request_id_headers,
-                        api_docs=not args.disable_fastapi_docs, cors=cors_policy(args))
+                        api_docs=not args.disable_fastapi_docs, cors=cors_policy(args),
+                        log_error_stack=args.log_error_stack)
         add_middlewares(app, middlewares or [])
         quiet_paths = [p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()]
         if quiet_paths:
