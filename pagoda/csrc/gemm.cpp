@@ -1410,7 +1410,6 @@ void int8_tile(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q
     for (int b = 0; b < 2; ++b) _mm512_storeu_ps(sums + m * kSumsRow + b * kBlock, acc[m][b]);
 }
 
-
 #else
 
 // The AVX2 build multiplies the same panels on vpmaddubsw, which takes one u8 operand: as in
@@ -1427,14 +1426,17 @@ void int8_tile(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q
 #ifndef PAGODA_INT8_AVX2_VECTORS
 #define PAGODA_INT8_AVX2_VECTORS 2
 #endif
-constexpr int kInt8Avx2Rows = PAGODA_INT8_AVX2_ROWS;        // rows a pass
-constexpr int kInt8Avx2Vectors = PAGODA_INT8_AVX2_VECTORS;  // a quad's vectors a pass (of 4)
+constexpr int kInt8Avx2Rows = PAGODA_INT8_AVX2_ROWS;  // rows a pass
+// A quad's vectors (of 4) an R-row pass. NOTE: one row takes all four at once: 1.24-1.25x two in
+// cache, 1.05-1.09x streamed over SmolLM2's layers (docs/performance.md, "AVX2 int8").
+template <int R>
+constexpr int kInt8Avx2Vectors = R == 1 ? 4 : PAGODA_INT8_AVX2_VECTORS;
 
 // R rows x one int8 panel over quads [q0, q1) (q0 a group's first), V of a quad's 4 vectors at a
 // time (the group's others re-read from L1); adds into sums (with group scales `d`: as int8_tile).
 template <int R, bool PF>
 void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q0, int64_t q1, Sums sums) {
-  constexpr int V = kInt8Avx2Vectors;
+  constexpr int V = kInt8Avx2Vectors<R>;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   for (int64_t g0 = q0; g0 < q1; g0 += kGroupQuads) {
     const int64_t g = g0 / kGroupQuads, end = std::min(q1, g0 + kGroupQuads);
@@ -1700,8 +1702,9 @@ extern "C" void pagoda_gemm_pack_bf16(const void* w, int64_t w_stride, void* pac
 }
 
 // bf16: y = x . W^T; int8: the codes (panel layout, zero padded) times one fp32 scale per
-// column, or (int8 groups, format 2) one f16 scale per panel, group of 32 along K and column; int4: W = q * d + m by groups of gs along K, q as nibbles in the panel layout (64 bytes
-// per panel and two k-pairs, see the top of this file), d and m as f16 per panel and group (d for
+// column, or (int8 groups, format 2) one f16 scale per panel, group of 32 along K and column;
+// int4: W = q * d + m by groups of gs along K, q as nibbles in the panel layout (64 bytes per
+// panel and two k-pairs, see the top of this file), d and m as f16 per panel and group (d for
 // its 32 columns, then m), K a multiple of gs, gs a multiple of 16.
 extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_stride, const void* bias, void* y,
                                    int64_t y_stride, int64_t M) {

@@ -1,10 +1,11 @@
-"""Two builds of the kernels, A and B, on SmolLM2's bf16 linears (30 layers of distinct weights
-in the GEMM's panels, 212 MB), M rows through `pagoda_gemm_packed`, the builds alternating
+"""Two builds of the kernels, A and B, on SmolLM2's linears (30 layers of distinct weights
+in the GEMM's panels, 212 MB in bf16), M rows through `pagoda_gemm_packed`, the builds alternating
 pass by pass over 15 passes (the first dropped): an A/B of the GEMM that holds on a noisy
 machine.
 
 Usage: python gemm_ab.py LIB_A.so LIB_B.so M [M ...]
-Env: SHAPE=1b the Llama-3.2-1B shape's 16 layers instead (2.1 GB); FMA_ROWS_A / FMA_ROWS_B the row
+Env: KIND bf16 (default), int8 (per channel) or int4 (groups of 32): the same layers quantized;
+SHAPE=1b the Llama-3.2-1B shape's 16 layers instead (2.1 GB); FMA_ROWS_A / FMA_ROWS_B the row
 count from which each build takes its second tile kind (`pagoda_gemm_set_fma_rows`: the AVX-512
 build's FMA tiles, the AVX2 build's widened chunks; default: never); PASSES (15).
 A and B must be different files (one file loads once: copy it to compare a build with itself).
@@ -21,13 +22,26 @@ import torch
 
 from pagoda.layers import cpu_kernels
 from pagoda.layers.cpu_kernels import ops
+from pagoda.layers.quantization import packing
 
 cpu_kernels.library()
 libs = [ctypes.CDLL(p) for p in sys.argv[1:3]]
 H, QKV, INTER, LAYERS = (2048, 3072, 8192, 16) if os.environ.get("SHAPE") == "1b" else (576, 960, 1536, 30)
 shapes = [(QKV, H), (H, H), (2 * INTER, H), (H, INTER)]
 torch.manual_seed(0)
-weights = [ops.PackedWeight((torch.randn(n, k) * 0.05).to(torch.bfloat16)) for _ in range(LAYERS) for n, k in shapes]
+KIND = os.environ.get("KIND", "bf16")
+
+
+def packed(n: int, k: int) -> ops.PackedWeight | ops.Int8Panels | ops.Int4Panels:
+    w = torch.randn(n, k) * 0.05
+    if KIND == "int8":
+        return ops.Int8Panels(*packing.unpack_int8(packing.quantize_int8(w), k))
+    if KIND == "int4":
+        return ops.Int4Panels(*packing.unpack_int4(packing.quantize_int4(w, 32), k, 32), 32)
+    return ops.PackedWeight(w.to(torch.bfloat16))
+
+
+weights = [packed(n, k) for _ in range(LAYERS) for n, k in shapes]
 L, P = ctypes.c_int64, ctypes.c_void_p
 for lib in libs:
     lib.pagoda_gemm_packed.argtypes = [P, P, L, P, P, L, L]
