@@ -154,9 +154,10 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset(),  # type: ign
     that packed copy is the only one kept; so are quantized weights whose format this build's GEMM
     takes (the method's `use_gemm`: int8 per channel and int4 on the avx512bf16 and avx2 builds).
     Otherwise, on CPUs where oneDNN has native bf16, each weight is prepacked for oneDNN; where
-    the (portable) kernels are available the plain weights stay too, for the GEMV kernel's small steps, at the cost of a second copy. The GEMM's packed
-    weights live in huge pages, in module order: the bf16 ones packed straight into one buffer,
-    the quantized panels gathered into another (`cpu_kernels.memory`).
+    the (portable) kernels are available the plain weights stay too, for the GEMV kernel's small
+    steps, at the cost of a second copy. The GEMM's packed weights live in huge pages, in module
+    order: the bf16 ones packed straight into one buffer, the quantized panels gathered into
+    another (`cpu_kernels.memory`).
     With a kernel `plan` (kernel_plan.py), each bf16 weight whose shape it covers is given the
     storages its paths read instead, and the plain weight is freed where none reads it.
     Returns the number of layers packed.

@@ -241,21 +241,12 @@ class Int8Panels:
     multiplies x as it is (the portable build; AMX tiles, `amx_at(rows)`, never for groups)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        if (refused := Int8Panels.refusal(codes, scales)) is not None:
+            raise ValueError(refused)
         grouped = scales.dim() == 2 and scales.shape[1] > 1
-        if (codes.dtype != torch.int8 or codes.dim() != 2 or not codes.numel() or scales.shape[0] != codes.shape[0]
-                or scales.numel() != codes.shape[0] * (-(-codes.shape[1] // 32) if grouped else 1)):
-            raise ValueError(f"expected int8 codes [n, k] and n scales (or [n, k / 32]), got {codes.dtype} "
-                             f"{tuple(codes.shape)} and scales {tuple(scales.shape)}")
-        if bool((codes == -128).any()):
-            raise ValueError("int8 panels take codes in [-127, 127] (symmetric quantization); -128 found")
         self.n, self.k = codes.shape
         self.format = int(_lib().fn("gemm_int8_format")())
         self.kind, self.group_size = (INT8_GROUP_PANELS, 32) if grouped else (INT8_PANELS, 0)
-        if grouped and (self.format != 2 or self.k % 32):
-            raise ValueError(f"int8 panels with group scales need the avx512bf16 or avx2 kernels and k a multiple "
-                             f"of 32 (this build's format {self.format}, k {self.k})")
-        if grouped and not torch.equal(scales.to(torch.float16).float(), scales.float()):
-            raise ValueError("int8 panels keep group scales as f16: these are not all f16 values")
         self.width = 4 if self.format == 2 else 2  # k's of a row side by side
         cols, steps = -(-self.n // 32) * 32, -(-self.k // self.width)
         padded = torch.zeros(cols, self.width * steps, dtype=torch.int8)
@@ -272,6 +263,24 @@ class Int8Panels:
         else:
             self.scales = scales.float().reshape(-1).contiguous()
         self.desc, self.desc_ptr = describe(self.kind, self.data, self.scales, self.group_size, self.n, self.k)
+
+    @staticmethod
+    def refusal(codes: torch.Tensor, scales: torch.Tensor) -> str | None:
+        """Why these codes and scales cannot be int8 panels on this build (None: they can)."""
+        grouped = scales.dim() == 2 and scales.shape[1] > 1
+        if (codes.dtype != torch.int8 or codes.dim() != 2 or not codes.numel() or scales.shape[0] != codes.shape[0]
+                or scales.numel() != codes.shape[0] * (-(-codes.shape[1] // 32) if grouped else 1)):
+            return (f"expected int8 codes [n, k] and n scales (or [n, k / 32]), got {codes.dtype} "
+                    f"{tuple(codes.shape)} and scales {tuple(scales.shape)}")
+        if bool((codes == -128).any()):
+            return "int8 panels take codes in [-127, 127] (symmetric quantization); -128 found"
+        fmt = int(_lib().fn("gemm_int8_format")())
+        if grouped and (fmt != 2 or codes.shape[1] % 32):
+            return (f"int8 panels with group scales need the avx512bf16 or avx2 kernels and k a multiple "
+                    f"of 32 (this build's format {fmt}, k {codes.shape[1]})")
+        if grouped and not torch.equal(scales.to(torch.float16).float(), scales.float()):
+            return "int8 panels keep group scales as f16: these are not all f16 values"
+        return None
 
     def amx_at(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs on AMX tiles (the codes widened to bf16, exact)."""
@@ -364,7 +373,8 @@ def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels | Recor
     """x [M, K] bf16 (rows may be strided) times a packed weight^T (+ bias): exact bf16 products
     of x and the weight (bf16 values or int8 codes), fp32 sums, scaled per column (int8; with
     group scales, per column and group of 32), rounded once to bf16; int8 on vpdpbusd and
-    vpmaddubsw multiplies x rounded to int8 codes by groups of 32 (`Int8Panels.x_group`). int4: x rounded to int8 codes per row and group first (step max |x| / 127, as
+    vpmaddubsw multiplies x rounded to int8 codes by groups of 32 (`Int8Panels.x_group`). int4:
+    x rounded to int8 codes per row and group first (step max |x| / 127, as
     llama.cpp's Q8_0 activations), integer products and sums per group, then scaled per column
     and group in fp32 (the offsets through the rounded x's group sums). `Records`: as `qgemv`."""
     _check_rows(x, x.shape[-1])

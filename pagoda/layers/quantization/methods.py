@@ -97,8 +97,7 @@ class PackedLinearMethod:
             self.panels = cpu_kernels.ops.Int8Panels(q, d)
         else:
             q, d = packing.unpack_int8(self.packed, self.in_features, self.group_size)
-            if (self.group_size != 32 or not torch.equal(d.to(torch.float16).float(), d)
-                    or bool((q == -128).any())):
+            if self.group_size != 32 or cpu_kernels.ops.Int8Panels.refusal(q, d) is not None:
                 return False
             self.panels = cpu_kernels.ops.Int8Panels(q, d)
         self.packed = None
