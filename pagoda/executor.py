@@ -8,9 +8,9 @@ masks and seeded generators' states computed here: worker_step.py); every worker
 own inputs and runs the same `ModelRunner` as one process, and the last stage samples: token
 ids come back, never logits. Every request's state stays in the engine.
 
-The same failure rules as one process: a step that fails on the workers while preparing
-inputs or sampling comes back as `WorkerStepFailed`, and the engine reruns it request by
-request (isolation.py), failing only the culprit. Failing loudly: a worker that dies, or does
+The same failure rules as one process: a step that fails on the workers (preparing inputs,
+the model's forward on every rank of a stage, sampling) comes back as `WorkerStepFailed`, and
+the engine reruns it request by request (isolation.py), failing only the culprit. Failing loudly: a worker that dies, or does
 not answer within the step timeout, raises `WorkerDiedError`, which the engine does not retry
 (`fatal`); the server then exits 1.
 `shutdown` stops every local worker and leaves no orphan (workers also die with their parent).
@@ -134,8 +134,8 @@ def accept_from(listener: Listener, workers: list[WorkerProcess]) -> Connection:
 
 
 class WorkerStepFailed(RuntimeError):
-    """A step failed on the workers while preparing inputs or sampling (the workers go on):
-    the engine reruns it request by request, as in one process."""
+    """A step failed on the workers (the workers go on): the engine reruns it request by
+    request, as in one process."""
 
 
 class MultiprocExecutor:

@@ -6,11 +6,16 @@ same `ModelRunner` as one process: it prepares its own inputs and runs its pipel
 layers on its tensor-parallel shard (a stage after the first receives the previous stage's
 hidden states and residual first, a stage before the last sends its own on). The last stage
 gathers the logits over its group; its rank 0 samples and sends the tokens (`WorkerOutput`)
-to world rank 0, which answers the engine. A step that fails before or after the model runs
-is answered as a `WorkerStepError`; the workers go on.
+to world rank 0, which answers the engine.
 
-A worker exits with its parent (PR_SET_PDEATHSIG), and on any error: the engine, which
-watches its workers, then fails loudly rather than waiting on a collective forever.
+A step that fails is answered as a `WorkerStepError` and the workers go on, as one process
+goes on: preparing inputs and sampling run alike on every rank that runs them; a failure in
+the model's forward is one when the stage's ranks all failed (the same inputs, the same code:
+they agree on it, `launch.all_failed`), and the stage tells the stages after it instead of
+sending hidden states (a `FAILED` header). A rank that failed alone, whose peers may be inside
+a collective, ends; so does a worker on any other error: the engine, which watches its
+workers, then fails loudly, naming the dead one, rather than waiting on a collective forever.
+A worker also exits with its parent (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +38,15 @@ from pagoda.distributed import launch
 from pagoda.scheduler import SchedulerOutput
 from pagoda.worker_step import WorkerOutput, WorkerStepError
 
+if TYPE_CHECKING:
+    from pagoda.model_inputs import ModelInputs
+    from pagoda.model_runner import LastStageOutput
+    from pagoda.models.llama import Intermediate
+
 logger = logging.getLogger("pagoda")
+
+# NOTE: what a stage sends the next one first each step: its hidden states follow, or its failure.
+HIDDEN, FAILED = 0, 1
 
 
 @dataclass(frozen=True)
@@ -89,8 +102,12 @@ class Shard:
         self.runner = self.parts.runner
         self.model = self.runner.model
         self.hidden_size = self.model.dims.hidden_size
-        self.dtype = next(self.model.parameters()).dtype  # NOTE: hidden states and logits too
+        weight = next(self.model.parameters())
+        self.dtype = weight.dtype  # NOTE: hidden states and logits too
+        self.device = weight.device  # NOTE: what the stages pass each other lives there (NCCL)
         self.samples = self.stage.is_last and self.tp.rank == 0
+        self.control = launch.control_group(spec.rank, par.tensor_parallel_size,
+                                            par.pipeline_parallel_size)
         self.node_threads = spec.num_threads * par.ranks_per_node
 
     @torch.inference_mode()
@@ -100,20 +117,18 @@ class Shard:
 
         Preparing the inputs and sampling fail alike on every rank that runs them (the same
         inputs, no collective inside): such a failure is the answer, and the workers go on.
-        A failure while the model runs may leave another rank inside a collective: it ends this
-        worker (and the engine, which watches its workers)."""
+        A failure in the forward is the answer too once the stage's ranks agree they all
+        failed; a rank that failed alone ends (its peers may be inside a collective)."""
         try:
             sampling, inputs = self.runner.preparer.prepare(out)
         except Exception as exc:  # noqa: BLE001 - the step's failure, not the worker's
             return self._failed(exc)
-        intermediate = None if self.stage.is_first else self._receive(inputs.num_tokens)
-        result = self.runner.forward(inputs, intermediate)
-        if isinstance(result, tuple):
-            h, residual = result
-            assert self.stage.next_rank is not None and residual is not None
-            dist.send(h.contiguous(), self.stage.next_rank)
-            dist.send(residual.contiguous(), self.stage.next_rank)
+        result = self._forward(inputs)
+        if not self.stage.is_last:
+            self._send(result)
             return None
+        if isinstance(result, WorkerStepError):
+            return result if self.samples else None
         if self.tp.rank != 0:
             return None
         # NOTE: every other rank of the node waits while this one samples: it borrows their
@@ -126,13 +141,48 @@ class Shard:
         finally:
             torch.set_num_threads(self.runner.max_threads)
 
+    def _forward(self, inputs: ModelInputs) -> LastStageOutput | Intermediate | WorkerStepError:
+        """This stage's forward, or why it (or a stage before it) failed."""
+        intermediate = None if self.stage.is_first else self._receive(inputs.num_tokens)
+        if isinstance(intermediate, WorkerStepError):
+            return intermediate
+        try:
+            return self.runner.forward(inputs, intermediate)
+        except Exception as exc:
+            if not launch.all_failed(self.control):
+                logger.error("the model failed on this rank alone (%s: %s); its tensor-parallel "
+                             "peers did not fail with it: ending", type(exc).__name__, exc)
+                raise
+            logger.warning("step failed: %s: %s", type(exc).__name__, exc)
+            return WorkerStepError(type(exc).__name__, str(exc))
+
     def _failed(self, exc: Exception) -> WorkerStepError | None:
         logger.warning("step failed: %s: %s", type(exc).__name__, exc)
         return WorkerStepError(type(exc).__name__, str(exc)) if self.samples else None
 
-    def _receive(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _send(self, result: LastStageOutput | Intermediate | WorkerStepError) -> None:
+        """Hands this stage's hidden states and residual (or its failure) to the next stage."""
+        assert self.stage.next_rank is not None
+        if isinstance(result, WorkerStepError):
+            dist.send(torch.tensor([FAILED], device=self.device), self.stage.next_rank)
+            dist.send_object_list([result], self.stage.next_rank)
+            return
+        dist.send(torch.tensor([HIDDEN], device=self.device), self.stage.next_rank)
+        assert isinstance(result, tuple)
+        h, residual = result
+        assert residual is not None
+        dist.send(h.contiguous(), self.stage.next_rank)
+        dist.send(residual.contiguous(), self.stage.next_rank)
+
+    def _receive(self, num_tokens: int) -> Intermediate | WorkerStepError:
         assert self.stage.prev_rank is not None
-        h = torch.empty(num_tokens, self.hidden_size, dtype=self.dtype)
+        header = torch.empty(1, dtype=torch.long, device=self.device)
+        dist.recv(header, self.stage.prev_rank)
+        if int(header) == FAILED:
+            box: list[Any] = [None]
+            dist.recv_object_list(box, self.stage.prev_rank)
+            return box[0]
+        h = torch.empty(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
         residual = torch.empty_like(h)
         dist.recv(h, self.stage.prev_rank)
         dist.recv(residual, self.stage.prev_rank)

@@ -181,8 +181,8 @@ class WorkerOutput:
 
 @dataclass
 class WorkerStepError:
-    """A step failed on the workers before or after the model ran (preparing inputs,
-    sampling): every rank skipped it alike, so the workers go on; the engine reruns the
+    """A step failed on the workers (preparing inputs, the model's forward on every rank of
+    a stage, sampling): every rank left it alike, so the workers go on; the engine reruns the
     step request by request to find the culprit, as in one process."""
 
     kind: str

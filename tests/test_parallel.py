@@ -62,6 +62,30 @@ CONSTRAINED = [
 ]
 
 
+def corrupt_culprit(monkeypatch, change) -> None:  # noqa: ANN001
+    """The workers get request "culprit"'s copy changed by `change`, every step."""
+    real_for_workers = executor.for_workers
+
+    def corrupt(out, vocab_size):  # noqa: ANN001, ANN202
+        copy = real_for_workers(out, vocab_size)
+        for r in copy.requests:
+            if r.request_id == "culprit":
+                change(r)
+        return copy
+
+    monkeypatch.setattr(executor, "for_workers", corrupt)
+
+
+def assert_only_the_culprit_fails(llm: LLM, expected: list[list[int]], error: str) -> None:
+    llm.engine.add_request("culprit", prompts()[1], greedy(4))
+    llm.engine.add_request("innocent", prompts()[0], greedy())
+    results = run(llm.engine)
+    assert error in (results["culprit"].error or "")
+    assert results["innocent"].error is None
+    assert results["innocent"].outputs[0].token_ids == expected[0]
+    assert all(w.is_alive() for w in llm.engine.core.runner.workers)
+
+
 @pytest.fixture(scope="module")
 def one_process(tiny_llama: Path) -> LLM:
     return LLM(str(tiny_llama), num_kv_blocks=256, **ENGINE)
@@ -120,23 +144,8 @@ def test_parallel_greedy_equals_one_process(tiny_llama: Path, expected: list[lis
             # NOTE: one process's failure rule holds: a step that fails on the workers (here
             # one request's copy is corrupt, so preparing inputs fails on every rank) is rerun
             # request by request; only the culprit fails, and the workers go on.
-            real_for_workers = executor.for_workers
-
-            def corrupt(out, vocab_size):  # noqa: ANN001, ANN202
-                copy = real_for_workers(out, vocab_size)
-                for r in copy.requests:
-                    if r.request_id == "culprit":
-                        r.block_ids = []
-                return copy
-
-            monkeypatch.setattr(executor, "for_workers", corrupt)
-            llm.engine.add_request("culprit", prompts()[1], greedy(4))
-            llm.engine.add_request("innocent", prompts()[0], greedy())
-            results = run(llm.engine)
-            assert "IndexError" in (results["culprit"].error or "")
-            assert results["innocent"].error is None
-            assert results["innocent"].outputs[0].token_ids == expected[0]
-            assert all(w.is_alive() for w in llm.engine.core.runner.workers)
+            corrupt_culprit(monkeypatch, lambda r: setattr(r, "block_ids", []))
+            assert_only_the_culprit_fails(llm, expected, "IndexError")
     finally:
         llm.engine.shutdown()
 
@@ -158,6 +167,51 @@ def test_smollm2_tensor_parallel_3_equals_one_process():
         assert tokens(three, ps, greedy(32)) == want
     finally:
         three.engine.shutdown()
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_step_that_fails_in_the_model_fails_only_its_culprit(tiny_llama: Path, expected: list[list[int]],
+                                                                layout: dict, monkeypatch):
+    # NOTE: one request's copy points past the KV pool; the workers check kernel inputs, so
+    # the model's forward raises on every rank of the stage alike (TP: both ranks agree they
+    # failed; PP: the first stage fails and tells the second). The step is rerun request by
+    # request as in one process: only the culprit fails, and no worker ends.
+    monkeypatch.setenv("PAGODA_CHECK_KERNEL_INPUTS", "1")
+    llm = LLM(str(tiny_llama), num_kv_blocks=256, **ENGINE, **layout)
+    corrupt_culprit(monkeypatch, lambda r: setattr(r, "block_ids", [b + 10_000 for b in r.block_ids]))
+    try:
+        assert_only_the_culprit_fails(llm, expected, "KernelInputError")
+        assert tokens(llm, prompts(2), greedy()) == expected[:2]  # the workers go on
+    finally:
+        llm.engine.shutdown()
+
+
+AGREEMENT = """
+import datetime, sys, time
+import torch.distributed as dist
+from pagoda.distributed import launch
+rank, both = int(sys.argv[1]), sys.argv[3] == "both"
+dist.init_process_group("gloo", init_method=sys.argv[2], rank=rank, world_size=2)
+control = launch.control_group(rank, 2, 1, timeout=datetime.timedelta(seconds=2))
+if rank == 0 or both:
+    print("agreed" if launch.all_failed(control) else "alone", flush=True)
+else:
+    time.sleep(5)  # a peer that did not fail: inside another collective, or waiting
+"""
+
+
+@pytest.mark.parametrize("who, want", [("both", "agreed"), ("one", "alone")])
+def test_ranks_agree_that_a_step_failed_on_all_of_them(tmp_path: Path, who: str, want: str):
+    init = f"file://{tmp_path / 'rendezvous'}"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    ranks = [subprocess.Popen([sys.executable, "-c", AGREEMENT, str(r), init, who], env=env,
+                              stdout=subprocess.PIPE, text=True) for r in range(2)]
+    started = time.monotonic()
+    first = ranks[0].communicate(timeout=60)[0].split()
+    assert first == [want]
+    assert time.monotonic() - started < 30  # alone: the 2 s agreement timeout, not a hang
+    second = ranks[1].communicate(timeout=60)[0].split()
+    assert second == ([want] if who == "both" else [])
 
 
 def test_layouts_the_model_cannot_take_are_refused(tiny_llama: Path):
