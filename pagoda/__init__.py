@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any  # noqa: E402
 
 if TYPE_CHECKING:
     from pagoda.llm import LLM
+    from pagoda.lora import LoRARequest
     from pagoda.outputs import (
         CompletionOutput,
         EmbeddingRequestOutput,
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from pagoda.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "PoolingParams",
-           "EmbeddingRequestOutput", "PoolingRequestOutput"]
+           "EmbeddingRequestOutput", "PoolingRequestOutput", "LoRARequest"]
 __version__ = "0.1.0"
 
 # NOTE: imported on first use, not with the package: `python -m pagoda.worker` (and
@@ -30,7 +31,7 @@ __version__ = "0.1.0"
 _HOMES = {"LLM": "pagoda.llm", "SamplingParams": "pagoda.sampling_params",
           "RequestOutput": "pagoda.outputs", "CompletionOutput": "pagoda.outputs",
           "PoolingParams": "pagoda.pooling", "EmbeddingRequestOutput": "pagoda.outputs",
-          "PoolingRequestOutput": "pagoda.outputs"}
+          "PoolingRequestOutput": "pagoda.outputs", "LoRARequest": "pagoda.lora"}
 
 
 def __getattr__(name: str) -> Any:

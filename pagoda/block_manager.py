@@ -137,11 +137,14 @@ class BlockManager:
     # ---- prefix cache --------------------------------------------------------------------
     def block_hashes(self, request: Request) -> list[bytes]:
         """Extends and returns the hashes of the request's full blocks; the first takes the
-        request's cache salt (vLLM's `cache_salt`), which every later one chains on."""
+        request's cache salt (vLLM's `cache_salt`) and its LoRA adapter, which every later one
+        chains on."""
         hashes = request.block_hashes
         bs = self.block_size
         tokens = request.all_token_ids
         salt = request.cache_salt.encode("utf-8", "surrogatepass") if request.cache_salt else b""
+        if request.lora_request is not None:
+            salt += b"\0" + request.lora_request.cache_key.encode("utf-8", "surrogatepass")
         for i in range(len(hashes), len(tokens) // bs):
             block = tokens[i * bs:(i + 1) * bs]
             hashes.append(hash_block(hashes[-1], block) if hashes else hash_block(None, block, salt))

@@ -389,14 +389,38 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (lora.py): off unless `enable_lora`.
+
+    Attributes:
+        max_lora_rank: the largest rank an adapter may have (vLLM's default 16).
+        max_cpu_loras: adapters kept loaded at once (the least recently used dropped).
+    """
+
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 8
+
+    def __post_init__(self) -> None:
+        _check(self.max_lora_rank >= 1, "max_lora_rank", self.max_lora_rank, "must be >= 1")
+        _check(self.max_cpu_loras >= 1, "max_cpu_loras", self.max_cpu_loras, "must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None
     log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.parallel.world_size > 1:
+            raise ValueError("LoRA adapters (enable_lora) are served in one process: not with "
+                             "tensor or pipeline parallelism.")
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: object) -> EngineConfig:
@@ -411,7 +435,7 @@ class EngineConfig:
             kwargs["cache_dtype"] = kwargs.pop("kv_cache_dtype")
         parts: dict[str, dict[str, object]] = {}
         owners = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                  "parallel": ParallelConfig, "limits": LimitsConfig}
+                  "parallel": ParallelConfig, "limits": LimitsConfig, "lora": LoRAConfig}
         known = {f.name: part for part, c in owners.items() for f in dataclasses.fields(c)}
         top: dict[str, object] = {}
         for key, value in kwargs.items():

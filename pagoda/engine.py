@@ -27,6 +27,7 @@ from pagoda.generation_config import GenerationDefaults, load_generation_default
 from pagoda.input_processor import EngineRequest, InputProcessor, PromptTooLongError
 from pagoda.kv_cache import max_concurrency
 from pagoda.kv_cache_manager import HybridBlockManager
+from pagoda.lora import LoRARequest
 from pagoda.metrics.base import StatLoggerBase
 from pagoda.models.loader import is_gguf, resolve_model_path
 from pagoda.output_processor import RequestState
@@ -101,9 +102,9 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> str:
         """Validates and queues a request; returns its id (`cache_salt`: vLLM's; only requests
-        with the same salt share cached prefixes).
+        with the same salt share cached prefixes; `lora_request`: the LoRA adapter it runs with).
 
         Raises:
             ValueError: an invalid prompt or params (`param` names the field), or an id in use.
@@ -112,7 +113,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else self.new_id()
         self._check_new_id(request_id)
         return self.add_processed(self.processor.process(request_id, prompt, params, arrival_time,
-                                                         priority=priority, cache_salt=cache_salt))
+                                                         priority=priority, cache_salt=cache_salt,
+                                                         lora_request=lora_request))
 
     def new_id(self) -> str:
         """A request id of this engine's own numbering."""

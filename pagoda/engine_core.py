@@ -27,6 +27,7 @@ from pagoda.engine_setup import EngineParts
 from pagoda.input_processor import EngineRequest
 from pagoda.isolation import StepResult, execute_isolating, untrusted_blocks, uses_any
 from pagoda.kv_cache_manager import HybridBlockManager
+from pagoda.lora import LoRAError, LoRAManager, LoRARequest
 from pagoda.output_processor import finished_stats, record_token_timing
 from pagoda.outputs import RequestMetrics
 from pagoda.pooling import PooledPart, finish_vector
@@ -112,6 +113,8 @@ class EngineCore:
         (timings the core fills in as they run)."""
         if req.request_id in self._requests:
             raise ValueError(f"Request id {req.request_id!r} is already in use.")
+        if req.lora_request is not None:
+            self._check_lora(req.lora_request)
         samples = req.sampling_params.per_sample()
         grammars = [req.grammar] + [req.grammar.fork() if req.grammar else None
                                     for _ in range(len(samples) - 1)]
@@ -119,13 +122,21 @@ class EngineCore:
             Request(req.request_id, req.prompt_token_ids, params, self.eos_token_ids,
                     req.arrival_time, self.max_model_len, sample_index=i, grammar=grammars[i],
                     priority=req.priority, group=req.group, pooling_params=req.pooling_params,
-                    cache_salt=req.cache_salt)
+                    cache_salt=req.cache_salt, lora_request=req.lora_request)
             for i, params in enumerate(samples)
         ]
         self._requests[req.request_id] = children
         for child in children:
             self.scheduler.add_request(child)
         return [child.metrics for child in children]
+
+    def _check_lora(self, request: LoRARequest) -> None:
+        """Loads the adapter now (a bad one is this request's error, not a step's)."""
+        lora: LoRAManager | None = getattr(self.runner, "lora", None)
+        if lora is None:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r} asked for, but this engine serves "
+                            "none (enable_lora / --enable-lora).")
+        lora.adapter(request)
 
     def abort_request(self, request_id: str) -> list[EngineCoreOutput]:
         """Ends every unfinished sequence of a request and frees its blocks at once; returns

@@ -30,6 +30,7 @@ from pagoda.layers.fused_moe import pack_experts_for_cpu
 from pagoda.layers.kernel_plan import KernelPlan
 from pagoda.layers.linear import prepack_for_cpu
 from pagoda.layers.quantization.gptq_awq import CHECKPOINT_METHODS, resolve_quantization
+from pagoda.lora import LoRAManager
 from pagoda.model_runner import ModelRunner, step_threads
 from pagoda.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
 from pagoda.pooling import PoolerConfig
@@ -152,7 +153,8 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     groups = kv_cache_groups([attn.sliding_window for attn in layers], spec,
                              enable=agree is None and not config.cache.disable_hybrid_kv_cache_manager)
     specs = [group_spec for group_spec, _ in groups]
-    runner = ModelRunner(model, config.cache.block_size, device)
+    runner = ModelRunner(model, config.cache.block_size, device,
+                         LoRAManager(model, config.lora) if config.lora.enable_lora else None)
     num_blocks = num_blocks_for_groups(specs, config.cache, device, max_model_len, config.scheduler,
                                        _available_cuda_bytes(config, runner, spec, device))
     if agree is not None:

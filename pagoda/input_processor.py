@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda.config import LimitsConfig
+from pagoda.lora import LoRARequest
 from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParamError, SamplingParams
 from pagoda.structured_output import Grammar, GrammarCompiler
@@ -57,6 +58,7 @@ class EngineRequest:
     group: str | None = None  # requests that share one share the scheduler's turns
     pooling_params: PoolingParams | None = None  # a pooled request (pooling.py): no tokens
     cache_salt: str | None = None  # only requests with the same salt share cached prefixes
+    lora_request: LoRARequest | None = None  # the adapter it runs with (lora.py)
 
 
 def check_unicode(text: str, param: str) -> None:
@@ -240,7 +242,8 @@ class InputProcessor:
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                 arrival_time: float | None = None, prompt_text: str | None = None,
                 structured_param: str = "structured_outputs", priority: int = 0,
-                group: str | None = None, cache_salt: str | None = None) -> EngineRequest:
+                group: str | None = None, cache_salt: str | None = None,
+                lora_request: LoRARequest | None = None) -> EngineRequest:
         """Tokenizes (when given text), validates and compiles one request's constraint.
 
         Args:
@@ -248,6 +251,7 @@ class InputProcessor:
             priority: vLLM's (lower is sooner); only under the "priority" policy.
             group: the requests one client sent at once share one (default: this request).
             cache_salt: vLLM's; only requests with the same salt share cached prefixes.
+            lora_request: the LoRA adapter it runs with (the engine core loads and checks it).
 
         Raises:
             ValueError: with `param` naming the offending field.
@@ -267,4 +271,4 @@ class InputProcessor:
             grammar = self.grammars.compile(params.structured_outputs, structured_param)
         return EngineRequest(request_id, token_ids, params,
                              time.time() if arrival_time is None else arrival_time, prompt_text,
-                             grammar, priority, group, cache_salt=cache_salt)
+                             grammar, priority, group, cache_salt=cache_salt, lora_request=lora_request)

@@ -16,6 +16,7 @@ from pagoda.beam_search import (
     live_beams,
 )
 from pagoda.engine import LLMEngine
+from pagoda.lora import LoRARequest
 from pagoda.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -80,13 +81,16 @@ class LLM:
 
     def generate(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None
+                 use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """Generates for every prompt (a text, token ids, or vLLM's `{"prompt": ...}` /
         `{"prompt_token_ids": ...}` dicts); returns outputs in the prompts' order.
 
         Without `sampling_params`, `get_default_sampling_params()`. `priority` (one per
-        prompt, lower is sooner) needs `scheduling_policy="priority"`."""
+        prompt, lower is sooner) needs `scheduling_policy="priority"`. `lora_request`: the
+        LoRA adapter of every prompt, or one per prompt (None: the base model); needs
+        `enable_lora=True`."""
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -94,8 +98,12 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"priority has {len(priorities)} entries for {len(prompt_list)} prompts.")
-        ids = [self.engine.add_request(None, p, sp, priority=pr, cache_salt=salt)
-               for (p, salt), sp, pr in zip(prompt_list, params, priorities, strict=True)]
+        loras = (list(lora_request) if isinstance(lora_request, Sequence)
+                 else [lora_request] * len(prompt_list))
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(prompt_list)} prompts.")
+        ids = [self.engine.add_request(None, p, sp, priority=pr, cache_salt=salt, lora_request=lora)
+               for (p, salt), sp, pr, lora in zip(prompt_list, params, priorities, loras, strict=True)]
         return self._run(ids, use_tqdm if use_tqdm is not None else len(ids) >= 8)
 
     def beam_search(self, prompts: Prompt | PromptDict | Sequence[Prompt | PromptDict], params: BeamSearchParams

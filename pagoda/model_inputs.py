@@ -26,6 +26,7 @@ from pagoda.layers.attention_backend import (
     NativeAttentionMetadata,
     TorchAttentionMetadata,
 )
+from pagoda.lora import LoRARequest
 from pagoda.pooling import PoolRows, positions_to_pool
 from pagoda.prompt_logprobs import PromptRows, positions_to_score
 from pagoda.request import Request
@@ -47,10 +48,22 @@ class ModelInputs:
     prompt_rows: list[PromptRows] = field(default_factory=list)
     pool_rows: list[PoolRows] = field(default_factory=list)  # NOTE: hidden rows `pool_row_ids`
     pool_row_ids: torch.Tensor | None = None
+    # NOTE: (adapter, first row, row count) of each request that runs with a LoRA adapter
+    lora_rows: list[tuple[LoRARequest, int, int]] = field(default_factory=list)
 
     @property
     def num_sample_rows(self) -> int:
         return self.logits_rows.numel() - sum(span.count for span in self.prompt_rows)
+
+
+def lora_rows(reqs: list[Request], counts: list[int]) -> list[tuple[LoRARequest, int, int]]:
+    """The rows of each request (in row order) that runs with a LoRA adapter."""
+    rows, first = [], 0
+    for request, count in zip(reqs, counts, strict=True):
+        if request.lora_request is not None:
+            rows.append((request.lora_request, first, count))
+        first += count
+    return rows
 
 
 class InputPreparer:
@@ -81,7 +94,8 @@ class InputPreparer:
         inputs = ModelInputs(input_ids, positions, meta,
                              torch.tensor(rows + scored_rows, dtype=torch.long, device=self.device),
                              sum(counts), prompt_rows, pool_rows,
-                             torch.tensor(pooled_rows, dtype=torch.long, device=self.device))
+                             torch.tensor(pooled_rows, dtype=torch.long, device=self.device),
+                             lora_rows(reqs, counts))
         return [reqs[i] for i, _, _ in sample_rows], inputs
 
     @staticmethod

@@ -21,6 +21,7 @@ from pagoda.layers.attention_backend import (
     NativeAttentionBackend,
     TorchAttentionBackend,
 )
+from pagoda.lora import LoRAManager
 from pagoda.model_inputs import InputPreparer, ModelInputs
 from pagoda.models.llama import Intermediate
 from pagoda.models.native_decoder import NativeDecoder
@@ -62,10 +63,16 @@ def attention_backend_for(model: CausalLM, block_size: int, device: torch.device
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, device: torch.device) -> None:
+    """Args:
+        lora: the LoRA adapters it serves (lora.py), or None.
+    """
+
+    def __init__(self, model: CausalLM, block_size: int, device: torch.device,
+                 lora: LoRAManager | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.lora = lora
         # NOTE: the whole layer stack in one native call, built once the KV pool is bound.
         self.native_decoder: NativeDecoder | None = None
         self.sampler = Sampler()
@@ -104,8 +111,13 @@ class ModelRunner:
         previous stage's `intermediate` unless it is the first) returns its hidden states and
         residual instead."""
         self._set_threads(inputs.num_tokens)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate,
-                            fused=self.native_decoder)
+        if inputs.lora_rows and self.lora is not None:
+            # NOTE: the adapters' updates hook the projections, layer by layer in torch.
+            with self.lora.step(inputs.lora_rows, self.device):
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate,
+                                fused=self.native_decoder)
         if isinstance(hidden, tuple):
             return hidden
         pooled = hidden[inputs.pool_row_ids] if inputs.pool_rows else hidden[:0]

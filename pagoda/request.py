@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from pagoda.lora import LoRARequest
 from pagoda.outputs import RequestMetrics
 from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
@@ -50,6 +51,7 @@ class Request:
         group: str | None = None,
         pooling_params: PoolingParams | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
@@ -69,6 +71,7 @@ class Request:
         self.sliding_block_ids: list[int] = []
         self.block_hashes: list[bytes] = []
         self.cache_salt = cache_salt  # NOTE: hashed into the first block's name (block_manager.py)
+        self.lora_request = lora_request  # NOTE: the adapter its rows run with (lora.py); named in its blocks too
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.time())

@@ -371,7 +371,7 @@ def test_access_log_lines_can_leave_out_some_paths():
     (["--data-parallel-rank", "0", "--data-parallel-backend", "mp", "--decode-context-parallel-size", "1"], [], None),
     (["--data-parallel-external-lb"], [], "--data-parallel-external-lb: one server is one engine"),
     (["--tool-parser-plugin", "my_parser.py"], [], "--tool-parser-plugin: plugins are not loaded"),
-    (["--lora-dtype", "bfloat16"], [], "--lora-dtype: LoRA adapters"),
+    (["--lora-dtype", "bfloat16"], [], "--lora-dtype: only text LoRA adapters in the model's dtype"),
 ])
 def test_vllm_032_launch_flags_are_accepted_or_refused_by_name(argv, logged, refused):
     from pagoda.server.serve import unsupported_flag_error
@@ -534,7 +534,7 @@ def test_hf_overrides_and_vllms_older_rope_flags_reach_the_model_config():
 
 
 @pytest.mark.parametrize("argv, refused", [
-    (["--enable-lora", "--lora-modules", "a=/x"], "--enable-lora: LoRA adapters are not supported yet"),
+    (["--enable-lora", "--fully-sharded-loras"], "--fully-sharded-loras: LoRA adapters are served in one process"),
     (["--data-parallel-size", "2"], "--data-parallel-size: one server is one engine"),
     (["-dp", "4"], "--data-parallel-size: one server is one engine"),
     (["--cpu-offload-gb", "4"], "--cpu-offload-gb: weights are not offloaded"),

@@ -107,7 +107,10 @@ async def version() -> dict[str, str]:
 @router.get("/v1/models")
 async def list_models(ctx: Ctx) -> ModelList:
     return ModelList(data=[ModelCard(id=name, root=ctx.model_path, max_model_len=ctx.max_model_len)
-                           for name in ctx.served_model_names])
+                           for name in ctx.served_model_names]
+                     + [ModelCard(id=name, root=lora.lora_path, parent=ctx.model_name,
+                                  max_model_len=ctx.max_model_len)
+                        for name, lora in ctx.lora_requests.items()])
 
 
 @router.post("/v1/completions", dependencies=JSON_BODY)

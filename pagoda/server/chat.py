@@ -42,6 +42,7 @@ from pagoda.server.serving import (
     beam_search_params,
     beam_usage,
     build_sampling_params,
+    check_lora_model,
     id_str,
     invalid_input,
     prompt_logprobs_field,
@@ -224,12 +225,13 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, inputs: Cha
     params = build_sampling_params(ctx, inputs.fields, len(inputs.prompt.token_ids),
                                    inputs.max_tokens, _num_logprobs(req))
     return await Generation.create(ctx, request_id, [inputs.prompt], [params],
-                                   inputs.structured_param, req.priority, req.user, req.cache_salt)
+                                   inputs.structured_param, req.priority, req.user, req.cache_salt,
+                                   ctx.lora_for(req.model))
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request
                                  ) -> Response:
-    ctx.check_model(req.model)
+    check_lora_model(ctx, req.model, req.use_beam_search)
     inputs = await chat_inputs(ctx, req)
     if req.use_beam_search:
         return await _beam_search_chat(ctx, req, raw, inputs)

@@ -30,6 +30,7 @@ from pagoda.server.serving import (
     beam_search_params,
     beam_usage,
     build_sampling_params,
+    check_lora_model,
     id_str,
     prompt_logprobs_field,
     request_fields,
@@ -119,7 +120,7 @@ def finish(req: CompletionRequest, reason: str | None,
 
 
 async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = check_lora_model(ctx, req.model, req.use_beam_search)
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
     fields, structured_param = request_fields(req)
@@ -134,7 +135,7 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     params = [build_sampling_params(ctx, fields, len(p.token_ids), max_tokens, req.logprobs)
               for p in prompts]
     gen = await Generation.create(ctx, random_id("cmpl"), prompts, params, structured_param,
-                                  req.priority, req.user, req.cache_salt)
+                                  req.priority, req.user, req.cache_salt, lora)
     model = req.model or ctx.model_name
     if req.stream:
         return StreamingResponse(sse(stream_completion(gen, req, model)),

@@ -39,6 +39,7 @@ from pagoda.config import (
     json_object,
     parse_bytes,
 )
+from pagoda.lora import LoRARequest, read_adapter_config
 from pagoda.metrics import (
     LiveStatLogger,
     check_histogram_buckets,
@@ -71,6 +72,7 @@ ENGINE_FLAGS = {
     "max_num_scheduled_tokens": "max_num_scheduled_tokens", "max_num_active_seqs": "max_num_active_seqs",
     "watermark": "watermark", "scheduler_reserve_full_isl": "scheduler_reserve_full_isl",
     "tensor_parallel_size": "tensor_parallel_size",
+    "enable_lora": "enable_lora", "max_lora_rank": "max_lora_rank", "max_cpu_loras": "max_cpu_loras",
     "pipeline_parallel_size": "pipeline_parallel_size", "nnodes": "nnodes",
     "node_rank": "node_rank", "dist_init_addr": "dist_init_addr", "core_process": "core_process",
     "max_n": "max_n", "max_prompt_chars": "max_prompt_chars",
@@ -182,6 +184,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_cache_arguments(parser)
     add_parallel_arguments(parser)
+    add_lora_arguments(parser)
     add_limit_arguments(parser)
     add_tool_arguments(parser)
     add_no_effect_arguments(parser)
@@ -390,6 +393,47 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parallel.add_argument("--core-process", action="store_true", default=None,
                           help="run the engine core (scheduler, KV pool, model) in a process of "
                                "its own, apart from the HTTP server (docs/architecture.md)")
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    lora = parser.add_argument_group("LoRA adapters (pagoda/lora.py)")
+    lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
+                      help="serve LoRA adapters beside the base model (one process: no TP/PP)")
+    lora.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                      help="adapters the API answers to by name (a request's `model`): NAME=PATH "
+                           "or vLLM's JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...}")
+    lora.add_argument("--max-lora-rank", type=int, default=None,
+                      help="the largest adapter rank served (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept loaded at once, the least recently used dropped (default 8)")
+    lora.add_argument("--max-loras", type=int, default=None,
+                      help="vLLM's adapters a step may hold; pagoda puts no limit on a step (accepted)")
+
+
+def lora_modules(specs: list[str] | None, enable_lora: bool | None) -> dict[str, LoRARequest]:
+    """`--lora-modules`' adapters by name (ids from 1 in their order).
+
+    Raises:
+        ValueError: a malformed entry, a name given twice, or adapters without --enable-lora.
+    """
+    if not specs:
+        return {}
+    if not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    found: dict[str, LoRARequest] = {}
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            entry = json_object(spec, "--lora-modules")
+            name, path = entry.get("name"), entry.get("path")
+        else:
+            name, _, path = spec.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules {spec!r}: expected NAME=PATH or a JSON object with name and path")
+        if name in found:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        read_adapter_config(str(path))  # NOTE: its folder and config now; its weights at first use
+        found[str(name)] = LoRARequest(str(name), len(found) + 1, str(path))
+    return found
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -609,10 +653,6 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
 # serving without it). (flag and its short spellings, how it parses, the value that asks for
 # nothing, why)
 UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
-    ("--enable-lora", "bool", None, "LoRA adapters are not supported yet"),
-    ("--lora-modules", "list", None, "LoRA adapters are not supported yet"),
-    ("--max-loras", "value", None, "LoRA adapters are not supported yet"),
-    ("--max-lora-rank", "value", None, "LoRA adapters are not supported yet"),
     ("--data-parallel-size -dp", "value", "1", "one server is one engine; for data parallelism run "
                                                "replicas behind a load balancer (docs/scaling.md)"),
     ("--api-server-count -asc", "value", "1", "one API server process serves each engine"),
@@ -623,9 +663,10 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
                                              "are not supported"),
     ("--logits-processors", "list", None, "custom logits processors are not supported"),
     ("--kv-transfer-config", "value", None, "KV transfer between instances is not supported"),
-    ("--max-cpu-loras", "value", None, "LoRA adapters are not supported yet"),
-    ("--fully-sharded-loras", "bool", None, "LoRA adapters are not supported yet"),
-    ("--lora-target-modules", "list", None, "LoRA adapters are not supported yet"),
+    ("--fully-sharded-loras", "bool", None, "LoRA adapters are served in one process (no tensor "
+                                            "parallelism to shard them over)"),
+    ("--lora-target-modules", "list", None, "each adapter adapts the modules its adapter_config.json "
+                                            "names; restricting them is not supported"),
     ("--uds", "value", None, "the server listens on TCP (--host, --port), not on a Unix socket"),
     ("--grpc", "bool", None, "the server speaks HTTP only"),
     ("--otlp-traces-endpoint", "value", None, "OpenTelemetry tracing is not supported"),
@@ -645,7 +686,7 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     *_refused_flags("--decode-context-parallel-size=1 --prefill-context-parallel-size=1",
                   "context parallelism is not supported"),
     *_refused_flags("--lora-dtype=auto --enable-tower-connector-lora? --default-mm-loras --specialize-active-lora? --enable-mixed-moe-lora-format? --enable-moe-shared-loras? --max-lora-cls-labels",
-                  "LoRA adapters are not supported yet"),
+                  "only text LoRA adapters in the model's dtype are served (--enable-lora)"),
     *_refused_flags("--tool-parser-plugin --reasoning-parser-plugin --io-processor-plugin --model-class-overrides",
                   "plugins are not loaded: parsers and models are pagoda's own (--tool-call-parser, --reasoning-parser)"),
     ("--diffusion-config -dc", "value", None, "pagoda serves no diffusion language models"),
@@ -918,6 +959,11 @@ def _load_engine(model: str, config: EngineConfig, name: str, args: argparse.Nam
 async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
                  middlewares: list[Any] | None = None) -> int:
     names = args.served_model_name or [model]
+    try:
+        loras = lora_modules(args.lora_modules, args.enable_lora)
+    except ValueError as e:
+        print(f"pagoda serve: error: {e}", file=sys.stderr)
+        return 1
     started = time.perf_counter()
     live = LiveStatLogger()
     try:
@@ -926,7 +972,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
         print(f"pagoda serve: error: cannot load {model!r}: {e}", file=sys.stderr)
         return 1
     try:
-        ctx = ServerContext(engine=engine, served_model_names=names, model_path=model,
+        ctx = ServerContext(engine=engine, served_model_names=names, model_path=model, lora_requests=loras,
                             max_model_len=engine.config.model.max_model_len,
                             chat_template=load_chat_template(config.model.chat_template),
                             chat_template_content_format=args.chat_template_content_format,

@@ -26,6 +26,7 @@ from pagoda.beam_search import (
 )
 from pagoda.generation_config import GenerationDefaults
 from pagoda.input_processor import EngineRequest, InputProcessor
+from pagoda.lora import LoRARequest
 from pagoda.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParams
@@ -90,6 +91,7 @@ class ServerContext:
     served_model_names: list[str]
     model_path: str
     max_model_len: int
+    lora_requests: dict[str, LoRARequest] = field(default_factory=dict)  # NOTE: --lora-modules by name
     chat_template: str | None = None
     chat_template_content_format: str = "auto"
     trust_request_chat_template: bool = False
@@ -123,8 +125,28 @@ class ServerContext:
         return self.engine.processor
 
     def check_model(self, name: str | None) -> None:
+        """Refuses a model this route does not serve (LoRA adapters: `lora_for`'s routes only)."""
+        if name is not None and name in self.lora_requests:
+            raise APIError(400, f"`{name}` is a LoRA adapter: adapters are served on "
+                                "/v1/completions and /v1/chat/completions.", "model")
         if name is not None and name not in self.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
+
+    def lora_for(self, name: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); refuses unknown names."""
+        if name is not None and name in self.lora_requests:
+            return self.lora_requests[name]
+        self.check_model(name)
+        return None
+
+
+def check_lora_model(ctx: ServerContext, name: str | None, beam_search: bool) -> LoRARequest | None:
+    """The adapter a generating request's `model` names; refuses unknown names, and beam
+    search with an adapter."""
+    lora = ctx.lora_for(name)
+    if lora is not None and beam_search:
+        raise APIError(400, "use_beam_search with a LoRA adapter is not supported.", "use_beam_search")
+    return lora
 
 
 def load_chat_template(template: str | None) -> str | None:
@@ -277,11 +299,12 @@ class Generation:
     async def create(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
                      params: list[SamplingParams], structured_param: str = "structured_outputs",
                      priority: int = 0, user: str | None = None,
-                     cache_salt: str | None = None) -> Generation:
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> Generation:
         """Validates and compiles every prompt's request. The prompts share one scheduling
         group (they take turns with other requests), and so do all requests naming the same
         OpenAI `user`: one client's many requests cannot starve another's. `cache_salt`: only
-        requests with the same salt share cached prefixes."""
+        requests with the same salt share cached prefixes. `lora_request`: the adapter they
+        run with."""
         try:
             # NOTE: grammars compile on their own threads first, never holding tokenizing ones.
             for sp in params:
@@ -292,7 +315,8 @@ class Generation:
         def one(i: int, request_id: str, group: str) -> EngineRequest:
             return ctx.processor.process(request_id, prompts[i].token_ids, params[i],
                                          prompt_text=prompts[i].text, structured_param=structured_param,
-                                         priority=priority, group=group, cache_salt=cache_salt)
+                                         priority=priority, group=group, cache_salt=cache_salt,
+                                         lora_request=lora_request)
 
         return await cls._start(ctx, request_id, prompts, one, params[0].n, user)
 

@@ -1,0 +1,233 @@
+"""LoRA adapters: PEFT checkpoints served beside the base model, several in one batch.
+
+A request names an adapter with a `LoRARequest` (vLLM's: `lora_name`, `lora_int_id`,
+`lora_path`; the server's `--lora-modules NAME=PATH` and a request's `model` field). The runner's
+`LoRAManager` loads an adapter the first time a request uses it (at most `max_cpu_loras` kept,
+least recently used dropped), checks it against the model, and adds each adapted projection's
+low-rank update to the rows of the requests that use it: y[rows] += s * (x[rows] A^T) B^T, with
+s = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), for each adapter in the step. Fused
+projections (q/k/v, gate/up) take each part's update in its slice of the output.
+
+The updates run as forward hooks on the base projections, so a step with an adapted request
+runs the model layer by layer in torch (the one-call native stack does not take them); a step
+without one runs as before. Prefix-cache blocks are named with the adapter's name, so
+requests share cached KV only with requests of the same adapter. Not served: tensor or
+pipeline parallelism with adapters, adapters on embeddings or the LM head, DoRA, biases,
+per-module rank or alpha patterns (each refused with its reason).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagoda.config import LoRAConfig
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """An adapter a request runs with (vLLM's `vllm.lora.request.LoRARequest`)."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.lora_name:
+            raise ValueError("A LoRA adapter needs a name.")
+        if self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be >= 1, got {self.lora_int_id}.")
+
+    @property
+    def cache_key(self) -> str:
+        """What names this adapter's prefix-cache blocks (block_manager.py)."""
+        return f"lora:{self.lora_int_id}:{self.lora_name}"
+
+
+@dataclass
+class LoRAUpdate:
+    """One part of one projection: its A [r, in], its B [out part, r], where the part starts
+    in the projection's output."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    offset: int
+
+
+@dataclass
+class LoRAAdapter:
+    """A loaded adapter: its scale and its updates by projection (the model's module names)."""
+
+    request: LoRARequest
+    rank: int
+    scaling: float
+    updates: dict[str, list[LoRAUpdate]] = field(default_factory=dict)
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be served on this model (the request's 400)."""
+
+
+def read_adapter_config(path: str) -> dict[str, Any]:
+    config_path = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.isfile(config_path):
+        raise LoRAError(f"No {ADAPTER_CONFIG} in the LoRA adapter folder {path!r}.")
+    with open(config_path, encoding="utf-8") as f:
+        config: dict[str, Any] = json.load(f)
+    refused = {
+        "use_dora": "DoRA adapters are not supported",
+        "rank_pattern": "per-module ranks (rank_pattern) are not supported",
+        "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
+        "modules_to_save": "adapters that replace whole modules (modules_to_save) are not supported",
+    }
+    for key, why in refused.items():
+        if config.get(key):
+            raise LoRAError(f"LoRA adapter {path!r}: {why}.")
+    if config.get("bias", "none") != "none":
+        raise LoRAError(f"LoRA adapter {path!r}: adapter biases (bias={config['bias']!r}) are not supported.")
+    if config.get("fan_in_fan_out"):
+        raise LoRAError(f"LoRA adapter {path!r}: fan_in_fan_out weights are not supported.")
+    return config
+
+
+def read_adapter_weights(path: str) -> dict[str, torch.Tensor]:
+    for name in ADAPTER_WEIGHTS:
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+
+                return load_file(file)
+            weights: dict[str, torch.Tensor] = torch.load(file, map_location="cpu", weights_only=True)
+            return weights
+    raise LoRAError(f"No {' or '.join(ADAPTER_WEIGHTS)} in the LoRA adapter folder {path!r}.")
+
+
+def module_name(key: str) -> tuple[str, str]:
+    """A PEFT tensor name -> (the base module's name in the checkpoint, "lora_A" or "lora_B")."""
+    stem, _, kind = key.removesuffix(".weight").rpartition(".")
+    if kind not in ("lora_A", "lora_B"):
+        raise LoRAError(f"Unexpected tensor {key!r} in a LoRA adapter (only lora_A/lora_B weights).")
+    for prefix in ("base_model.model.", "model."):
+        stem = stem.removeprefix(prefix)
+    return stem, kind
+
+
+def load_adapter(request: LoRARequest, model: nn.Module, dtype: torch.dtype,
+                 max_rank: int) -> LoRAAdapter:
+    """Reads `request`'s PEFT folder and maps its updates onto `model`'s projections."""
+    config = read_adapter_config(request.lora_path)
+    rank = int(config.get("r", 0))
+    if not 1 <= rank <= max_rank:
+        raise LoRAError(f"LoRA adapter {request.lora_name!r} has rank {rank}; this server takes "
+                        f"ranks 1-{max_rank} (--max-lora-rank).")
+    alpha = float(config.get("lora_alpha", rank))
+    scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in read_adapter_weights(request.lora_path).items():
+        stem, kind = module_name(key)
+        pairs.setdefault(stem, {})[kind] = tensor
+    adapter = LoRAAdapter(request, rank, scaling)
+    modules = dict(model.named_modules())
+    packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    for stem, pair in sorted(pairs.items()):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {stem} lacks its "
+                            f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight.")
+        parent, _, leaf = stem.rpartition(".")
+        fused, shard = packed.get(leaf, (leaf, None))
+        target = f"{parent}.{fused}" if parent else fused
+        module = modules.get(target)
+        if module is None or not hasattr(module, "in_features"):
+            raise LoRAError(f"LoRA adapter {request.lora_name!r} adapts {stem}, which this model "
+                            "does not have as a projection (embeddings and the LM head are not adapted).")
+        sizes = getattr(module, "output_sizes", [module.out_features])
+        part = 0 if shard is None else shard
+        a, b = pair["lora_A"], pair["lora_B"]
+        if a.shape != (rank, module.in_features) or b.shape != (sizes[part], rank):
+            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {stem}'s A {tuple(a.shape)} and B "
+                            f"{tuple(b.shape)} do not fit rank {rank} and the model's "
+                            f"[{sizes[part]}, {module.in_features}] projection.")
+        adapter.updates.setdefault(target, []).append(
+            LoRAUpdate(a.to(dtype).contiguous(), b.to(dtype).contiguous(), sum(sizes[:part])))
+    if not adapter.updates:
+        raise LoRAError(f"LoRA adapter {request.lora_name!r} holds no lora_A/lora_B weights.")
+    return adapter
+
+
+class LoRAManager:
+    """The adapters a runner serves, and the hooks that add their updates in a step.
+
+    Args:
+        model: the model (one process: tensor and pipeline parallelism take no adapters).
+        config: the engine's LoRA settings.
+    """
+
+    def __init__(self, model: nn.Module, config: LoRAConfig) -> None:
+        self.model = model
+        self.config = config
+        self.dtype = next(model.parameters()).dtype
+        self.adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self.modules = dict(model.named_modules())
+        self._hooked: set[str] = set()
+        self._step: list[tuple[LoRAAdapter, torch.Tensor]] = []
+
+    def adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """The loaded adapter of `request` (loaded now if it is not; the least recently used
+        one dropped past `max_cpu_loras`)."""
+        adapter = self.adapters.get(request.lora_int_id)
+        if adapter is not None and adapter.request != request:
+            raise LoRAError(f"lora_int_id {request.lora_int_id} is already {adapter.request.lora_name!r} "
+                            f"({adapter.request.lora_path}); each adapter needs its own id.")
+        if adapter is None:
+            adapter = load_adapter(request, self.model, self.dtype, self.config.max_lora_rank)
+            self.adapters[request.lora_int_id] = adapter
+            while len(self.adapters) > self.config.max_cpu_loras:
+                self.adapters.popitem(last=False)
+            for target in adapter.updates:
+                self._hook(target)
+        self.adapters.move_to_end(request.lora_int_id)
+        return adapter
+
+    def _hook(self, target: str) -> None:
+        if target not in self._hooked:
+            self.modules[target].register_forward_hook(partial(self._add_updates, target))
+            self._hooked.add(target)
+
+    @contextmanager
+    def step(self, rows: list[tuple[LoRARequest, int, int]], device: torch.device) -> Iterator[None]:
+        """Within it, the projections add the updates of `rows`' adapters ((adapter, first row,
+        row count) in the step's flattened batch)."""
+        by_adapter: dict[int, list[int]] = {}
+        for request, first, count in rows:
+            by_adapter.setdefault(request.lora_int_id, []).extend(range(first, first + count))
+        self._step = [(self.adapter(request), torch.tensor(by_adapter.pop(request.lora_int_id), device=device))
+                      for request, _, _ in rows if request.lora_int_id in by_adapter]
+        try:
+            yield
+        finally:
+            self._step = []
+
+    def _add_updates(self, target: str, module: nn.Module, args: tuple[torch.Tensor, ...],
+                     y: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        for adapter, rows in self._step:
+            xs = x.index_select(0, rows)
+            for update in adapter.updates.get(target, ()):
+                delta = (xs @ update.a.T) @ update.b.T
+                end = update.offset + update.b.shape[0]
+                y[rows, update.offset:end] += adapter.scaling * delta
+        return y

@@ -1,0 +1,184 @@
+"""LoRA adapters (pagoda/lora.py): PEFT folders served beside the base model.
+
+Greedy output with an adapter equals transformers' on the base weights with the adapter merged
+in (W + s * B A), token for token in float32, for requests of two adapters and of the base
+model in one batch; prefix-cache blocks are not shared across adapters; bad adapters and
+engines without adapters are refused with their reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_greedy_generate
+from safetensors.torch import save_file
+
+from pagoda import LLM, SamplingParams
+from pagoda.lora import LoRAError, LoRARequest
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def projection_shapes(model_dir: Path) -> dict[str, tuple[str, int, int]]:
+    """name -> (block, out features, in features) of the HF checkpoint's projections."""
+    c = json.loads((model_dir / "config.json").read_text())
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    return {"q_proj": ("self_attn", q, hidden), "k_proj": ("self_attn", kv, hidden),
+            "v_proj": ("self_attn", kv, hidden), "o_proj": ("self_attn", hidden, q),
+            "gate_proj": ("mlp", inter, hidden), "up_proj": ("mlp", inter, hidden),
+            "down_proj": ("mlp", hidden, inter)}
+
+
+def write_adapter(out: Path, model_dir: Path, targets: list[str], rank: int = 8, alpha: float = 16,
+                  seed: int = 0, **config: object) -> Path:
+    """A random PEFT LoRA folder for the tiny model (every layer, `targets`)."""
+    shapes = projection_shapes(model_dir)
+    layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for name in targets:
+            block, n_out, n_in = shapes[name]
+            stem = f"base_model.model.model.layers.{i}.{block}.{name}"
+            tensors[f"{stem}.lora_A.weight"] = torch.randn(rank, n_in, generator=g) * 0.15
+            tensors[f"{stem}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.15
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": targets,
+        "bias": "none", "base_model_name_or_path": str(model_dir), **config}))
+    return out
+
+
+def merged_greedy(model_dir: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens on the base weights with `adapter` merged in."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    if adapter is not None:
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        r = config["r"]
+        scaling = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
+        weights = load_file(str(adapter / "adapter_model.safetensors"))
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for key, a in weights.items():
+                if ".lora_A." in key:
+                    b = weights[key.replace(".lora_A.", ".lora_B.")]
+                    name = key.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
+                    params[name] += scaling * (b @ a)
+    return hf_greedy_generate(model, prompts, max_tokens)
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(100, 40000, (40 + 7 * i,), generator=g).tolist() for i in range(n)]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loras")
+    return {"all": write_adapter(root / "all", tiny_llama, ALL, rank=8, alpha=16, seed=1),
+            "attn": write_adapter(root / "attn", tiny_llama, ["q_proj", "v_proj"], rank=4, alpha=8,
+                                  seed=2, use_rslora=True)}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama: Path) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", max_model_len=256, num_kv_blocks=128,
+               enable_lora=True, max_lora_rank=8)
+
+
+def test_adapters_and_the_base_model_in_one_batch_equal_merged_weights(
+        llm: LLM, tiny_llama: Path, adapters: dict[str, Path]):
+    ps = prompts(4)
+    a = LoRARequest("all", 1, str(adapters["all"]))
+    b = LoRARequest("attn", 2, str(adapters["attn"]))
+    loras = [a, b, None, a]
+    got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False, lora_request=loras)]
+    want = {name: merged_greedy(tiny_llama, adapters[name] if name != "base" else None, ps, 12)
+            for name in ("all", "attn", "base")}
+    assert got == [want["all"][0], want["attn"][1], want["base"][2], want["all"][3]]
+    # NOTE: each adapter changes what the model says (the test could fail).
+    assert want["all"][0] != want["base"][0] and want["attn"][1] != want["base"][1]
+
+
+def test_cached_prefixes_are_not_shared_across_adapters(llm: LLM, tiny_llama: Path, adapters: dict[str, Path]):
+    p = prompts(1)
+    a = LoRARequest("all", 1, str(adapters["all"]))
+    with_adapter = llm.generate(p, GREEDY, use_tqdm=False, lora_request=a)[0]
+    hits = llm.engine.block_manager.prefix_cache_hits
+    base = llm.generate(p, GREEDY, use_tqdm=False)[0]
+    assert llm.engine.block_manager.prefix_cache_hits == hits  # the adapter's blocks were not reused
+    assert base.outputs[0].token_ids == merged_greedy(tiny_llama, None, p, 12)[0]
+    again = llm.generate(p, GREEDY, use_tqdm=False, lora_request=a)[0]
+    assert llm.engine.block_manager.prefix_cache_hits > hits  # its own blocks are
+    assert again.outputs[0].token_ids == with_adapter.outputs[0].token_ids
+
+
+def test_adapters_that_cannot_be_served_are_refused(llm: LLM, tiny_llama: Path, tmp_path: Path):
+    big = write_adapter(tmp_path / "big", tiny_llama, ["q_proj"], rank=16)
+    with pytest.raises(LoRAError, match="rank 16; this server takes ranks 1-8"):
+        llm.generate(prompts(1), GREEDY, use_tqdm=False, lora_request=LoRARequest("big", 7, str(big)))
+    with pytest.raises(LoRAError, match="No adapter_config.json"):
+        llm.generate(prompts(1), GREEDY, use_tqdm=False, lora_request=LoRARequest("none", 8, str(tmp_path)))
+    dora = write_adapter(tmp_path / "dora", tiny_llama, ["q_proj"], rank=4, use_dora=True)
+    with pytest.raises(LoRAError, match="DoRA"):
+        llm.generate(prompts(1), GREEDY, use_tqdm=False, lora_request=LoRARequest("dora", 9, str(dora)))
+    # NOTE: the engine goes on.
+    assert llm.generate(prompts(1), GREEDY, use_tqdm=False)[0].outputs[0].token_ids == \
+        merged_greedy(tiny_llama, None, prompts(1), 12)[0]
+
+
+def test_an_engine_without_adapters_refuses_a_lora_request(tiny_llama: Path, adapters: dict[str, Path]):
+    plain = LLM(str(tiny_llama), dtype="float32", max_model_len=128, num_kv_blocks=32)
+    with pytest.raises(LoRAError, match="enable_lora"):
+        plain.generate(prompts(1), GREEDY, use_tqdm=False,
+                       lora_request=LoRARequest("all", 1, str(adapters["all"])))
+    with pytest.raises(ValueError, match="not with tensor or pipeline parallelism"):
+        LLM(str(tiny_llama), enable_lora=True, tensor_parallel_size=2)
+
+
+def test_the_server_serves_adapters_by_name(tiny_llama: Path, adapters: dict[str, Path]):
+    import httpx
+    from test_server import REPO, start_server
+
+    server = start_server(tiny_llama, "--dtype", "float32", "--max-model-len", "256", "--enable-lora",
+                          "--max-lora-rank", "8", "--lora-modules", f"all={adapters['all']}",
+                          json.dumps({"name": "attn", "path": str(adapters["attn"])}))
+    try:
+        url = server.base_url
+        cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert cards["all"]["parent"] == str(tiny_llama) and cards["all"]["root"] == str(adapters["all"])
+        assert "attn" in cards and str(tiny_llama) in cards
+        p = prompts(2)
+        for model, adapter, prompt in (("all", adapters["all"], p[0]), ("attn", adapters["attn"], p[1]),
+                                       (str(tiny_llama), None, p[0])):
+            r = httpx.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == merged_greedy(tiny_llama, adapter, [prompt], 12)[0]
+        chat = httpx.post(f"{url}/v1/chat/completions", json={
+            "model": "all", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=60)
+        assert chat.status_code == 200 and chat.json()["model"] == "all"
+        assert httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "a"}).status_code == 404
+        refused = httpx.post(f"{url}/v1/embeddings", json={"model": "all", "input": "a"})
+        assert refused.status_code == 400 and "LoRA adapter" in refused.json()["error"]["message"]
+    finally:
+        server.stop()
+    bad = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", str(tiny_llama), "--lora-modules",
+                          f"all={adapters['all']}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "--lora-modules needs --enable-lora" in bad.stderr
