@@ -29,6 +29,7 @@ from pagoda import heap
 from pagoda.engine import LLMEngine
 from pagoda.generation_config import GenerationDefaults
 from pagoda.input_processor import EngineRequest, InputProcessor
+from pagoda.lora import LoRARequest
 from pagoda.metrics.base import StatLoggerBase
 from pagoda.outputs import RequestOutput
 from pagoda.sampling_params import SamplingParams
@@ -181,6 +182,24 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         self._send("abort", (request_id,))
 
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads a LoRA adapter on the engine thread (between steps); raises `LoRAError`."""
+        await self._on_engine_thread(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops a loaded LoRA adapter on the engine thread; whether it was loaded."""
+        removed: bool = await self._on_engine_thread(self.engine.remove_lora, lora_int_id)
+        return removed
+
+    async def _on_engine_thread(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)` run by the engine loop between steps, its result (or error) awaited here."""
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Any] = loop.create_future()
+        self._send("call", (fn, args, loop, done))
+        return await done
+
     def cut_streams(self, reason: str) -> int:
         """Ends every open stream with `StreamCutError(reason)` and aborts its request, one log
         line each; returns how many were cut."""
@@ -283,10 +302,24 @@ class AsyncLLM:
                 self._add(args[0])
             elif command == "reject":
                 self.engine.record_rejection(args[0])
+            elif command == "call":
+                self._answer_call(*args)
             else:
                 out = self.engine.abort_request(args[0])
                 if out is not None:
                     self._deliver(args[0], out)
+
+    @staticmethod
+    def _answer_call(fn: Any, args: tuple, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+        try:
+            result, error = fn(*args), None
+        except Exception as exc:  # noqa: BLE001 - the caller's error, raised where it awaits
+            result, error = None, exc
+        settle = (lambda: done.set_exception(error)) if error is not None else (lambda: done.set_result(result))
+        try:
+            loop.call_soon_threadsafe(lambda: None if done.done() else settle())
+        except RuntimeError:  # NOTE: the caller's event loop has closed; nobody waits.
+            pass
 
     def _add(self, req: EngineRequest) -> None:
         try:

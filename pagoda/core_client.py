@@ -38,6 +38,7 @@ from pagoda.engine_core import CoreStep, EngineCore, EngineCoreOutput
 from pagoda.engine_setup import EngineParts
 from pagoda.executor import START_TIMEOUT_S, WorkerProcess, accept_from, build_engine_parts
 from pagoda.input_processor import EngineRequest
+from pagoda.lora import LoRARequest
 from pagoda.outputs import RequestMetrics
 from pagoda.stats import IterationStats, SchedulerStats
 from pagoda.structured_output import GrammarCompiler
@@ -83,6 +84,12 @@ class CoreProcessClient:
 
     def abort_request(self, request_id: str) -> list[EngineCoreOutput]:
         return self._call("abort_request", request_id)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        self._call("add_lora", request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._call("remove_lora", lora_int_id)
 
     def stop_sequence(self, request_id: str, sample_index: int, num_output_tokens: int,
                       stats: IterationStats | None = None) -> None:
@@ -230,6 +237,12 @@ class _CoreServer:
 
     def _abort_request(self, request_id: str) -> list[EngineCoreOutput]:
         return self.core.abort_request(request_id)
+
+    def _add_lora(self, request: LoRARequest) -> None:
+        self.core.add_lora(request)
+
+    def _remove_lora(self, lora_int_id: int) -> bool:
+        return self.core.remove_lora(lora_int_id)
 
     def _stop_sequence(self, request_id: str, sample_index: int, num_output_tokens: int,
                        in_step: bool) -> IterationStats:

@@ -133,6 +133,14 @@ class LLMEngine:
         if request_id in self.states:
             raise ValueError(f"Request id {request_id!r} is already in use.")
 
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads a LoRA adapter now (vLLM's `add_lora`); raises `LoRAError` if it cannot be served."""
+        self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops a loaded LoRA adapter (vLLM's `remove_lora`); whether it was loaded."""
+        return self.core.remove_lora(lora_int_id)
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Aborts a request (all its samples) and frees its blocks at once."""
         state = self.states.pop(request_id, None)

@@ -114,7 +114,7 @@ class EngineCore:
         if req.request_id in self._requests:
             raise ValueError(f"Request id {req.request_id!r} is already in use.")
         if req.lora_request is not None:
-            self._check_lora(req.lora_request)
+            self.add_lora(req.lora_request)
         samples = req.sampling_params.per_sample()
         grammars = [req.grammar] + [req.grammar.fork() if req.grammar else None
                                     for _ in range(len(samples) - 1)]
@@ -130,13 +130,25 @@ class EngineCore:
             self.scheduler.add_request(child)
         return [child.metrics for child in children]
 
-    def _check_lora(self, request: LoRARequest) -> None:
-        """Loads the adapter now (a bad one is this request's error, not a step's)."""
+    def add_lora(self, request: LoRARequest) -> None:
+        """Loads a LoRA adapter now, if it is not loaded (a bad one is the caller's error: a
+        request's, not a step's).
+
+        Raises:
+            LoRAError: the engine serves no adapters, or this one cannot be served.
+        """
+        self._lora(request.lora_name).adapter(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops a loaded adapter (a request still using it loads it again); whether it was loaded."""
+        return self._lora(str(lora_int_id)).adapters.pop(lora_int_id, None) is not None
+
+    def _lora(self, name: str) -> LoRAManager:
         lora: LoRAManager | None = getattr(self.runner, "lora", None)
         if lora is None:
-            raise LoRAError(f"LoRA adapter {request.lora_name!r} asked for, but this engine serves "
-                            "none (enable_lora / --enable-lora).")
-        lora.adapter(request)
+            raise LoRAError(f"LoRA adapter {name!r} asked for, but this engine serves none "
+                            "(enable_lora / --enable-lora).")
+        return lora
 
     def abort_request(self, request_id: str) -> list[EngineCoreOutput]:
         """Ends every unfinished sequence of a request and frees its blocks at once; returns

@@ -157,9 +157,17 @@ def test_the_server_serves_adapters_by_name(tiny_llama: Path, adapters: dict[str
 
     server = start_server(tiny_llama, "--dtype", "float32", "--max-model-len", "256", "--enable-lora",
                           "--max-lora-rank", "8", "--lora-modules", f"all={adapters['all']}",
-                          json.dumps({"name": "attn", "path": str(adapters["attn"])}))
+                          env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     try:
         url = server.base_url
+        # NOTE: vLLM's runtime routes: an adapter loaded while serving, refused twice.
+        body = {"lora_name": "attn", "lora_path": str(adapters["attn"])}
+        loaded = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert loaded.status_code == 200 and loaded.text == "Success: LoRA adapter 'attn' added successfully."
+        again = httpx.post(f"{url}/v1/load_lora_adapter", json=body, timeout=60)
+        assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
+        broken = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nowhere"})
+        assert broken.status_code == 400 and "No adapter_config.json" in broken.json()["error"]["message"]
         cards = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
         assert cards["all"]["parent"] == str(tiny_llama) and cards["all"]["root"] == str(adapters["all"])
         assert "attn" in cards and str(tiny_llama) in cards
@@ -177,8 +185,18 @@ def test_the_server_serves_adapters_by_name(tiny_llama: Path, adapters: dict[str
         assert httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "a"}).status_code == 404
         refused = httpx.post(f"{url}/v1/embeddings", json={"model": "all", "input": "a"})
         assert refused.status_code == 400 and "LoRA adapter" in refused.json()["error"]["message"]
+        gone = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "attn"})
+        assert gone.status_code == 200 and "removed successfully" in gone.text
+        assert httpx.post(f"{url}/v1/completions", json={"model": "attn", "prompt": "a"}).status_code == 404
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "attn"}).status_code == 404
     finally:
         server.stop()
     bad = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", str(tiny_llama), "--lora-modules",
                           f"all={adapters['all']}"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "--lora-modules needs --enable-lora" in bad.stderr
+    # NOTE: as vLLM, every --lora-modules adapter loads before the server serves.
+    too_big = subprocess.run([sys.executable, "-m", "pagoda.cli", "serve", str(tiny_llama), "--dtype", "float32",
+                              "--max-model-len", "256", "--enable-lora", "--max-lora-rank", "4",
+                              "--lora-modules", f"all={adapters['all']}"],
+                             cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert too_big.returncode == 1 and "rank 8; this server takes ranks 1-4" in too_big.stderr

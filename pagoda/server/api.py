@@ -25,6 +25,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
+from pagoda.lora import LoRARequest
 from pagoda.metrics import LiveStatLogger, format_kv_memory_report, render_metrics
 from pagoda.server.chat import create_chat_completion, render_chat
 from pagoda.server.completions import create_completion
@@ -44,6 +45,7 @@ from pagoda.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    OpenAIBaseModel,
     TokenizeRequest,
     TokenizeResponse,
 )
@@ -68,6 +70,8 @@ async def require_json(request: Request) -> None:
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 JSON_BODY = [Depends(require_json)]
 router = APIRouter()
+# NOTE: vLLM's runtime adapter routes, served only when asked for (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+lora_router = APIRouter()
 
 
 def pagoda_version() -> str:
@@ -263,9 +267,56 @@ class CorsPolicy:
     allow_credentials: bool = False
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
+@lora_router.post("/v1/load_lora_adapter", dependencies=JSON_BODY)
+async def load_lora_adapter(req: LoadLoRAAdapterRequest, ctx: Ctx) -> Response:
+    """Loads a PEFT folder and serves it under `lora_name` (vLLM's answers and errors)."""
+    if not req.lora_name or not req.lora_path:
+        raise bad_request("Both 'lora_name' and 'lora_path' must be provided.", "lora_name")
+    if req.lora_name in ctx.served_model_names:
+        raise bad_request(f"The lora adapter '{req.lora_name}' conflicts with a served base model.", "lora_name")
+    previous = ctx.lora_requests.get(req.lora_name)
+    if previous is not None and not req.load_inplace:
+        raise bad_request(f"The lora adapter '{req.lora_name}' has already been loaded. If you want to "
+                          "load the adapter in place, set 'load_inplace' to True.", "lora_name")
+    lora_id = previous.lora_int_id if previous is not None else \
+        max((lora.lora_int_id for lora in ctx.lora_requests.values()), default=0) + 1
+    lora = LoRARequest(req.lora_name, lora_id, req.lora_path)
+    if previous is not None:
+        await ctx.engine.remove_lora(lora_id)  # NOTE: in place: its new weights load below
+    try:
+        await ctx.engine.add_lora(lora)
+    except (ValueError, OSError) as e:
+        raise bad_request(str(e), "lora_path") from e
+    ctx.lora_requests[req.lora_name] = lora
+    return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+
+@lora_router.post("/v1/unload_lora_adapter", dependencies=JSON_BODY)
+async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, ctx: Ctx) -> Response:
+    if not req.lora_name:
+        raise bad_request("'lora_name' needs to be provided to unload a LoRA adapter.", "lora_name")
+    lora = ctx.lora_requests.pop(req.lora_name, None)
+    if lora is None:
+        raise APIError(404, f"The lora adapter '{req.lora_name}' cannot be found.", "lora_name")
+    await ctx.engine.remove_lora(lora.lora_int_id)
+    return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
+
+
 def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
               web_ui: bool = True, request_id_headers: bool = False, api_docs: bool = True,
-              cors: CorsPolicy | None = None, log_error_stack: bool = False) -> FastAPI:
+              cors: CorsPolicy | None = None, log_error_stack: bool = False,
+              runtime_lora: bool = False) -> FastAPI:
     """The app serving `ctx.engine`; `ctx` is shared with the launcher (draining, counts).
 
     Args:
@@ -277,6 +328,8 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
         cors: answer browsers' cross-origin calls as the policy allows (outermost, so a
             preflight is answered before the API key is asked for); None, the default, sends no
             CORS headers (vLLM allows every origin unless told otherwise).
+        runtime_lora: serve `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's
+            VLLM_ALLOW_RUNTIME_LORA_UPDATING).
     """
     app = FastAPI(title="pagoda", version=pagoda_version(),
                   description="OpenAI-compatible LLM server (vLLM-style).",
@@ -297,5 +350,7 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
                            allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
                            allow_credentials=cors.allow_credentials)
     app.include_router(router)
+    if runtime_lora:
+        app.include_router(lora_router)
     app.include_router(webui_router)
     return app

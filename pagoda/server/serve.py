@@ -39,7 +39,7 @@ from pagoda.config import (
     json_object,
     parse_bytes,
 )
-from pagoda.lora import LoRARequest, read_adapter_config
+from pagoda.lora import LoRARequest
 from pagoda.metrics import (
     LiveStatLogger,
     check_histogram_buckets,
@@ -410,6 +410,13 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
                       help="vLLM's adapters a step may hold; pagoda puts no limit on a step (accepted)")
 
 
+def runtime_lora_updating() -> bool:
+    """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (or PAGODA_ALLOW_RUNTIME_LORA_UPDATING): serve the
+    routes that load and unload adapters while running."""
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true")
+               for name in ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "PAGODA_ALLOW_RUNTIME_LORA_UPDATING"))
+
+
 def lora_modules(specs: list[str] | None, enable_lora: bool | None) -> dict[str, LoRARequest]:
     """`--lora-modules`' adapters by name (ids from 1 in their order).
 
@@ -431,7 +438,6 @@ def lora_modules(specs: list[str] | None, enable_lora: bool | None) -> dict[str,
             raise ValueError(f"--lora-modules {spec!r}: expected NAME=PATH or a JSON object with name and path")
         if name in found:
             raise ValueError(f"--lora-modules names {name!r} twice")
-        read_adapter_config(str(path))  # NOTE: its folder and config now; its weights at first use
         found[str(name)] = LoRARequest(str(name), len(found) + 1, str(path))
     return found
 
@@ -972,6 +978,13 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
         print(f"pagoda serve: error: cannot load {model!r}: {e}", file=sys.stderr)
         return 1
     try:
+        for lora in loras.values():  # NOTE: as vLLM: every --lora-modules adapter loads before serving
+            await engine.add_lora(lora)
+    except (ValueError, OSError) as e:
+        engine.shutdown()
+        print(f"pagoda serve: error: --lora-modules: {e}", file=sys.stderr)
+        return 1
+    try:
         ctx = ServerContext(engine=engine, served_model_names=names, model_path=model, lora_requests=loras,
                             max_model_len=engine.config.model.max_model_len,
                             chat_template=load_chat_template(config.model.chat_template),
@@ -999,7 +1012,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
         app = build_app(ctx, live, web_ui=not args.disable_web_ui,
                         request_id_headers=args.enable_request_id_headers,
                         api_docs=not args.disable_fastapi_docs, cors=cors_policy(args),
-                        log_error_stack=args.log_error_stack)
+                        log_error_stack=args.log_error_stack, runtime_lora=runtime_lora_updating())
         add_middlewares(app, middlewares or [])
         quiet_paths = [p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()]
         if quiet_paths:
