@@ -70,6 +70,8 @@ class WorkerRequest:
     pooling_params: PoolingParams | None = None
     num_pooled_tokens: int = 0
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    # NOTE: LoRA adapters are served in one process only (config.py): a worker's copy has none.
+    lora_request: None = field(default=None, init=False, repr=False)
 
     @property
     def generator(self) -> torch.Generator | None:
