@@ -115,6 +115,16 @@ def test_adapters_and_the_base_model_in_one_batch_equal_merged_weights(
     assert want["all"][0] != want["base"][0] and want["attn"][1] != want["base"][1]
 
 
+def test_chat_takes_an_adapter(llm: LLM, adapters: dict[str, Path]):
+    a = LoRARequest("all", 1, str(adapters["all"]))
+    conversation = [{"role": "user", "content": "Name a colour."}]
+    ids = llm.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    chat = llm.chat(conversation, GREEDY, use_tqdm=False, lora_request=a)[0].outputs[0].token_ids
+    assert chat == llm.generate([list(ids)], GREEDY, use_tqdm=False, lora_request=a)[0].outputs[0].token_ids
+    assert chat != llm.chat(conversation, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_cached_prefixes_are_not_shared_across_adapters(llm: LLM, tiny_llama: Path, adapters: dict[str, Path]):
     p = prompts(1)
     a = LoRARequest("all", 1, str(adapters["all"]))
