@@ -210,3 +210,46 @@ def test_the_server_serves_adapters_by_name(tiny_llama: Path, adapters: dict[str
                               "--lora-modules", f"all={adapters['all']}"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert too_big.returncode == 1 and "rank 8; this server takes ranks 1-4" in too_big.stderr
+
+
+@pytest.fixture(scope="module")
+def smollm2_and_peft(tmp_path_factory: pytest.TempPathFactory):
+    """SmolLM2 in float32 (its GGUF, as transformers reads it) written as a HF folder, and a
+    PEFT LoRA made on it with `peft` (rank 8 on all seven projections, B made non-zero)."""
+    from conftest import smollm2_gguf_path
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    root = tmp_path_factory.mktemp("smollm2_peft")
+    read = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = read.config
+    del config.quantization_config  # NOTE: a GGUF-read model saves only as a plain one
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(read.state_dict())
+    model.save_pretrained(root / "base")
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(root / "base")
+    torch.manual_seed(0)
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=ALL, lora_dropout=0.0,
+                                                  init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    peft_model.save_pretrained(root / "adapter")
+    return root / "base", root / "adapter", peft_model.eval()
+
+
+def test_a_peft_adapter_on_smollm2_equals_transformers_and_peft(smollm2_and_peft):
+    base, adapter, peft_model = smollm2_and_peft
+    ps = prompts(2)
+    want = hf_greedy_generate(peft_model, ps, 16)
+    with peft_model.disable_adapter():
+        want_base = hf_greedy_generate(peft_model, ps, 16)
+    assert want != want_base
+    llm = LLM(str(base), dtype="float32", max_model_len=256, num_kv_blocks=64, enable_lora=True, max_lora_rank=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    lora = LoRARequest("peft", 1, str(adapter))
+    got = [o.outputs[0].token_ids for o in llm.generate(ps + ps, params, use_tqdm=False,
+                                                        lora_request=[lora, lora, None, None])]
+    assert got == want + want_base
