@@ -54,8 +54,9 @@ class LoRARequest:
 
     @property
     def cache_key(self) -> str:
-        """What names this adapter's prefix-cache blocks (block_manager.py)."""
-        return f"lora:{self.lora_int_id}:{self.lora_name}"
+        """What names this adapter's prefix-cache blocks (block_manager.py): its folder too, so
+        that an adapter reloaded in place from a new folder reuses none of the old one's KV."""
+        return f"lora:{self.lora_int_id}:{self.lora_name}:{self.lora_path}"
 
 
 @dataclass

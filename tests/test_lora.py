@@ -138,6 +138,20 @@ def test_cached_prefixes_are_not_shared_across_adapters(llm: LLM, tiny_llama: Pa
     assert again.outputs[0].token_ids == with_adapter.outputs[0].token_ids
 
 
+def test_a_core_in_its_own_process_serves_adapters_alike(llm: LLM, tiny_llama: Path, adapters: dict[str, Path]):
+    a = LoRARequest("all", 1, str(adapters["all"]))
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts(2), GREEDY, use_tqdm=False, lora_request=[a, None])]
+    apart = LLM(str(tiny_llama), dtype="float32", max_model_len=256, num_kv_blocks=64, enable_lora=True,
+                max_lora_rank=8, core_process=True)
+    try:
+        apart.engine.add_lora(a)  # NOTE: over the pipe, as the server's start-up does
+        got = [o.outputs[0].token_ids for o in apart.generate(prompts(2), GREEDY, use_tqdm=False, lora_request=[a, None])]
+        assert got == want
+        assert apart.engine.remove_lora(1) and not apart.engine.remove_lora(1)
+    finally:
+        apart.engine.shutdown()
+
+
 def test_adapters_that_cannot_be_served_are_refused(llm: LLM, tiny_llama: Path, tmp_path: Path):
     big = write_adapter(tmp_path / "big", tiny_llama, ["q_proj"], rank=16)
     with pytest.raises(LoRAError, match="rank 16; this server takes ranks 1-8"):
