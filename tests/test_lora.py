@@ -206,6 +206,9 @@ def test_the_server_serves_adapters_by_name(tiny_llama: Path, adapters: dict[str
         chat = httpx.post(f"{url}/v1/chat/completions", json={
             "model": "all", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, timeout=60)
         assert chat.status_code == 200 and chat.json()["model"] == "all"
+        response = httpx.post(f"{url}/v1/responses", json={"model": "all", "input": "hi", "max_output_tokens": 4},
+                              timeout=60)
+        assert response.status_code == 200 and response.json()["model"] == "all"
         assert httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "a"}).status_code == 404
         refused = httpx.post(f"{url}/v1/embeddings", json={"model": "all", "input": "a"})
         assert refused.status_code == 400 and "LoRA adapter" in refused.json()["error"]["message"]

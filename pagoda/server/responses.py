@@ -225,7 +225,7 @@ class ResponseTurn:
 
 
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request) -> Response:
-    ctx.check_model(req.model)
+    ctx.lora_for(req.model)  # NOTE: a LoRA adapter's name is a model here too (start_chat takes it)
     check_supported(req)
     messages = previous_messages(ctx, req.previous_response_id) + chat_messages(req.input)
     with responses_params():

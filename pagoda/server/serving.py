@@ -132,7 +132,7 @@ class ServerContext:
         """Refuses a model this route does not serve (LoRA adapters: `lora_for`'s routes only)."""
         if name is not None and name in self.lora_requests:
             raise APIError(400, f"`{name}` is a LoRA adapter: adapters are served on "
-                                "/v1/completions and /v1/chat/completions.", "model")
+                                "/v1/completions, /v1/chat/completions and /v1/responses.", "model")
         if name is not None and name not in self.served_model_names:
             raise APIError(404, f"The model `{name}` does not exist.", "model")
 
