@@ -10,8 +10,8 @@ projections (q/k/v, gate/up) take each part's update in its slice of the output.
 
 The updates run as forward hooks on the base projections, so a step with an adapted request
 runs the model layer by layer in torch (the one-call native stack does not take them); a step
-without one runs as before. Prefix-cache blocks are named with the adapter's name, so
-requests share cached KV only with requests of the same adapter. Not served: tensor or
+without one runs as before. Prefix-cache blocks are named with the adapter (its id, name and
+folder), so requests share cached KV only with requests of the same adapter. Not served: tensor or
 pipeline parallelism with adapters, adapters on embeddings or the LM head, DoRA, biases,
 per-module rank or alpha patterns (each refused with its reason).
 """
@@ -34,8 +34,8 @@ from torch import nn
 from pagoda.config import LoRAConfig
 
 ADAPTER_CONFIG = "adapter_config.json"
-SMALL_UPDATE_ROWS = 256
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+SMALL_UPDATE_ROWS = 256  # NOTE: steps under this many adapted rows run the updates on one thread
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,10 @@ class LoRAUpdate:
     start: int
 
     @classmethod
-    def of(cls, parts: list[tuple[torch.Tensor, torch.Tensor, int]], scaling: float) -> LoRAUpdate:
-        """From each adapted part's (A [r, in], B [out part, r], where the part starts)."""
+    def of(cls, parts: list[tuple[torch.Tensor, torch.Tensor, int]], scaling: float,
+           device: torch.device) -> LoRAUpdate:
+        """From each adapted part's (A [r, in], B [out part, r], where the part starts), on
+        the model's device."""
         rank = parts[0][0].shape[0]
         start = min(offset for _, _, offset in parts)
         end = max(offset + b.shape[0] for _, b, offset in parts)
@@ -81,7 +83,7 @@ class LoRAUpdate:
         for i, (_, b, offset) in enumerate(parts):
             b_t[i * rank:(i + 1) * rank, offset - start:offset - start + b.shape[0]] = b.T
         a_t = (torch.cat([a for a, _, _ in parts]) * scaling).T.contiguous()
-        return cls(a_t, b_t, start)
+        return cls(a_t.to(device), b_t.to(device), start)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor) -> None:
         """y[rows] += x[rows]'s update (rows: a slice, or the row indices)."""
@@ -134,12 +136,15 @@ def read_adapter_weights(path: str) -> dict[str, torch.Tensor]:
     for name in ADAPTER_WEIGHTS:
         file = os.path.join(path, name)
         if os.path.isfile(file):
-            if name.endswith(".safetensors"):
-                from safetensors.torch import load_file
+            try:
+                if name.endswith(".safetensors"):
+                    from safetensors.torch import load_file
 
-                return load_file(file)
-            weights: dict[str, torch.Tensor] = torch.load(file, map_location="cpu", weights_only=True)
-            return weights
+                    return load_file(file)
+                weights: dict[str, torch.Tensor] = torch.load(file, map_location="cpu", weights_only=True)
+                return weights
+            except Exception as e:  # noqa: BLE001 - a damaged file is the adapter's error, said plainly
+                raise LoRAError(f"Cannot read the LoRA adapter's {file}: {type(e).__name__}: {e}") from e
     raise LoRAError(f"No {' or '.join(ADAPTER_WEIGHTS)} in the LoRA adapter folder {path!r}.")
 
 
@@ -190,7 +195,7 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAA
                             f"[{sizes[part]}, {module.in_features}] projection.")
         found.setdefault(target, []).append((a.float(), b.float(), sum(sizes[:part])))
     for target, parts in found.items():
-        adapter.updates[target] = LoRAUpdate.of(parts, scaling)
+        adapter.updates[target] = LoRAUpdate.of(parts, scaling, next(model.parameters()).device)
     if not adapter.updates:
         raise LoRAError(f"LoRA adapter {request.lora_name!r} holds no lora_A/lora_B weights.")
     return adapter

@@ -158,6 +158,10 @@ def test_adapters_that_cannot_be_served_are_refused(llm: LLM, tiny_llama: Path, 
         llm.generate(prompts(1), GREEDY, use_tqdm=False, lora_request=LoRARequest("big", 7, str(big)))
     with pytest.raises(LoRAError, match="No adapter_config.json"):
         llm.generate(prompts(1), GREEDY, use_tqdm=False, lora_request=LoRARequest("none", 8, str(tmp_path)))
+    damaged = write_adapter(tmp_path / "damaged", tiny_llama, ["q_proj"], rank=4)
+    (damaged / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(LoRAError, match="Cannot read the LoRA adapter's"):
+        llm.generate(prompts(1), GREEDY, use_tqdm=False, lora_request=LoRARequest("damaged", 10, str(damaged)))
     dora = write_adapter(tmp_path / "dora", tiny_llama, ["q_proj"], rank=4, use_dora=True)
     with pytest.raises(LoRAError, match="DoRA"):
         llm.generate(prompts(1), GREEDY, use_tqdm=False, lora_request=LoRARequest("dora", 9, str(dora)))
