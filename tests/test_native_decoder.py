@@ -74,6 +74,7 @@ class Recorder:
 @pytest.mark.parametrize(("arch", "engine"), [
     ("llama", {}),
     ("qwen2", {}),  # q/k/v bias, tied embeddings
+    ("qwen3", {}),  # per-head q/k RMSNorm
     ("mistral_swa", {}),  # sliding window of 16, contexts up to 95
     ("llama3", {"block_size": 8}),
     ("llama", {"quantization": "int8"}),
@@ -113,7 +114,7 @@ def test_native_stack_equals_the_layer_path(arch: str, engine: dict, tiny_model_
 
 
 @pytest.mark.parametrize(("arch", "engine", "why"), [
-    ("qwen3", {}, "per-head q/k norms (Qwen3's plain RMSNorm)"),
+    ("qwen3_moe", {}, "sparse experts"),
     ("llama", {"dtype": "float32"}, "fp32 activations"),
 ])
 def test_models_the_stack_does_not_take_run_their_layers(arch: str, engine: dict, why: str,

@@ -30,13 +30,16 @@ SHAPES: dict[str, dict[str, int]] = {
                            num_key_value_heads=4, head_dim=64, num_local_experts=8, num_experts_per_tok=2),
     "dense-2048": dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=16,
                        num_key_value_heads=4, head_dim=64),
+    # NOTE: Qwen3-0.6B's decoder (per-head q/k RMSNorm, 128-wide heads), a Qwen3ForCausalLM.
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
 }
 
 
 def add_random_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-1b",
-                        help="Llama-3.2-1B's, Llama-3.1-8B's or SmolLM2-135M's decoder shape; a small Mixtral "
-                             "(mixtral-8x1024) and the dense model of its active size (dense-2048)")
+                        help="Llama-3.2-1B's, Llama-3.1-8B's, SmolLM2-135M's or Qwen3-0.6B's decoder shape; a small "
+                             "Mixtral (mixtral-8x1024) and the dense model of its active size (dense-2048)")
     parser.add_argument("--out", default=None, help="directory to write (default: the cache's models/<shape>)")
     parser.add_argument("--seed", type=int, default=0)
 
@@ -59,6 +62,8 @@ def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = No
         LlamaForCausalLM,
         MixtralConfig,
         MixtralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     from pagoda.models.loader import gguf_metadata_dir, resolve_model_path
@@ -76,6 +81,7 @@ def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = No
     torch.set_default_dtype(torch.bfloat16)
     try:
         model: Any = (MixtralForCausalLM(MixtralConfig(**kwargs)) if "num_local_experts" in kwargs
+                      else Qwen3ForCausalLM(Qwen3Config(**kwargs)) if shape.startswith("qwen3")
                       else LlamaForCausalLM(LlamaConfig(**kwargs)))
     finally:
         torch.set_default_dtype(previous)

@@ -1,11 +1,13 @@
-// A step's whole stack of decoder layers in one call (bf16 activations), Llama family or
-// Gemma 3: decodes and prefill chunks alike, whatever the paged-attention kernel takes.
+// A step's whole stack of decoder layers in one call (bf16 activations), Llama family (Qwen3's
+// per-head q/k RMSNorm too) or Gemma 3: decodes and prefill chunks alike, whatever the
+// paged-attention kernel takes.
 //
 // The Python path calls ~10 kernels a layer through ctypes and nn.Module (~60 us a layer,
 // ~2 ms a step for 30 layers: as much as the attention at one stream). This runs the same
 // kernels, in the same order, on the same buffers, from C++: per layer
 //   (layer 0) residual = h, h = rms_norm(h); (others) residual += h, h = rms_norm(residual)
-//   qkv = h . Wqkv^T; rotate q and k in place (rotary, then over an fp8 pool the Hadamard
+//   qkv = h . Wqkv^T; (Qwen3) q, k = q_norm(q), k_norm(k) per head, the layer norms' kernel;
+//   rotate q and k in place (rotary, then over an fp8 pool the Hadamard
 //   rotation of PagedAttention); write k, v to their slots; attn = paged
 //   attention; h = attn . Wo^T; residual += h, h = rms_norm(residual); gate_up = h . Wgu^T;
 //   act = silu(gate) * up; h = act . Wdown^T
@@ -126,10 +128,11 @@ void attend(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, c
   char* v = k + kv_size * 2;
   const int H = static_cast<int>(s.num_heads), KV = static_cast<int>(s.num_kv_heads);
   const int D = static_cast<int>(s.head_dim), B = static_cast<int>(s.block_size);
-  if (l.q_norm) {  // Gemma 3: each head normalized in place, token by token
+  if (l.q_norm) {  // Gemma 3 and Qwen3: each head normalized in place, token by token
+    const auto norm = s.arch == kGemma3 ? pagoda_gemma_rms_norm_bf16 : pagoda_rms_norm_bf16;
     for (int64_t i = 0; i < T; ++i) {
-      pagoda_gemma_rms_norm_bf16(q + i * row * 2, l.q_norm, q + i * row * 2, H, D, D, D, s.eps);
-      pagoda_gemma_rms_norm_bf16(k + i * row * 2, l.k_norm, k + i * row * 2, KV, D, D, D, s.eps);
+      norm(q + i * row * 2, l.q_norm, q + i * row * 2, H, D, D, D, s.eps);
+      norm(k + i * row * 2, l.k_norm, k + i * row * 2, KV, D, D, D, s.eps);
     }
   }
   pagoda_rotary_bf16(q, t.positions, l.cos, l.sin, T, H, D, row, D);

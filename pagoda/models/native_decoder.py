@@ -1,6 +1,6 @@
 """A step's whole stack of decoder layers as one native call (CPU, bf16): the Llama family
-and Gemma 3 (its q/k norms, Gemma norms around attention and MLP, GeGLU, each layer's own
-rotary table and window).
+(Qwen3's per-head q/k norms too) and Gemma 3 (its q/k norms, Gemma norms around attention and
+MLP, GeGLU, each layer's own rotary table and window).
 
 The layer-by-layer path makes ~10 kernel calls a layer through ctypes and nn.Module, ~2 ms
 a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention at one stream.
@@ -8,7 +8,7 @@ a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention a
 on the same buffers, so its output is bit for bit the layer path's (tested).
 `NativeDecoder.build` returns None unless the whole model fits: one process (no tensor or
 pipeline parallelism), bf16, every linear on the small-M GEMM's packed weights (bf16, int8 or
-int4 panels), no per-head q/k norm outside Gemma 3 (Qwen3's), no mixture-of-experts layer,
+int4 panels), no mixture-of-experts layer,
 a bf16 or fp8 KV pool bound. It takes steps of at most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
 builds it when it binds the KV pool; the model calls it in place of its layer loop for steps
 the paged-attention kernel attends whole (on the native path every step: decodes and prefill
@@ -224,11 +224,14 @@ def _groups(meta: AttentionMetadata) -> list[NativeAttentionMetadata] | None:
 
 
 def _llama_kind(model: nn.Module, layer: LlamaDecoderLayer) -> tuple[list[torch.Tensor], nn.Module] | None:
-    """A Llama-family layer's norm weights (input, post-attention) and rotary, or None where
-    the stack does not compute it (Qwen3's q/k norms, sparse experts, non-bf16 norms)."""
-    if layer.self_attn.q_norm is not None or not isinstance(layer.mlp, LlamaMLP):
+    """A Llama-family layer's norm weights (input, post-attention, and Qwen3's per-head q and k)
+    and rotary, or None where the stack does not compute it (sparse experts, non-bf16 norms)."""
+    if not isinstance(layer.mlp, LlamaMLP):
         return None
+    attn = layer.self_attn
     norms: list[torch.Tensor] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+    if attn.q_norm is not None and attn.k_norm is not None:
+        norms += [attn.q_norm.weight, attn.k_norm.weight]
     rotary: nn.Module = model.rotary  # type: ignore[assignment]
     return (norms, rotary) if all(n.dtype == torch.bfloat16 for n in norms) else None
 
