@@ -48,6 +48,9 @@ TINY_ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=32)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=None)),
+    # NOTE: q/k/v and gate/up fused in the checkpoint itself; a 24-token window.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False, sliding_window=24,
+                                                   pad_token_id=0)),
     "mistral_swa": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=16)),
     # NOTE: local layers with an 8-token window (shorter than most test prompts), a global
     # layer every third, linearly scaled global rope: Gemma 3's shape at 256-wide heads.

@@ -48,7 +48,7 @@ def references(tiny_model_factory):
     return get
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral", "mistral_swa", "phi3"])
 def test_mixed_batch_matches_hf(arch, tiny_model_factory, references):
     got = pagoda_greedy(tiny_model_factory(arch), _prompts(), MAX_TOKENS, num_kv_blocks=64)
     assert got == references(arch)
@@ -128,3 +128,17 @@ def test_hf_overrides_refuse_rope_keys_a_per_layer_config_cannot_take():
     assert ModelConfig(hf_overrides='{"max_position_embeddings": 64}').hf_overrides == {"max_position_embeddings": 64}
     with pytest.raises(ValueError, match="hf_overrides"):
         ModelConfig(hf_overrides="[1]")  # type: ignore[arg-type]
+
+
+def test_rope_the_tables_cannot_hold_is_refused_by_name():
+    from transformers import Phi3Config
+
+    from pagoda.layers.rotary import inv_freq_for
+
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75"):
+        inv_freq_for(Phi3Config(partial_rotary_factor=0.75), 64)
+    long = Phi3Config(max_position_embeddings=8192, original_max_position_embeddings=4096, hidden_size=256,
+                      num_attention_heads=4, rope_scaling={"type": "longrope", "short_factor": [1.0] * 32,
+                                                           "long_factor": [2.0] * 32})
+    with pytest.raises(ValueError, match="'longrope'"):
+        inv_freq_for(long, 64)

@@ -75,6 +75,7 @@ class Recorder:
     ("llama", {}),
     ("qwen2", {}),  # q/k/v bias, tied embeddings
     ("qwen3", {}),  # per-head q/k RMSNorm
+    ("phi3", {}),  # q/k/v and gate/up fused in the checkpoint, a 24-token window
     ("mistral_swa", {}),  # sliding window of 16, contexts up to 95
     ("llama3", {"block_size": 8}),
     ("llama", {"quantization": "int8"}),

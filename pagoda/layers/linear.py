@@ -137,6 +137,14 @@ class MergedLinear(Linear):
         self.weight.weight_loader = self._shard_loader  # type: ignore[attr-defined]
         if self.bias is not None:
             self.bias.weight_loader = self._shard_loader  # type: ignore[attr-defined]
+        self.fuse_checkpoint_parts(output_sizes)
+
+    def fuse_checkpoint_parts(self, sizes: list[int]) -> None:
+        """The parts' sizes in a checkpoint that stores them already fused (Phi-3's qkv_proj
+        and gate_up_proj): `load_weights` splits such a tensor and loads each part."""
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.fused_sizes = sizes  # type: ignore[attr-defined]
 
     def _shard_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
         start = sum(self.output_sizes[:shard])

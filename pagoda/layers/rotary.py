@@ -32,6 +32,15 @@ def inv_freq_for(config: object, head_dim: int, layer_type: str | None = None) -
     """Returns (inv_freq, attention_scaling) for the config's rope type (of `layer_type`'s layers)."""
     params = rope_parameters(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0)
+    if partial != 1.0:
+        raise ValueError(f"partial rotary embeddings (partial_rotary_factor {partial}, e.g. Phi-4-mini's) "
+                         "are not supported")
+    if rope_type == "longrope":
+        # NOTE: Phi-3's long-context RoPE switches factors once a sequence passes the original
+        # context, per forward: one fixed table cannot hold both.
+        raise ValueError("rope_type 'longrope' (Phi-3's 128k variants) is not supported; the 4k variants "
+                         "(plain RoPE) are")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim

@@ -45,6 +45,7 @@ class MergedColumnParallelLinear(MergedLinear):
         local = [tp.shard(size, "a fused projection's size")[1] for size in output_sizes]
         super().__init__(input_size, local, bias)
         self.tp = tp
+        self.fuse_checkpoint_parts(output_sizes)  # NOTE: a fused checkpoint tensor holds every rank's
 
     def _shard_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int) -> None:
         size = self.output_sizes[shard]

@@ -217,7 +217,11 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]],
             raise ValueError(f"Checkpoint tensor {name!r} has no matching parameter.")
         loader = getattr(param, "weight_loader", None)
         tensor = tensor.to(param.dtype)
-        if shard is not None:
+        fused = getattr(param, "fused_sizes", None)
+        if shard is None and fused is not None and tensor.shape[0] == sum(fused):
+            for part, piece in enumerate(tensor.split(fused)):  # NOTE: a checkpoint's own fusion (Phi-3)
+                loader(param, piece, part)  # type: ignore[misc]
+        elif shard is not None:
             loader(param, tensor, shard)  # type: ignore[misc]
         elif loader is not None:
             loader(param, tensor)

@@ -15,13 +15,16 @@ _REGISTRY: dict[str, tuple[type[CausalLM], LlamaFlags]] = {
     "MistralForCausalLM": (LlamaForCausalLM, LlamaFlags(use_sliding_window=True)),
     "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaFlags(qkv_bias=True)),
     "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaFlags(qk_norm=True)),
+    # NOTE: Phi-3's checkpoints hold q/k/v and gate/up already fused (load_weights splits them);
+    # a window where its config names one.
+    "Phi3ForCausalLM": (LlamaForCausalLM, LlamaFlags(use_sliding_window=True)),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, LlamaFlags()),
     "MixtralForCausalLM": (MoeForCausalLM, LlamaFlags(use_sliding_window=True)),
     "Qwen3MoeForCausalLM": (MoeForCausalLM, LlamaFlags(qk_norm=True)),
 }
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM"}
 
 
