@@ -16,7 +16,8 @@ _REGISTRY: dict[str, tuple[type[CausalLM], LlamaFlags]] = {
     "Qwen2ForCausalLM": (LlamaForCausalLM, LlamaFlags(qkv_bias=True)),
     "Qwen3ForCausalLM": (LlamaForCausalLM, LlamaFlags(qk_norm=True)),
     # NOTE: Phi-3's checkpoints hold q/k/v and gate/up already fused (load_weights splits them);
-    # a window where its config names one.
+    # a window where its config names one. Hugging Face directories only: a Phi-3 GGUF (its own
+    # tensor names) is not mapped, so its model type stays unknown below.
     "Phi3ForCausalLM": (LlamaForCausalLM, LlamaFlags(use_sliding_window=True)),
     "Gemma3ForCausalLM": (Gemma3ForCausalLM, LlamaFlags()),
     "MixtralForCausalLM": (MoeForCausalLM, LlamaFlags(use_sliding_window=True)),
@@ -24,7 +25,7 @@ _REGISTRY: dict[str, tuple[type[CausalLM], LlamaFlags]] = {
 }
 
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                 "gemma3_text": "Gemma3ForCausalLM"}
 
 
