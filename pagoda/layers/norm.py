@@ -20,11 +20,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and cpu_kernels.takes(x) and x.stride(-1) == 1:
-            return cpu_kernels.ops.rms_norm(x, self.weight, self.eps)
-        if x.dim() == 3 and cpu_kernels.takes(x) and x.stride(-1) == 1:
-            # NOTE: Qwen3's q/k heads [T, H, D], each head a row: the kernel the native stack runs
-            # on them (a copy unless a view).
+        if x.dim() in (2, 3) and cpu_kernels.takes(x) and x.stride(-1) == 1:
+            # NOTE: rows as they are (strided ones too); Qwen3's q/k heads [T, H, D] as T x H rows,
+            # the kernel the native stack runs on them (a copy unless a view).
             return cpu_kernels.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         h = x.float()
