@@ -75,6 +75,7 @@ class ModelRunner:
         self.lora = lora
         # NOTE: the whole layer stack in one native call, built once the KV pool is bound.
         self.native_decoder: NativeDecoder | None = None
+        self.native_refusal: str | None = None  # why the model has no native decoder stack
         self.sampler = Sampler()
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
         self.attention_backend = attention_backend_for(model, block_size, device, self.use_cpu_kernel)
@@ -92,7 +93,8 @@ class ModelRunner:
             attn.k_cache, attn.v_cache, attn.kv_group = k, v, group
         self.preparer.num_kv_groups = max(groups, default=0) + 1
         if self.use_cpu_kernel:
-            self.native_decoder = NativeDecoder.build(self.model)
+            made = NativeDecoder.make(self.model)
+            self.native_decoder, self.native_refusal = (made, None) if isinstance(made, NativeDecoder) else (None, made)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:

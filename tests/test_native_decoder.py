@@ -9,6 +9,8 @@ verification (several decode rows per sequence).
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -115,13 +117,16 @@ def test_native_stack_equals_the_layer_path(arch: str, engine: dict, tiny_model_
 
 
 @pytest.mark.parametrize(("arch", "engine", "why"), [
-    ("qwen3_moe", {}, "sparse experts"),
-    ("llama", {"dtype": "float32"}, "fp32 activations"),
+    ("qwen3_moe", {}, "layer 1: a SparseMoeBlock feed-forward (the stack's is a dense MLP)"),
+    ("llama", {"dtype": "float32"}, "layer 0: torch.float32 norms (the stack's are bf16)"),
 ])
 def test_models_the_stack_does_not_take_run_their_layers(arch: str, engine: dict, why: str,
-                                                          tiny_model_factory) -> None:
-    llm = LLM(str(tiny_model_factory(arch)), **{"dtype": "bfloat16", **engine})
-    assert llm.engine.runner.native_decoder is None, why
+                                                          tiny_model_factory, caplog) -> None:
+    """They run layer by layer, and the start-up log says why (`Decoder: ...`)."""
+    with caplog.at_level(logging.INFO, logger="pagoda"):
+        llm = LLM(str(tiny_model_factory(arch)), **{"dtype": "bfloat16", **engine})
+    assert llm.engine.runner.native_decoder is None and llm.engine.runner.native_refusal == why
+    assert f"Decoder: layer by layer in Python (no native stack: {why})" in caplog.text
     out = llm.generate([prompts()[1]], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from pagoda.distributed.group import ParallelGroup
+from pagoda.layers import cpu_kernels
 from pagoda.layers.linear import Linear
 from pagoda.layers.quantization import gguf as gguf_quant
 from pagoda.layers.quantization.gguf import (
@@ -287,3 +288,46 @@ def test_a_gguf_of_every_kind_loads_packed_as_the_float_load(tmp_path: Path, mon
     assert want is not None and got is not None
     diffs = [abs(got[i][t].logprob - want[i][t].logprob) for i, t in enumerate(prompt) if i]  # type: ignore[index]
     assert max(diffs) <= 0.05, diffs
+
+
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.panels_are_native()),
+                    reason="needs the GEMM's integer panels (avx512bf16 or avx2 kernels)")
+def test_a_gguf_of_every_kind_runs_the_native_stack(tmp_path: Path, monkeypatch) -> None:
+    """With the kernels (bf16 activations), the same GGUF runs every layer on the GEMM's panels
+    and the one-call decoder stack where the build takes fp32 group scales (avx2: Q6_K, Q5_K,
+    Q5_1 and the mixed qkv with offsets inside the panels); elsewhere those layers keep their
+    records, and a layer with offsets outside keeps the model off the stack. Either way each
+    prompt token's logprob stays within 0.15 of the fp32 dequantized model's (bf16 activations,
+    x rounded to int8 codes by groups: 0.07 at most here; one group's offsets 1.5x too large in
+    every row moved one by 0.46)."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.models import loader
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    write_config_and_tokenizer(tmp_path / "hf")
+    monkeypatch.setattr(loader, "gguf_metadata_dir", lambda p: tmp_path / "hf")
+    prompt = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
+    packed = LLM(str(path), quantization="gguf", dtype="bfloat16", num_kv_blocks=32, max_model_len=128)
+    f32_groups = cpu_kernels.ops.int8_f32_groups()
+    methods = {n: m.method for n, m in packed.engine.runner.model.named_modules() if isinstance(m, Linear)}
+    on_panels = {n for n, m in methods.items() if isinstance(m, PackedLinearMethod) and m.panels is not None}
+    # NOTE: the random Q8_0 blocks hold codes of -128, which no panel takes (llama-quantize's
+    # never do: d = max |w| / 127): layer 1's q/k/v keep their records, which the stack takes.
+    records = {"layers.1.self_attn.qkv_proj"}
+    assert on_panels == (set(EXPECTED) - records if f32_groups
+                         else {n for n, (_, fmt) in EXPECTED.items() if "int4" in fmt})
+    assert {n: methods[n].name for n in EXPECTED} == {n: fmt for n, (_, fmt) in EXPECTED.items()}
+    assert (packed.engine.runner.native_decoder is not None) == f32_groups
+    got = packed.generate([prompt], params, use_tqdm=False)[0]
+    del packed
+    monkeypatch.setenv("PAGODA_DISABLE_CPU_KERNELS", "1")
+    monkeypatch.setattr("pagoda.layers.cpu_kernels._library", None)
+    monkeypatch.setattr("pagoda.layers.cpu_kernels._loaded", True)
+    plain = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=128)
+    want = plain.generate([prompt], params, use_tqdm=False)[0]
+    assert want.prompt_logprobs is not None and got.prompt_logprobs is not None
+    diffs = [abs(got.prompt_logprobs[i][t].logprob - want.prompt_logprobs[i][t].logprob)  # type: ignore[index]
+             for i, t in enumerate(prompt) if i]
+    assert max(diffs) <= 0.15, diffs

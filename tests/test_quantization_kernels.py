@@ -136,7 +136,19 @@ def test_int8_records_with_offsets_outside(group_size: int, m: int, dtype: torch
     assert excess.max().item() <= 0, f"{m} rows: max excess {excess.max().item():.3g}"
     dense = method.dequantize(torch.float32)
     assert torch.equal(dense, (records.view(n, -1, group_size) + offsets[..., None]).view(n, k))
-    assert method.native_weight() is None and not method.use_gemm()
+    assert method.native_weight() is None
+    # NOTE: where the GEMM takes fp32 group scales (the avx2 build) the panels hold the offsets
+    # and multiply them by the group sums of x rounded to int8 codes by the same groups.
+    assert method.use_gemm() == ops.int8_f32_groups()
+    if method.use_gemm():
+        assert method.offsets is None and method.native_weight() is method.panels and "offsets" in method.name
+        assert torch.equal(method.dequantize(torch.float32), dense)
+        if dtype == torch.bfloat16:
+            xg = packing.round_to_int8_groups(x, group_size)
+            want = F.linear(xg, dense, bias.float())
+            excess = (method.apply(SimpleNamespace(native=True), x, bias).float() - want).abs() - (
+                out_rounding * want.abs() + 1e-5 * (xg.abs() @ dense.abs().t()) + 1e-6)
+            assert excess.max().item() <= 0, f"{m} rows on panels: max excess {excess.max().item():.3g}"
 
 
 def test_qgemv_splits_rows_over_threads() -> None:
@@ -249,12 +261,50 @@ def test_int8_group_panels_refuse_what_they_cannot_hold(variant: str) -> None:  
     if variant == "portable":
         pytest.skip("the portable build holds no group scales")
     codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
-    with pytest.raises(ValueError, match="not all f16 values"):
-        ops.Int8Panels(codes, torch.full((8, 2), 0.1))  # 0.1 is no f16
+    if not ops.int8_f32_groups():
+        with pytest.raises(ValueError, match="not all f16 values"):
+            ops.Int8Panels(codes, torch.full((8, 2), 0.1))  # 0.1 is no f16
+        with pytest.raises(ValueError, match="need the avx2 kernels"):
+            ops.Int8Panels(codes, torch.ones(8, 4))  # groups of 16
     with pytest.raises(ValueError, match="expected int8 codes"):
         ops.Int8Panels(codes, torch.ones(8, 3))
-    with pytest.raises(ValueError, match="k a multiple of 32"):
-        ops.Int8Panels(torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 48 // 32 + 1))
+    with pytest.raises(ValueError, match="offsets .* do not match"):
+        ops.Int8Panels(codes, torch.ones(8, 2), torch.ones(8, 4))
+    with pytest.raises(ValueError, match="groups of 16 or 32|need the avx2 kernels"):
+        ops.Int8Panels(torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 2))  # groups of 24
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 13, 64])
+@pytest.mark.parametrize("group,offsets", [(16, False), (16, True), (32, True), (32, False)])
+@pytest.mark.parametrize("n,k", [(96, 256), (40, 512), (77, 96)])
+def test_int8_panels_with_fp32_group_scales_and_offsets(variant: str, m: int, group: int, offsets: bool,  # noqa: F811
+                                                        n: int, k: int) -> None:
+    """int8 panels with fp32 scales d (and offsets m) per row and group of 16 or 32 (GGUF's Q6_K;
+    Q5_K, Q5_1 and mixed layers with offsets): w = q * d + m, x rounded to int8 codes by the
+    weight's groups, the offsets multiplying each group's sum of the rounded x. The avx2 build's;
+    others refuse them (and those layers keep their records)."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k + group)
+    codes = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    scales = torch.randn(n, k // group, generator=gen) * 0.01  # NOTE: no f16 values
+    zero = -torch.rand(n, k // group, generator=gen) * 0.05 if offsets else None
+    if variant == "portable" or not ops.int8_f32_groups():
+        with pytest.raises(ValueError, match="need the avx|f16 on this build"):
+            ops.Int8Panels(codes, scales, zero)
+        return
+    weight = ops.Int8Panels(codes, scales, zero)
+    assert weight.group_size == group and weight.has_offsets == offsets and weight.x_group(m) == group
+    assert not weight.amx_at(m)
+    rows = torch.tensor([n - 1, 0, n // 2])
+    assert torch.equal(weight.codes(rows), codes[rows]) and torch.equal(weight.row_scales(rows), scales[rows])
+    assert weight.row_offsets(rows) is None if zero is None else torch.equal(weight.row_offsets(rows), zero[rows])
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    got = ops.gemm(x, weight).float()
+    w = codes.float().view(n, -1, group) * scales[..., None]
+    w = (w if zero is None else w + zero[..., None]).view(n, k)
+    xr = packing.round_to_int8_groups(x, group)
+    want = F.linear(xr, w)
+    excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * (xr.abs() @ w.abs().t()) + 1e-6)
+    assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
 
 
 def check_qgemm_int4(m: int, n: int, k: int, group_size: int, bias: bool, seed: int) -> None:

@@ -35,7 +35,10 @@
 // its fp32 sums in L1 (`int8_rows_avx2`). With group scales (kPackedInt8Groups: GGUF's Q8_0 and
 // Q5_0, one f16 scale per column and group of 32 along K, per panel [G][32]) each group's sum
 // times x's step is multiplied by the column's scale before it adds in, as int4's d. y is W
-// times the rounded x, up to fp32 sums. On CPUs with AMX, steps from a row count measured at load
+// times the rounded x, up to fp32 sums. The AVX2 build also takes fp32 group scales d by groups
+// of 16 or 32 (GGUF's Q6_K; kPackedInt8F32Groups), or d and offsets m (w = q * d + m: Q5_K,
+// Q5_1, and layers mixing Q4_K and Q6_K; kPackedInt8F32GroupsOffsets): x is then rounded by the
+// weight's groups, and each group adds d * (dx * sum) + m * dx * sum xq. On CPUs with AMX, steps from a row count measured at load
 // (`pagoda_gemm_set_amx_integer_rows`) widen each panel's codes to bf16 instead and multiply x as it
 // is on the tile units (`AmxInt8`). The portable build (format 0) keeps the bf16 layout with
 // one two's complement byte an element, decoded a chunk at a time into bf16 (exact) for the bf16
@@ -59,6 +62,7 @@
 #include <array>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <utility>
@@ -1311,37 +1315,73 @@ void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint16_t*
   });
 }
 
+// ---------------------------------------------------------------- int8 scales (every build)
+constexpr int kInt8Group = 32;  // x's rounding group along K (8 quads), but fp32 group scales'
+
+// How an int8 panel's columns are scaled (a template argument of the tiles): per column after
+// the sums (`emit`), or per group along K: f16 scales d by groups of 32 (GGUF's Q8_0 and Q5_0),
+// or fp32 scales d by groups of 16 or 32, with fp32 offsets m (w = q * d + m) or without (the
+// AVX2 build only: GGUF's Q6_K, Q5_K, Q5_1 and the layers whose sources mix kinds). Per panel
+// and group, fp32 d holds its 32 columns, then (with offsets) m its 32.
+enum Int8Scales : int { kColumnScales = 0, kF16Groups = 1, kF32Groups = 2, kF32GroupsOffsets = 3 };
+
+// Floats of group values per panel and group (fp32 kinds).
+constexpr int64_t group_floats(int S) { return S == kF32GroupsOffsets ? 2 * kPanel : kPanel; }
+
+// The scale kinds this build's tiles take (fp32 groups: the AVX2 build's).
+#if defined(PAGODA_AVX2)
+constexpr int kInt8ScaleKinds = 4;
+#else
+constexpr int kInt8ScaleKinds = 2;
+#endif
+
+// An int8 panel's group scales: `kind` (Int8Scales), `values` for all panels (null for per-column
+// scales), x's rounding group along K.
+struct Int8GroupScales {
+  int kind;
+  const void* values;
+  int64_t group;
+  // Panel `index`'s values (G groups along K).
+  const void* of(int64_t index, int64_t G) const {
+    if (kind == kF16Groups) return static_cast<const uint16_t*>(values) + index * G * kPanel;
+    if (kind >= kF32Groups) return static_cast<const float*>(values) + index * G * group_floats(kind);
+    return nullptr;
+  }
+};
+
 #if defined(PAGODA_INT8_QUADS)
 // ---------------------------------------------------------------- int8 by quads of k (format 2)
 
 constexpr int kQuadBytes = 4 * kPanel;  // a panel's quad of k: 32 columns x 4 codes
-constexpr int kInt8Group = 32;          // x's rounding group along K (8 quads)
 constexpr int kInt8TileRows = 6;        // 6 x 2 group sums + 6 x 2 fp32 sums + 2 code vectors + x
 constexpr int64_t kChunkQuads = 64;     // 8 KB of a panel
 constexpr int64_t kGroupQuads = kInt8Group / 4;
 
 int64_t num_quads(int64_t K) { return (K + 3) / 4; }
 
-// x as the int8 tiles read it, a row at a time: per group of 32 along K (the last one shorter),
-// int8 codes xq (x * 127 / max |x| rounded to nearest even; zero past K), their step dx and
-// -128 * sum xq (what the codes' + 128 adds to each group's integer sum on vpdpbusd).
+// x as the int8 tiles read it, a row at a time: per group of `group` along K (32, or the
+// weight's fp32 groups; the last one shorter), int8 codes xq (x * 127 / max |x| rounded to
+// nearest even; zero past K), their step dx, -128 * sum xq (what the codes' + 128 adds to each
+// group's integer sum on vpdpbusd) and sx = dx * sum xq (what an offset m multiplies).
 struct Int8Rows {
-  int8_t* xq;       // [rows, G * 32]
+  int8_t* xq;       // [rows, G * group]
   float* dx;        // [rows, G]
   int32_t* offset;  // [rows, G]
+  float* sx;        // [rows, G]
   int64_t G;
-  Int8Rows from(int64_t m) const { return {xq + m * G * kInt8Group, dx + m * G, offset + m * G, G}; }
+  int64_t group;
+  Int8Rows from(int64_t m) const { return {xq + m * G * group, dx + m * G, offset + m * G, sx + m * G, G, group}; }
   // Row m's 4 x codes of quad q, as the 32-bit lane the tiles broadcast.
   int32_t quad(int m, int64_t q) const {
     int32_t v;
-    std::memcpy(&v, xq + m * G * kInt8Group + 4 * q, sizeof(v));
+    std::memcpy(&v, xq + m * G * group + 4 * q, sizeof(v));
     return v;
   }
 };
 
 void quantize_row_int8(const bf16* x, int64_t K, const Int8Rows& out) {
   for (int64_t g = 0; g < out.G; ++g) {
-    const int64_t k0 = g * kInt8Group, n = std::min<int64_t>(kInt8Group, K - k0);
+    const int64_t k0 = g * out.group, n = std::min<int64_t>(out.group, K - k0);
     Vf amax = vzero();
     for (int64_t i = 0; i < n; i += kBlock) {
       const Vf v = load(x + k0 + i, tail_mask(static_cast<int>(n - i)));
@@ -1350,12 +1390,13 @@ void quantize_row_int8(const bf16* x, int64_t K, const Int8Rows& out) {
     const float a = reduce_max(amax);
     const float inv = a > 0.f ? 127.f / a : 0.f;
     int32_t sum = 0;
-    for (int64_t i = 0; i < kInt8Group; i += kBlock) {
+    for (int64_t i = 0; i < out.group; i += kBlock) {
       const Mask mask = i < n ? tail_mask(static_cast<int>(n - i)) : Mask(0);
       sum += store_codes<false>(load(x + k0 + i, mask) * vset1(inv), out.xq + k0 + i);
     }
     out.dx[g] = a / 127.f;
     out.offset[g] = -128 * sum;
+    out.sx[g] = out.dx[g] * static_cast<float>(sum);
   }
 }
 
@@ -1364,9 +1405,11 @@ void quantize_row_int8(const bf16* x, int64_t K, const Int8Rows& out) {
 // (from zero when `first`). Each group: integer sums of (q + 128) * xq in registers, started at
 // -128 * sum xq, then sums += dx * that, or with the weight's group scales `d` (f16 [G][32], or
 // null) sums += d * (dx * that); per-column scales wait for `emit`.
-template <int MR, bool PF>
-void int8_tile(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q0, int64_t q1, bool first,
+template <int MR, bool PF, int S>
+void int8_tile(const Int8Rows& x, const uint8_t* w, const void* scales, int64_t q0, int64_t q1, bool first,
                Sums sums) {
+  static_assert(S == kColumnScales || S == kF16Groups, "fp32 group scales are the AVX2 build's alone");
+  const auto* d = S == kF16Groups ? static_cast<const uint16_t*>(scales) : nullptr;
   __m512 acc[MR][2];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
@@ -1433,13 +1476,16 @@ template <int R>
 constexpr int kInt8Avx2Vectors = R == 1 ? 4 : PAGODA_INT8_AVX2_VECTORS;
 
 // R rows x one int8 panel over quads [q0, q1) (q0 a group's first), V of a quad's 4 vectors at a
-// time (the group's others re-read from L1); adds into sums (with group scales `d`: as int8_tile).
-template <int R, bool PF>
-void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q0, int64_t q1, Sums sums) {
+// time (the group's others re-read from L1); adds into sums. Group scales (S, `scales` this
+// panel's): f16 d as int8_tile's, sums += d * (dx * sum); fp32 d likewise, by x's groups (16 or
+// 32); with offsets, sums += d * (dx * sum) + m * sx, the fp32 operations in that order.
+template <int R, bool PF, int S>
+void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, const void* scales, int64_t q0, int64_t q1, Sums sums) {
   constexpr int V = kInt8Avx2Vectors<R>;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
-  for (int64_t g0 = q0; g0 < q1; g0 += kGroupQuads) {
-    const int64_t g = g0 / kGroupQuads, end = std::min(q1, g0 + kGroupQuads);
+  const int64_t group_quads = S >= kF32Groups ? x.group / 4 : kGroupQuads;
+  for (int64_t g0 = q0; g0 < q1; g0 += group_quads) {
+    const int64_t g = g0 / group_quads, end = std::min(q1, g0 + group_quads);
     for (int v0 = 0; v0 < 4; v0 += V) {
       __m256i part[R][V];
       for (int m = 0; m < R; ++m)
@@ -1463,36 +1509,45 @@ void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int6
           }
         }
       }
-      __m256 dv[V];
-      if (d)
-        for (int j = 0; j < V; ++j)
-          dv[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + g * kPanel + 8 * (v0 + j))));
+      __m256 dv[V], mv[V];
+      for (int j = 0; j < V; ++j) {
+        if constexpr (S == kF16Groups) {
+          const uint16_t* d = static_cast<const uint16_t*>(scales) + g * kPanel + 8 * (v0 + j);
+          dv[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
+        } else if constexpr (S >= kF32Groups) {
+          const float* d = static_cast<const float*>(scales) + g * group_floats(S) + 8 * (v0 + j);
+          dv[j] = _mm256_loadu_ps(d);
+          if constexpr (S == kF32GroupsOffsets) mv[j] = _mm256_loadu_ps(d + kPanel);
+        }
+      }
       for (int m = 0; m < R; ++m) {
         const __m256 step = _mm256_set1_ps(x.dx[m * x.G + g]);
         for (int j = 0; j < V; ++j) {
           float* out = sums + m * kSumsRow + 8 * (v0 + j);
           const __m256 sum = _mm256_cvtepi32_ps(part[m][j]);
-          _mm256_storeu_ps(out, d ? _mm256_fmadd_ps(dv[j], _mm256_mul_ps(sum, step), _mm256_loadu_ps(out))
-                                  : _mm256_fmadd_ps(sum, step, _mm256_loadu_ps(out)));
+          __m256 before = _mm256_loadu_ps(out);
+          if constexpr (S == kF32GroupsOffsets) before = _mm256_fmadd_ps(mv[j], _mm256_set1_ps(x.sx[m * x.G + g]), before);
+          _mm256_storeu_ps(out, S != kColumnScales ? _mm256_fmadd_ps(dv[j], _mm256_mul_ps(sum, step), before)
+                                                   : _mm256_fmadd_ps(sum, step, before));
         }
       }
     }
   }
 }
 
-using Int8PassFn = void (*)(const Int8Rows&, const uint8_t*, const uint16_t*, int64_t, int64_t, Sums);
-template <bool PF, int... I>
+using Int8PassFn = void (*)(const Int8Rows&, const uint8_t*, const void*, int64_t, int64_t, Sums);
+template <bool PF, int S, int... I>
 constexpr std::array<Int8PassFn, kInt8Avx2Rows> make_int8_passes(std::integer_sequence<int, I...>) {
-  return {int8_rows_avx2<I + 1, PF>...};
+  return {int8_rows_avx2<I + 1, PF, S>...};
 }
-template <bool PF>
+template <bool PF, int S>
 constexpr std::array<Int8PassFn, kInt8Avx2Rows> kInt8Passes =
-    make_int8_passes<PF>(std::make_integer_sequence<int, kInt8Avx2Rows>());
+    make_int8_passes<PF, S>(std::make_integer_sequence<int, kInt8Avx2Rows>());
 
 // Rows [0, MR) x one int8 panel over quads [q0, q1): kInt8Avx2Rows rows at a time over each chunk
 // of kChunkQuads (L1-resident for the passes after the first, which prefetches).
-template <int MR, bool PF>
-void int8_tile(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q0, int64_t q1, bool first,
+template <int MR, bool PF, int S>
+void int8_tile(const Int8Rows& x, const uint8_t* w, const void* scales, int64_t q0, int64_t q1, bool first,
                Sums sums) {
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
@@ -1500,52 +1555,63 @@ void int8_tile(const Int8Rows& x, const uint8_t* w, const uint16_t* d, int64_t q
     const int64_t c1 = std::min(q1, c0 + kChunkQuads);
     for (int m0 = 0; m0 < MR; m0 += kInt8Avx2Rows) {
       const int rows = std::min(kInt8Avx2Rows, MR - m0);
-      (m0 == 0 ? kInt8Passes<PF> : kInt8Passes<false>)[rows - 1](x.from(m0), w, d, c0, c1, sums + m0 * kSumsRow);
+      (m0 == 0 ? kInt8Passes<PF, S> : kInt8Passes<false, S>)[rows - 1](x.from(m0), w, scales, c0, c1,
+                                                                        sums + m0 * kSumsRow);
     }
   }
 }
 #endif
 
-using Int8TileFn = void (*)(const Int8Rows&, const uint8_t*, const uint16_t*, int64_t, int64_t, bool, Sums);
+using Int8TileFn = void (*)(const Int8Rows&, const uint8_t*, const void*, int64_t, int64_t, bool, Sums);
 
-template <bool PF, int... I>
+template <bool PF, int S, int... I>
 constexpr std::array<Int8TileFn, kInt8TileRows> make_int8_tiles(std::integer_sequence<int, I...>) {
-  return {int8_tile<I + 1, PF>...};
+  return {int8_tile<I + 1, PF, S>...};
 }
-constexpr std::array<std::array<Int8TileFn, kInt8TileRows>, 2> kInt8Tiles{
-    make_int8_tiles<false>(std::make_integer_sequence<int, kInt8TileRows>()),
-    make_int8_tiles<true>(std::make_integer_sequence<int, kInt8TileRows>())};
+template <int S>
+constexpr std::array<std::array<Int8TileFn, kInt8TileRows>, 2> make_int8_tile_table() {
+  return {make_int8_tiles<false, S>(std::make_integer_sequence<int, kInt8TileRows>()),
+          make_int8_tiles<true, S>(std::make_integer_sequence<int, kInt8TileRows>())};
+}
+template <int... S>
+constexpr std::array<std::array<std::array<Int8TileFn, kInt8TileRows>, 2>, sizeof...(S)> make_int8_tile_tables(
+    std::integer_sequence<int, S...>) {
+  return {make_int8_tile_table<S>()...};
+}
+// [scale kind][prefetch][rows - 1]
+constexpr auto kInt8Tiles = make_int8_tile_tables(std::make_integer_sequence<int, kInt8ScaleKinds>());
 
 // All M rows over int8 panel `index`: one tile straight through K, or every tile over each chunk.
-// `group_scales`: f16 per panel, group of 32 along K and column ([panels][G][32]), or null.
-void int8_panel(const Problem& P, const uint8_t* codes, const uint16_t* group_scales, const Int8Rows& x,
+void int8_panel(const Problem& P, const uint8_t* codes, const Int8GroupScales& scales, const Int8Rows& x,
                 const Tiling& tiling, int64_t index, float* sums) {
   const int64_t quads = num_quads(P.K);
   const uint8_t* w = codes + index * kQuadBytes * quads;
-  const uint16_t* d = group_scales ? group_scales + index * x.G * kPanel : nullptr;
+  const void* d = scales.of(index, x.G);
+  const auto& tiles = kInt8Tiles[scales.kind];
   const bool single = tiling.count == 1;
   const int64_t chunk = single ? quads : kChunkQuads;
   for (int64_t q0 = 0; q0 < quads; q0 += chunk) {
     const int64_t q1 = std::min(quads, q0 + chunk);
     for (int t = 0; t < tiling.count; ++t) {
       const bool prefetch = single || t == 0;  // as int4_panel
-      kInt8Tiles[prefetch][tiling.rows(t) - 1](x.from(tiling.start[t]), w, d, q0, q1, q0 == 0,
-                                               sums + tiling.start[t] * kSumsRow);
+      tiles[prefetch][tiling.rows(t) - 1](x.from(tiling.start[t]), w, d, q0, q1, q0 == 0,
+                                          sums + tiling.start[t] * kSumsRow);
     }
   }
   for (int t = 0; t < tiling.count; ++t)
     emit(P, sums + tiling.start[t] * kSumsRow, tiling.start[t], tiling.rows(t), index * kPanel, kPanel);
 }
 
-void int8_pass(const Problem& P, const uint8_t* codes, const uint16_t* group_scales) {
-  const int64_t G = (P.K + kInt8Group - 1) / kInt8Group;
+void int8_pass(const Problem& P, const uint8_t* codes, const Int8GroupScales& scales) {
+  const int64_t G = (P.K + scales.group - 1) / scales.group;
   thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> dx;
+  thread_local std::vector<float> dx, sx;
   thread_local std::vector<int32_t> offset;
-  xq.resize(P.M * G * kInt8Group);
+  xq.resize(P.M * G * scales.group);
   dx.resize(P.M * G);
+  sx.resize(P.M * G);
   offset.resize(P.M * G);
-  const Int8Rows rows{xq.data(), dx.data(), offset.data(), G};
+  const Int8Rows rows{xq.data(), dx.data(), offset.data(), sx.data(), G, scales.group};
   parallel_ranges(P.M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) quantize_row_int8(P.x + m * P.xs, P.K, rows.from(m));
   }, P.M * P.K >= (1 << 14) ? 1 << 30 : 1);
@@ -1553,7 +1619,7 @@ void int8_pass(const Problem& P, const uint8_t* codes, const uint16_t* group_sca
   parallel_ranges(padded_cols(P.N) / kPanel, 1, [&](int64_t i0, int64_t i1) {
     static thread_local std::vector<float> sums;
     sums.resize(P.M * kSumsRow);
-    for (int64_t i = i0; i < i1; ++i) int8_panel(P, codes, group_scales, rows, tiling, i, sums.data());
+    for (int64_t i = i0; i < i1; ++i) int8_panel(P, codes, scales, rows, tiling, i, sums.data());
   });
 }
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
@@ -1605,21 +1671,23 @@ struct AmxInt8 {
 #endif
 #endif
 
-// int8 panels times x: `scales` fp32 per column, or (format 2 only) `group_scales` f16 per panel,
-// group of 32 along K and column (K a multiple of 32; never on AMX tiles, which take x as it is
-// and so could not scale each group's sum).
-void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const uint16_t* group_scales,
+// int8 panels times x: `scales` fp32 per column, or (format 2 only) group scales (`groups`: f16
+// per panel, group of 32 along K and column; or, on the AVX2 build, fp32 by groups of 16 or 32,
+// with offsets or without), K a multiple of the group; never on AMX tiles, which take x as it is
+// and so could not scale each group's sum.
+void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const Int8GroupScales& groups,
                 const bf16* bias, bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
-  all_passes(x, xs, group_scales ? nullptr : scales, bias, y, ys, M, N, K, [&](const Problem& P) {
+  const bool grouped = groups.kind != kColumnScales;
+  all_passes(x, xs, grouped ? nullptr : scales, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI)
-    if (!group_scales && takes_amx(P, g_amx_int8_rows))
+    if (!grouped && takes_amx(P, g_amx_int8_rows))
       amx_passes(P, AmxInt8{reinterpret_cast<const uint8_t*>(codes), num_quads(P.K)});
     else
-      int8_pass(P, reinterpret_cast<const uint8_t*>(codes), group_scales);
+      int8_pass(P, reinterpret_cast<const uint8_t*>(codes), groups);
 #elif defined(PAGODA_INT8_QUADS)
-    int8_pass(P, reinterpret_cast<const uint8_t*>(codes), group_scales);
+    int8_pass(P, reinterpret_cast<const uint8_t*>(codes), groups);
 #else
-    (void)group_scales;  // NOTE: ops.py builds no grouped panels for format 0
+    (void)grouped;  // NOTE: ops.py builds no grouped panels for format 0
     gemm_pass(P, [&](bf16* buffer) { return Int8Panels{codes, num_pairs(K), buffer}; });
 #endif
   });
@@ -1647,6 +1715,9 @@ bool amx_dot_wins(int64_t rows) {
 }  // namespace pagoda
 
 extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }
+
+// Whether int8 panels take fp32 group scales (groups of 16 or 32, offsets or none): the AVX2 build.
+extern "C" int64_t pagoda_gemm_int8_f32_groups() { return pagoda::kInt8ScaleKinds > pagoda::kF32Groups; }
 
 // Steps of at least `rows` rows multiply bf16 panels on the FMA tiles (the AVX-512 build) or on
 // widened chunks (the AVX2 build; see kAvx2WideRows); returns whether this build has them.
@@ -1716,11 +1787,20 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
   switch (w.kind) {
     case pagoda::kPackedInt8:
       pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), static_cast<const float*>(w.scales),
-                         nullptr, b, yb, y_stride, M, w.n, w.k);
+                         {pagoda::kColumnScales, nullptr, pagoda::kInt8Group}, b, yb, y_stride, M, w.n, w.k);
       break;
     case pagoda::kPackedInt8Groups:
       pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
-                         static_cast<const uint16_t*>(w.scales), b, yb, y_stride, M, w.n, w.k);
+                         {pagoda::kF16Groups, w.scales, pagoda::kInt8Group}, b, yb, y_stride, M, w.n, w.k);
+      break;
+    case pagoda::kPackedInt8F32Groups:
+    case pagoda::kPackedInt8F32GroupsOffsets:
+      // NOTE: ops.py builds these only where pagoda_gemm_int8_f32_groups says the build has them.
+      if (!pagoda_gemm_int8_f32_groups()) std::abort();
+      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
+                         {w.kind == pagoda::kPackedInt8F32Groups ? pagoda::kF32Groups : pagoda::kF32GroupsOffsets,
+                          w.scales, w.group_size},
+                         b, yb, y_stride, M, w.n, w.k);
       break;
     case pagoda::kPackedInt4:
       pagoda::qgemm_int4(xb, x_stride, static_cast<const uint8_t*>(w.data), static_cast<const uint16_t*>(w.scales),

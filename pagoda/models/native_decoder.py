@@ -120,32 +120,45 @@ class NativeDecoder:
     @classmethod
     def build(cls, model: nn.Module) -> NativeDecoder | None:
         """The native stack for `model`'s weights and bound KV pool, or None where it does not
-        fit (models other than the Llama family and Gemma 3 among them)."""
+        fit (`refusal` says why)."""
+        made = cls.make(model)
+        return made if isinstance(made, NativeDecoder) else None
+
+    @classmethod
+    def make(cls, model: nn.Module) -> NativeDecoder | str:
+        """The native stack for `model`'s weights and bound KV pool, or why it does not fit
+        (models other than the Llama family and Gemma 3 among them)."""
         lib = cpu_kernels.library()
         if lib is not None:
             lib.check_abi(ABI_MIRRORS)
         if not isinstance(model, LlamaForCausalLM | Gemma3ForCausalLM):
-            return None
-        if lib is None or model.embed_tokens is None or model.norm is None:
-            return None
+            return f"{type(model).__name__} is not of the Llama family or Gemma 3"
+        if lib is None:
+            return "no CPU kernels"
+        if model.embed_tokens is None or model.norm is None:
+            return "a pipeline stage without the first or last layers"
         tables = _rotary_tables(model)
-        if model.embed_tokens.tp.size != 1 or any(t.dtype != torch.float32 for t in tables):
-            return None
+        if model.embed_tokens.tp.size != 1:
+            return "tensor parallelism"
+        if any(t.dtype != torch.float32 for t in tables):
+            return "rotary tables not in fp32"
         decoder_layers = [layer for layer in model.layers if isinstance(layer, LlamaDecoderLayer | Gemma3DecoderLayer)]
         if not decoder_layers or len(decoder_layers) != len(model.layers):
-            return None
+            return "decoder layers of another kind"
         if not all(layer.self_attn.attn.supports_native for layer in decoder_layers):
-            return None
+            return "attention the kernel does not take"
         layers = []
-        for layer in decoder_layers:
+        for i, layer in enumerate(decoder_layers):
             native = cls._layer(model, layer)
-            if native is None:
-                return None
+            if isinstance(native, str):
+                return f"layer {i}: {native}"
             layers.append(native)
         cache_kind = CACHE_KINDS.get(decoder_layers[0].self_attn.attn.k_cache.dtype)
         max_rows = min(cls._gemm_rows(layer) for layer in decoder_layers)
-        if cache_kind is None or max_rows < 1:
-            return None
+        if cache_kind is None:
+            return f"a {decoder_layers[0].self_attn.attn.k_cache.dtype} KV cache"
+        if max_rows < 1:
+            return "a linear whose kernel plan never takes the GEMM"
         return cls(model, decoder_layers[0], layers, cache_kind, max_rows)
 
     @staticmethod
@@ -158,16 +171,21 @@ class NativeDecoder:
         return min(planned + records, default=1 << 62)
 
     @staticmethod
-    def _layer(model: LlamaForCausalLM | Gemma3ForCausalLM, layer: DecoderLayer) -> _DecoderLayer | None:
+    def _layer(model: LlamaForCausalLM | Gemma3ForCausalLM, layer: DecoderLayer) -> _DecoderLayer | str:
+        """The layer's native struct, or why it has none."""
         kind = _gemma3_kind(model, layer) if isinstance(layer, Gemma3DecoderLayer) else _llama_kind(model, layer)
-        if kind is None:
-            return None
+        if isinstance(kind, str):
+            return kind
         norms, rotary = kind
         attn = layer.self_attn.attn
-        weights = [linear_weight(m) for m in _linears(layer)]
+        linears = _linears(layer)
+        weights = [linear_weight(m) for m in linears]
         k, v = attn.k_cache, attn.v_cache
-        if any(w is None for w in weights) or not k.numel() or k.dtype not in CACHE_KINDS:
-            return None
+        for name, m, w in zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), linears, weights, strict=True):
+            if w is None:
+                return f"{name} has no native weight ({getattr(m.method, 'name', type(m.method).__name__)})"
+        if not k.numel() or k.dtype not in CACHE_KINDS:
+            return "no KV pool the kernel reads"
         pointers = [n.data_ptr() for n in norms] + [None] * (6 - len(norms))
         cos: torch.Tensor = rotary.cos  # type: ignore[assignment]
         sin: torch.Tensor = rotary.sin  # type: ignore[assignment]
@@ -223,25 +241,26 @@ def _groups(meta: AttentionMetadata) -> list[NativeAttentionMetadata] | None:
     return native if len(native) == len(groups) else None
 
 
-def _llama_kind(model: nn.Module, layer: LlamaDecoderLayer) -> tuple[list[torch.Tensor], nn.Module] | None:
+def _llama_kind(model: nn.Module, layer: LlamaDecoderLayer) -> tuple[list[torch.Tensor], nn.Module] | str:
     """A Llama-family layer's norm weights (input, post-attention, and Qwen3's per-head q and k)
-    and rotary, or None where the stack does not compute it (sparse experts, non-bf16 norms)."""
+    and rotary, or why the stack does not compute it (sparse experts, non-bf16 norms)."""
     if not isinstance(layer.mlp, LlamaMLP):
-        return None
+        return f"a {type(layer.mlp).__name__} feed-forward (the stack's is a dense MLP)"
     attn = layer.self_attn
     norms: list[torch.Tensor] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if attn.q_norm is not None and attn.k_norm is not None:
         norms += [attn.q_norm.weight, attn.k_norm.weight]
     rotary: nn.Module = model.rotary  # type: ignore[assignment]
-    return (norms, rotary) if all(n.dtype == torch.bfloat16 for n in norms) else None
+    dtypes = {n.dtype for n in norms}
+    return (norms, rotary) if dtypes == {torch.bfloat16} else f"{dtypes.pop()} norms (the stack's are bf16)"
 
 
-def _gemma3_kind(model: nn.Module, layer: Gemma3DecoderLayer) -> tuple[list[torch.Tensor], nn.Module] | None:
+def _gemma3_kind(model: nn.Module, layer: Gemma3DecoderLayer) -> tuple[list[torch.Tensor], nn.Module] | str:
     """A Gemma 3 layer's norm scales (input, post-attention, q, k, pre- and post-feed-forward)
-    and its kind's rotary, or None for a GELU other than tanh's (the stack's GeGLU)."""
+    and its kind's rotary, or why not: a GELU other than tanh's (the stack's GeGLU)."""
     attn = layer.self_attn
     if layer.mlp.act.approximate != "tanh":
-        return None
+        return f"GELU ({layer.mlp.act.approximate}; the stack's is tanh's)"
     norms = [m.scale() for m in (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm,
                                  layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)]
     rotary: nn.Module = model.rotary[layer.layer_type]  # type: ignore[index,assignment]

@@ -178,6 +178,7 @@ class GemmWeight(ctypes.Structure):
 
 
 BF16_PANELS, INT8_PANELS, INT4_PANELS, INT8_GROUP_PANELS = 0, 1, 2, 6
+INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS = 7, 8
 
 
 def describe(kind: int, data: torch.Tensor, scales: torch.Tensor | None, group_size: int, n: int,
@@ -229,24 +230,35 @@ def panels_are_native() -> bool:
     return _lib().variant in ("avx512bf16", "avx2")
 
 
+def int8_f32_groups() -> bool:
+    """Whether this build's int8 panels take fp32 group scales by groups of 16 or 32, with
+    offsets or without (`Int8Panels`): the avx2 build."""
+    return bool(_lib().fn("gemm_int8_f32_groups")())
+
+
 class Int8Panels:
-    """int8 codes [n, k] in [-127, 127] with one fp32 scale per output row (scales [n]), or one
-    f16 scale per row and group of 32 along k (scales [n, k / 32], values f16 holds exactly:
-    GGUF's Q8_0 and Q5_0), in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp): w = q *
-    scale. On the avx512bf16 and avx2 builds (`gemm_int8_format` 2) the codes are stored + 128 as
+    """int8 codes [n, k] in [-127, 127] in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp),
+    scaled by one of:
+    - one fp32 scale per output row (scales [n]): w = q * scale;
+    - one f16 scale per row and group of 32 along k (scales [n, k / 32], values f16 holds
+      exactly: GGUF's Q8_0 and Q5_0): w = q * scale;
+    - (`int8_f32_groups`: the avx2 build) fp32 scales d per row and group of 16 or 32 (scales
+      [n, k / group]), with fp32 offsets m of the same shape or without: w = q * d + m (GGUF's
+      Q6_K, Q5_K, Q5_1, and layers whose sources mix kinds).
+    On the avx512bf16 and avx2 builds (`gemm_int8_format` 2) the codes are stored + 128 as
     uint8, each panel of 32 rows by quads of k (row c's 4 codes of quad j at j * 128 + 4 c), group
-    scales as f16 [panel][group][32 rows]; on the portable one (0) as int8 in the bf16 panels'
-    layout (k-pairs), per-row scales only. `x_group(rows)`: the groups along k in which the GEMM
-    rounds x of that many rows to int8 codes (`packing.round_to_int8_groups`), 0 where it
+    scales as f16 [panel][group][32 rows], or fp32 [panel][group][d, then m][32 rows]; on the
+    portable one (0) as int8 in the bf16 panels' layout (k-pairs), per-row scales only.
+    `x_group(rows)`: the groups along k in which the GEMM rounds x of that many rows to int8
+    codes (`packing.round_to_int8_groups`; the weight's own groups where it has them), 0 where it
     multiplies x as it is (the portable build; AMX tiles, `amx_at(rows)`, never for groups)."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
-        if (refused := Int8Panels.refusal(codes, scales)) is not None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
+        if (refused := Int8Panels.refusal(codes, scales, offsets)) is not None:
             raise ValueError(refused)
-        grouped = scales.dim() == 2 and scales.shape[1] > 1
         self.n, self.k = codes.shape
         self.format = int(_lib().fn("gemm_int8_format")())
-        self.kind, self.group_size = (INT8_GROUP_PANELS, 32) if grouped else (INT8_PANELS, 0)
+        self.kind, self.group_size = Int8Panels._kind(codes, scales, offsets)
         self.width = 4 if self.format == 2 else 2  # k's of a row side by side
         cols, steps = -(-self.n // 32) * 32, -(-self.k // self.width)
         padded = torch.zeros(cols, self.width * steps, dtype=torch.int8)
@@ -256,30 +268,56 @@ class Int8Panels:
         if self.format == 2:
             panels = (panels.to(torch.int16) + 128).to(torch.uint8).view(torch.int8)
         self.data = panels.view(-1)
-        if grouped:
-            groups = torch.zeros(cols, self.k // 32, dtype=torch.float16)
-            groups[:self.n] = scales
-            self.scales = groups.view(cols // 32, 32, -1).transpose(1, 2).contiguous().view(-1)
-        else:
+        if self.kind == INT8_PANELS:
             self.scales = scales.float().reshape(-1).contiguous()
+        else:
+            parts = [scales] if offsets is None else [scales, offsets]
+            dtype = torch.float16 if self.kind == INT8_GROUP_PANELS else torch.float32
+            groups = torch.zeros(len(parts), cols, self.k // self.group_size, dtype=dtype)
+            for i, part in enumerate(parts):
+                groups[i, :self.n] = part
+            # [part, panel, row, group] -> [panel, group, part, row]
+            self.scales = groups.view(len(parts), cols // 32, 32, -1).permute(1, 3, 0, 2).contiguous().view(-1)
         self.desc, self.desc_ptr = describe(self.kind, self.data, self.scales, self.group_size, self.n, self.k)
 
     @staticmethod
-    def refusal(codes: torch.Tensor, scales: torch.Tensor) -> str | None:
-        """Why these codes and scales cannot be int8 panels on this build (None: they can)."""
-        grouped = scales.dim() == 2 and scales.shape[1] > 1
+    def _kind(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> tuple[int, int]:
+        """(the GEMM's kind, the group size along k; 0 per row) for these scales and offsets."""
+        if offsets is None and (scales.dim() == 1 or scales.shape[1] == 1):
+            return INT8_PANELS, 0
+        group = codes.shape[1] // scales.shape[1]
+        if offsets is None and group == 32 and torch.equal(scales.to(torch.float16).float(), scales.float()):
+            return INT8_GROUP_PANELS, 32
+        return (INT8_F32_GROUP_PANELS if offsets is None else INT8_F32_GROUP_OFFSET_PANELS), group
+
+    @staticmethod
+    def refusal(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None) -> str | None:
+        """Why these codes, scales (and offsets) cannot be int8 panels on this build (None: they can)."""
+        grouped = offsets is not None or (scales.dim() == 2 and scales.shape[1] > 1)
         if (codes.dtype != torch.int8 or codes.dim() != 2 or not codes.numel() or scales.shape[0] != codes.shape[0]
-                or scales.numel() != codes.shape[0] * (-(-codes.shape[1] // 32) if grouped else 1)):
-            return (f"expected int8 codes [n, k] and n scales (or [n, k / 32]), got {codes.dtype} "
+                or (grouped and (scales.dim() != 2 or codes.shape[1] % scales.shape[1]))
+                or (not grouped and scales.numel() != codes.shape[0])):
+            return (f"expected int8 codes [n, k] and n scales (or [n, k / group]), got {codes.dtype} "
                     f"{tuple(codes.shape)} and scales {tuple(scales.shape)}")
+        if offsets is not None and offsets.shape != scales.shape:
+            return f"offsets {tuple(offsets.shape)} do not match the scales {tuple(scales.shape)}"
         if bool((codes == -128).any()):
             return "int8 panels take codes in [-127, 127] (symmetric quantization); -128 found"
+        if not grouped:
+            return None
         fmt = int(_lib().fn("gemm_int8_format")())
-        if grouped and (fmt != 2 or codes.shape[1] % 32):
-            return (f"int8 panels with group scales need the avx512bf16 or avx2 kernels and k a multiple "
-                    f"of 32 (this build's format {fmt}, k {codes.shape[1]})")
-        if grouped and not torch.equal(scales.to(torch.float16).float(), scales.float()):
-            return "int8 panels keep group scales as f16: these are not all f16 values"
+        kind, group = Int8Panels._kind(codes, scales, offsets)
+        if fmt != 2:
+            return f"int8 panels with group scales need the avx512bf16 or avx2 kernels (this build's format {fmt})"
+        if kind == INT8_GROUP_PANELS:
+            return None
+        if group == 32 and offsets is None and not int8_f32_groups():
+            return "int8 panels keep group scales as f16 on this build: these are not all f16 values"
+        if not int8_f32_groups():
+            return ("int8 panels with fp32 group scales (groups of 16, or offsets) need the avx2 kernels; "
+                    "this build keeps such weights as records")
+        if group not in (16, 32):
+            return f"int8 panels take groups of 16 or 32 along k, not {group} (k {codes.shape[1]})"
         return None
 
     def amx_at(self, rows: int) -> bool:
@@ -288,14 +326,26 @@ class Int8Panels:
                 and self.k % 32 == 0)
 
     def x_group(self, rows: int) -> int:
-        return 0 if self.format != 2 or self.amx_at(rows) else 32
+        return 0 if self.format != 2 or self.amx_at(rows) else (self.group_size or 32)
 
     def row_scales(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """fp32 [n, G] scales (G = 1, or k / 32 with groups) of every row or of `rows`."""
+        """fp32 [n, G] scales (G = 1, or k / group with groups) of every row or of `rows`."""
+        return self._group_part(0, rows)
+
+    @property
+    def has_offsets(self) -> bool:
+        return self.kind == INT8_F32_GROUP_OFFSET_PANELS
+
+    def row_offsets(self, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """fp32 [n, G] offsets m of every row or of `rows` (None: the panels have none)."""
+        return self._group_part(1, rows) if self.has_offsets else None
+
+    def _group_part(self, part: int, rows: torch.Tensor | None) -> torch.Tensor:
         ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
         if not self.group_size:
             return self.scales[ids][:, None]
-        return self.scales.view(-1, self.k // 32, 32)[ids // 32, :, ids % 32].float()
+        parts = 2 if self.kind == INT8_F32_GROUP_OFFSET_PANELS else 1
+        return self.scales.view(-1, self.k // self.group_size, parts, 32)[ids // 32, :, part, ids % 32].float()
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 codes [n, k] (or of `rows`), back in row order; reads only those rows."""

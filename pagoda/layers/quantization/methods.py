@@ -74,17 +74,17 @@ class PackedLinearMethod:
     @property
     def name(self) -> str:
         per = "channel" if self.group_size == self.in_features else f"group {self.group_size}"
-        return f"{self.scheme} ({per}{', offsets' if self.offsets is not None else ''})"
+        offsets = self.offsets is not None or getattr(self.panels, "has_offsets", False)
+        return f"{self.scheme} ({per}{', offsets' if offsets else ''})"
 
     def use_gemm(self) -> bool:
         """Repacks the records into the GEMM's panels, the only copy kept, where this build's GEMM
         multiplies them natively (`ops.panels_are_native`: the avx512bf16 and avx2 builds; the
         caller checks that activations are bf16). Returns whether this layer has panels: int4,
-        int8 per channel, and int8 by groups of 32 whose scales are f16 values and codes in
-        [-127, 127] (GGUF's Q8_0 and Q5_0); other int8 (groups of 16, fp32 scales: Q6_K) keeps
-        its records."""
-        if self.offsets is not None:
-            return False
+        int8 per channel, int8 by groups of 32 whose scales are f16 values (GGUF's Q8_0 and Q5_0),
+        and on the avx2 build int8 by groups of 16 or 32 with fp32 scales, offsets (which the
+        panels then hold) or none (Q6_K, Q5_K, Q5_1, mixed layers); elsewhere those keep their
+        records."""
         if self.packed is None:
             return self.panels is not None
         if not cpu_kernels.ops.panels_are_native():
@@ -92,14 +92,15 @@ class PackedLinearMethod:
         if self.scheme == "int4":
             q, d, m = packing.unpack_int4(self.packed, self.in_features, self.group_size)
             self.panels = cpu_kernels.ops.Int4Panels(q, d, m, self.group_size)
-        elif self.group_size == self.in_features:
+        elif self.group_size == self.in_features and self.offsets is None:
             q, d = packing.unpack_int8(self.packed, self.in_features)
             self.panels = cpu_kernels.ops.Int8Panels(q, d)
         else:
             q, d = packing.unpack_int8(self.packed, self.in_features, self.group_size)
-            if self.group_size != 32 or cpu_kernels.ops.Int8Panels.refusal(q, d) is not None:
+            if cpu_kernels.ops.Int8Panels.refusal(q, d, self.offsets) is not None:
                 return False
-            self.panels = cpu_kernels.ops.Int8Panels(q, d)
+            self.panels = cpu_kernels.ops.Int8Panels(q, d, self.offsets)
+            self.offsets = None  # NOTE: the panels hold them now (`row_offsets`)
         self.packed = None
         return True
 
@@ -182,8 +183,9 @@ class PackedLinearMethod:
                            rows: torch.Tensor | None) -> torch.Tensor:
         """fp32 [rows, K]: q * d (+ m), as packing's dequantize computes them."""
         if isinstance(panels, cpu_kernels.ops.Int8Panels):
-            q, d = panels.codes(rows).float(), panels.row_scales(rows)
-            return (q.view(q.shape[0], d.shape[1], -1) * d[..., None]).view(q.shape[0], self.in_features)
+            q, d, m = panels.codes(rows).float(), panels.row_scales(rows), panels.row_offsets(rows)
+            w = q.view(q.shape[0], d.shape[1], -1) * d[..., None]
+            return (w if m is None else w + m[..., None]).view(q.shape[0], self.in_features)
         q, d, m = panels.unpack(rows)
         groups = q.float().view(q.shape[0], -1, self.group_size) * d.float()[..., None] + m.float()[..., None]
         return groups.view(q.shape[0], self.in_features)
