@@ -119,7 +119,9 @@ def test_int8_records_with_offsets_outside(group_size: int, m: int, dtype: torch
 
     gen = torch.Generator().manual_seed(group_size + m)
     n, k = 48, 256
-    packed = packed_weight("int8", n, k, group_size, gen)
+    # NOTE: the k-quants' codes (Q5_K's q in [0, 31], Q6_K's q - 32), which panels take too
+    packed = packing.pack_int8(torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8),
+                               torch.rand(n, k // group_size, generator=gen) / 100)
     offsets = torch.randn(n, k // group_size, generator=gen) / 10
     method = PackedLinearMethod("int8", packed, k, group_size, offsets)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -272,6 +274,10 @@ def test_int8_group_panels_refuse_what_they_cannot_hold(variant: str) -> None:  
         ops.Int8Panels(codes, torch.ones(8, 2), torch.ones(8, 4))
     with pytest.raises(ValueError, match="groups of 16 or 32|need the avx2 kernels"):
         ops.Int8Panels(torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 2))  # groups of 24
+    if ops.int8_f32_groups():  # NOTE: narrow codes only (stored + 32, multiplied unsigned)
+        with pytest.raises(ValueError, match=r"take codes in \[-32, 31\].*span \[-33, 31\]"):
+            ops.Int8Panels(torch.full((8, 64), 31, dtype=torch.int8).index_fill_(1, torch.tensor([5]), -33),
+                           torch.ones(8, 4))
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 6, 13, 64])

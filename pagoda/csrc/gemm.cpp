@@ -38,7 +38,8 @@
 // times the rounded x, up to fp32 sums. The AVX2 build also takes fp32 group scales d by groups
 // of 16 or 32 (GGUF's Q6_K; kPackedInt8F32Groups), or d and offsets m (w = q * d + m: Q5_K,
 // Q5_1, and layers mixing Q4_K and Q6_K; kPackedInt8F32GroupsOffsets): x is then rounded by the
-// weight's groups, and each group adds d * (dx * sum) + m * dx * sum xq. On CPUs with AMX, steps from a row count measured at load
+// weight's groups, and each group adds d * (dx * sum) + m * dx * sum xq; their codes, in
+// [-32, 31], are stored + 32 and multiplied as unsigned bytes (`narrow_quads`). On CPUs with AMX, steps from a row count measured at load
 // (`pagoda_gemm_set_amx_integer_rows`) widen each panel's codes to bf16 instead and multiply x as it
 // is on the tile units (`AmxInt8`). The portable build (format 0) keeps the bf16 layout with
 // one two's complement byte an element, decoded a chunk at a time into bf16 (exact) for the bf16
@@ -1475,6 +1476,71 @@ constexpr int kInt8Avx2Rows = PAGODA_INT8_AVX2_ROWS;  // rows a pass
 template <int R>
 constexpr int kInt8Avx2Vectors = R == 1 ? 4 : PAGODA_INT8_AVX2_VECTORS;
 
+// Prefetches quad q's 64-byte lines of vectors [v0, v0 + V) a chunk ahead (each line once).
+template <int V>
+inline void prefetch_quad(const uint8_t* w, int64_t q, int v0) {
+  for (int line = v0 / 2; v0 % 2 == 0 && line < (v0 + V + 1) / 2; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (q + kChunkQuads) * kQuadBytes + 64 * line), _MM_HINT_T1);
+}
+
+// Codes stored + 128 ([-127, 127]): R rows' integer sums of quads [g0, end) (one group), V of a
+// quad's vectors from v0, into part (from zero): |q| times x's codes with q's sign.
+template <int R, int V, bool PF>
+inline void wide_quads(const Int8Rows& x, const uint8_t* w, int64_t g0, int64_t end, int v0, __m256i (&part)[R][V]) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < V; ++j) part[m][j] = _mm256_setzero_si256();
+  for (int64_t q = g0; q < end; ++q) {
+    const uint8_t* src = w + q * kQuadBytes + 32 * v0;
+    if constexpr (PF) prefetch_quad<V>(w, q, v0);
+    __m256i code[V], mag[V];
+    for (int j = 0; j < V; ++j) {
+      code[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * j)), flip);
+      mag[j] = _mm256_abs_epi8(code[j]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) {
+      const __m256i xv = _mm256_set1_epi32(x.quad(m, q));
+      for (int j = 0; j < V; ++j) {
+        const __m256i words = _mm256_maddubs_epi16(mag[j], _mm256_sign_epi8(xv, code[j]));
+        part[m][j] = _mm256_add_epi32(part[m][j], _mm256_madd_epi16(words, ones));
+      }
+    }
+  }
+}
+
+// Narrow codes, stored + 32 ([-32, 31]: the fp32-group panels, GGUF's k-quants), straight into
+// vpmaddubsw as u8 (no sign moved onto x): a word holds two products of at most 63 * 127, so two
+// quads' words add in int16 exactly and widen into int32 once a pair; part starts at -32 * the
+// group's sum of x codes (what the + 32 adds), offset / 4.
+template <int R, int V, bool PF>
+inline void narrow_quads(const Int8Rows& x, const uint8_t* w, int64_t g0, int64_t end, int v0, int64_t g,
+                         __m256i (&part)[R][V]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < R; ++m)
+    for (int j = 0; j < V; ++j) part[m][j] = _mm256_set1_epi32(x.offset[m * x.G + g] / 4);
+  // NOTE: a group is 4 or 8 quads and a chunk 64, so [g0, end) holds whole pairs.
+  for (int64_t q = g0; q < end; q += 2) {
+    const uint8_t* src = w + q * kQuadBytes + 32 * v0;
+    if constexpr (PF) {
+      prefetch_quad<V>(w, q, v0);
+      prefetch_quad<V>(w, q + 1, v0);
+    }
+    __m256i code[2][V];
+    for (int i = 0; i < 2; ++i)
+      for (int j = 0; j < V; ++j)
+        code[i][j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i * kQuadBytes + 32 * j));
+#pragma GCC unroll 8
+    for (int m = 0; m < R; ++m) {
+      const __m256i x0 = _mm256_set1_epi32(x.quad(m, q)), x1 = _mm256_set1_epi32(x.quad(m, q + 1));
+      for (int j = 0; j < V; ++j) {
+        const __m256i words = _mm256_add_epi16(_mm256_maddubs_epi16(code[0][j], x0), _mm256_maddubs_epi16(code[1][j], x1));
+        part[m][j] = _mm256_add_epi32(part[m][j], _mm256_madd_epi16(words, ones));
+      }
+    }
+  }
+}
+
 // R rows x one int8 panel over quads [q0, q1) (q0 a group's first), V of a quad's 4 vectors at a
 // time (the group's others re-read from L1); adds into sums. Group scales (S, `scales` this
 // panel's): f16 d as int8_tile's, sums += d * (dx * sum); fp32 d likewise, by x's groups (16 or
@@ -1482,33 +1548,15 @@ constexpr int kInt8Avx2Vectors = R == 1 ? 4 : PAGODA_INT8_AVX2_VECTORS;
 template <int R, bool PF, int S>
 void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, const void* scales, int64_t q0, int64_t q1, Sums sums) {
   constexpr int V = kInt8Avx2Vectors<R>;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
   const int64_t group_quads = S >= kF32Groups ? x.group / 4 : kGroupQuads;
   for (int64_t g0 = q0; g0 < q1; g0 += group_quads) {
     const int64_t g = g0 / group_quads, end = std::min(q1, g0 + group_quads);
     for (int v0 = 0; v0 < 4; v0 += V) {
       __m256i part[R][V];
-      for (int m = 0; m < R; ++m)
-        for (int j = 0; j < V; ++j) part[m][j] = _mm256_setzero_si256();
-      for (int64_t q = g0; q < end; ++q) {
-        const uint8_t* src = w + q * kQuadBytes + 32 * v0;
-        if constexpr (PF)  // each 64-byte line once
-          for (int line = v0 / 2; v0 % 2 == 0 && line < (v0 + V + 1) / 2; ++line)
-            _mm_prefetch(reinterpret_cast<const char*>(w + (q + kChunkQuads) * kQuadBytes + 64 * line), _MM_HINT_T1);
-        __m256i code[V], mag[V];
-        for (int j = 0; j < V; ++j) {
-          code[j] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * j)), flip);
-          mag[j] = _mm256_abs_epi8(code[j]);
-        }
-#pragma GCC unroll 8
-        for (int m = 0; m < R; ++m) {
-          const __m256i xv = _mm256_set1_epi32(x.quad(m, q));
-          for (int j = 0; j < V; ++j) {
-            const __m256i words = _mm256_maddubs_epi16(mag[j], _mm256_sign_epi8(xv, code[j]));
-            part[m][j] = _mm256_add_epi32(part[m][j], _mm256_madd_epi16(words, ones));
-          }
-        }
-      }
+      if constexpr (S >= kF32Groups)
+        narrow_quads<R, V, PF>(x, w, g0, end, v0, g, part);
+      else
+        wide_quads<R, V, PF>(x, w, g0, end, v0, part);
       __m256 dv[V], mv[V];
       for (int j = 0; j < V; ++j) {
         if constexpr (S == kF16Groups) {

@@ -244,9 +244,9 @@ class Int8Panels:
       exactly: GGUF's Q8_0 and Q5_0): w = q * scale;
     - (`int8_f32_groups`: the avx2 build) fp32 scales d per row and group of 16 or 32 (scales
       [n, k / group]), with fp32 offsets m of the same shape or without: w = q * d + m (GGUF's
-      Q6_K, Q5_K, Q5_1, and layers whose sources mix kinds).
+      Q6_K, Q5_K, Q5_1, and layers whose sources mix kinds), codes in [-32, 31] only.
     On the avx512bf16 and avx2 builds (`gemm_int8_format` 2) the codes are stored + 128 as
-    uint8, each panel of 32 rows by quads of k (row c's 4 codes of quad j at j * 128 + 4 c), group
+    uint8 (+ 32 for the fp32-group kinds: `code_bias`), each panel of 32 rows by quads of k (row c's 4 codes of quad j at j * 128 + 4 c), group
     scales as f16 [panel][group][32 rows], or fp32 [panel][group][d, then m][32 rows]; on the
     portable one (0) as int8 in the bf16 panels' layout (k-pairs), per-row scales only.
     `x_group(rows)`: the groups along k in which the GEMM rounds x of that many rows to int8
@@ -266,7 +266,7 @@ class Int8Panels:
         # NOTE: panel p, step j, row c, element e at p * 32 * width * steps + (j * 32 + c) * width + e.
         panels = padded.view(cols // 32, 32, steps, self.width).permute(0, 2, 1, 3).contiguous()
         if self.format == 2:
-            panels = (panels.to(torch.int16) + 128).to(torch.uint8).view(torch.int8)
+            panels = (panels.to(torch.int16) + self.code_bias).to(torch.uint8).view(torch.int8)
         self.data = panels.view(-1)
         if self.kind == INT8_PANELS:
             self.scales = scales.float().reshape(-1).contiguous()
@@ -318,6 +318,10 @@ class Int8Panels:
                     "this build keeps such weights as records")
         if group not in (16, 32):
             return f"int8 panels take groups of 16 or 32 along k, not {group} (k {codes.shape[1]})"
+        low, high = int(codes.min()), int(codes.max())
+        if low < -32 or high > 31:
+            return (f"int8 panels with fp32 group scales take codes in [-32, 31] (GGUF's k-quants), "
+                    f"these span [{low}, {high}]")
         return None
 
     def amx_at(self, rows: int) -> bool:
@@ -331,6 +335,13 @@ class Int8Panels:
     def row_scales(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 [n, G] scales (G = 1, or k / group with groups) of every row or of `rows`."""
         return self._group_part(0, rows)
+
+    @property
+    def code_bias(self) -> int:
+        """What the stored codes add (format 2): 32 for the fp32-group kinds' narrow codes in
+        [-32, 31] (GGUF's k-quants: multiplied as unsigned bytes with no sign moved onto x), 128
+        for the others."""
+        return 32 if self.kind in (INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS) else 128
 
     @property
     def has_offsets(self) -> bool:
@@ -356,7 +367,7 @@ class Int8Panels:
             (k // self.width) * 32 * self.width + k % self.width)[None, :]
         picked = self.data[index]
         if self.format == 2:
-            picked = (picked.view(torch.uint8).to(torch.int16) - 128).to(torch.int8)
+            picked = (picked.view(torch.uint8).to(torch.int16) - self.code_bias).to(torch.int8)
         return picked
 
 
