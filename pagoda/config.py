@@ -395,15 +395,21 @@ class LoRAConfig:
     Attributes:
         max_lora_rank: the largest rank an adapter may have (vLLM's default 16).
         max_cpu_loras: adapters kept loaded at once (the least recently used dropped).
+        max_loras: the most distinct adapters the running requests may use at once (vLLM's
+            per-batch limit: a waiting request of another adapter waits while it is reached,
+            those behind it go on); None, the default, sets none (vLLM's default 1 counts
+            its GPU's adapter slots, which pagoda's per-row updates do not need).
     """
 
     enable_lora: bool = False
     max_lora_rank: int = 16
     max_cpu_loras: int = 8
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_lora_rank >= 1, "max_lora_rank", self.max_lora_rank, "must be >= 1")
         _check(self.max_cpu_loras >= 1, "max_cpu_loras", self.max_cpu_loras, "must be >= 1")
+        _check(self.max_loras is None or self.max_loras >= 1, "max_loras", self.max_loras, "must be >= 1")
 
 
 @dataclass(frozen=True)

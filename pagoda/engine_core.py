@@ -100,7 +100,8 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = config.scheduler.max_model_len
         self.block_manager = kv_cache_manager_for(parts)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager,
+                                   config.lora.max_loras if config.lora.enable_lora else None)
         self.proposer = build_proposer(config.speculative, config, parts.vocab_size)
         self._requests: dict[str, list[Request]] = {}
         self._changed: dict[tuple[str, int], EngineCoreOutput] = {}

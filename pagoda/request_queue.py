@@ -123,6 +123,22 @@ class RequestQueue:
         level.groups.setdefault(request.group, deque()).appendleft(request)
         self._len += 1
 
+    def put_back(self, request: Request, resumed: bool) -> None:
+        """Undoes `popleft` for a request the scheduler skipped this step (`max_loras`): first
+        among the resumed (`resumed`: it was), or first in its group, its group first among
+        equals."""
+        level = self._level(request)
+        if resumed:
+            level.resumed.appendleft(request)
+        else:
+            level.groups.setdefault(request.group, deque()).appendleft(request)
+            level.groups.move_to_end(request.group, last=False)
+        self._len += 1
+
+    def head_is_resumed(self) -> bool:
+        """Whether `peek` gives a request preempted for memory (resumed first)."""
+        return bool(self._first()[1].resumed)
+
     def peek(self, held: Mapping[str, int] = _NONE_HELD) -> Request:
         """The next request to schedule, given the running seats each group `held`."""
         return self._first()[1].peek(held)

@@ -12,7 +12,8 @@ step's tokens, so one client's 1,000 prompts cannot hold every seat nor every pr
 When the budget cannot take every running request's tokens (a long prefill, or more decodes
 than the budget), the least recently served go first, so every request advances in turn.
 Under `step_time_target_ms` the budget is what the last steps' times say fits the target
-(step_cost.py).
+(step_cost.py). With `max_loras`, a waiting request whose adapter would make the running
+requests use more distinct adapters than that waits in its place while those behind it go on.
 A running request's drafted tokens (the proposer's, given to `schedule`) are scheduled with
 it as extra tokens when the budget has room, and recorded in the output
 (`SchedulerOutput.spec_token_ids`); drafts that do not fit are dropped, never the real tokens.
@@ -74,9 +75,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | HybridBlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | HybridBlockManager,
+                 max_loras: int | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.max_loras = max_loras  # LoRAConfig.max_loras: distinct adapters running at once
         self.waiting = RequestQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -214,8 +217,14 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         held = Counter(r.group for r in self.running)
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        skipped: list[tuple[Request, bool]] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.admission_limit:
             request = self.waiting.peek(held)
+            if self._over_max_loras(request, adapters):
+                skipped.append((request, self.waiting.head_is_resumed()))
+                self.waiting.popleft(held)
+                continue
             computed = bm.get_computed_blocks(request)
             num_hit = len(computed) * bm.block_size
             num_tokens = min(self._capped(request.num_tokens - num_hit), budget)
@@ -229,6 +238,16 @@ class Scheduler:
             out.add(request, num_tokens)
             self._last_served[request] = self._num_steps
             budget -= num_tokens
+            if request.lora_request is not None:
+                adapters.add(request.lora_request.lora_int_id)
+        for request, resumed in reversed(skipped):
+            self.waiting.put_back(request, resumed)
+
+    def _over_max_loras(self, request: Request, adapters: set[int]) -> bool:
+        """Whether admitting `request` would make the running requests use more distinct
+        adapters than `max_loras` (vLLM's check: it waits, the requests behind it go on)."""
+        return (self.max_loras is not None and request.lora_request is not None
+                and request.lora_request.lora_int_id not in adapters and len(adapters) >= self.max_loras)
 
     def _admissible(self, request: Request, num_hit: int, num_tokens: int) -> bool:
         """vLLM's admission gates beyond the chunk's own blocks, each off by default: the whole

@@ -115,6 +115,32 @@ def test_adapters_and_the_base_model_in_one_batch_equal_merged_weights(
     assert want["all"][0] != want["base"][0] and want["attn"][1] != want["base"][1]
 
 
+def test_max_loras_keeps_one_adapter_running_and_every_answer(tiny_llama: Path, adapters: dict[str, Path]):
+    """`max_loras=1` (vLLM's default there): no step runs two adapters' requests, requests of
+    the base model run beside either, and every answer equals the unlimited engine's."""
+    ps = prompts(6)
+    a = LoRARequest("all", 1, str(adapters["all"]))
+    b = LoRARequest("attn", 2, str(adapters["attn"]))
+    loras = [a, b, None, b, a, None]
+    engine = dict(dtype="float32", max_model_len=256, num_kv_blocks=128, enable_lora=True, max_lora_rank=8)
+    limited = LLM(str(tiny_llama), max_loras=1, **engine)
+    steps: list[set[int]] = []
+    execute = limited.engine.core.runner.execute
+
+    def recording(out):  # type: ignore[no-untyped-def]
+        steps.append({r.lora_request.lora_int_id for r in out.requests if r.lora_request is not None})
+        return execute(out)
+
+    limited.engine.core.runner.execute = recording  # type: ignore[method-assign]
+    got = [o.outputs[0].token_ids for o in limited.generate(ps, GREEDY, use_tqdm=False, lora_request=loras)]
+    assert steps and max(len(s) for s in steps) == 1 and {1, 2} == set().union(*steps)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **engine).generate(
+        ps, GREEDY, use_tqdm=False, lora_request=loras)]
+    assert got == want
+    with pytest.raises(ValueError, match="max_loras"):
+        LLM(str(tiny_llama), max_loras=0, **engine)
+
+
 def test_chat_takes_an_adapter(llm: LLM, adapters: dict[str, Path]):
     a = LoRARequest("all", 1, str(adapters["all"]))
     conversation = [{"role": "user", "content": "Name a colour."}]
@@ -184,7 +210,7 @@ def test_the_server_serves_adapters_by_name(tiny_llama: Path, adapters: dict[str
     from test_server import REPO, start_server
 
     server = start_server(tiny_llama, "--dtype", "float32", "--max-model-len", "256", "--enable-lora",
-                          "--max-lora-rank", "8", "--lora-modules", f"all={adapters['all']}",
+                          "--max-lora-rank", "8", "--max-loras", "2", "--lora-modules", f"all={adapters['all']}",
                           env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     try:
         url = server.base_url

@@ -345,3 +345,34 @@ def test_a_step_time_target_cuts_the_budget_to_the_measured_line():
     for i in range(100):
         scheduler.add_request(_request(f"r{i}"))
     assert scheduler.schedule().total_num_scheduled_tokens == 40
+
+
+def test_max_loras_holds_back_a_third_adapter_and_lets_the_rest_by():
+    """vLLM's `max_loras`: while the running requests use that many distinct adapters, a
+    waiting request of another adapter waits in its place (first in line when a slot frees),
+    and requests of the running adapters or of none go by it."""
+    from pagoda.lora import LoRARequest
+
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=MAX_MODEL_LEN)
+    scheduler = Scheduler(config, BlockManager(256, 4, False), max_loras=2)
+    adapters = [LoRARequest(f"a{i}", i, f"/nowhere/a{i}") for i in (1, 2, 3)]
+
+    def request(name: str, adapter: int | None, max_tokens: int = 30) -> Request:
+        return Request(name, [1, 2, 3], SamplingParams(max_tokens=max_tokens), set(), max_model_len=MAX_MODEL_LEN,
+                       lora_request=None if adapter is None else adapters[adapter - 1])
+
+    first, second = request("one", 1, max_tokens=2), request("two", 2)
+    third, again, base = request("three", 3), request("one-again", 1), request("base", None)
+    for r in (first, second, third, again, base):
+        scheduler.add_request(r)
+    assert [r.request_id for r in _step(scheduler)] == ["one", "two", "one-again", "base"]
+    assert [r.request_id for r in scheduler.waiting] == ["three"]
+    assert [r.request_id for r in _step(scheduler)] == ["one", "two", "one-again", "base"]
+    scheduler.finish_request(first, RequestStatus.FINISHED_LENGTH)
+    scheduler.finish_request(again, RequestStatus.FINISHED_LENGTH)  # adapter 1 runs no more
+    assert "three" in [r.request_id for r in _step(scheduler)]
+    assert {r.lora_request.lora_int_id for r in scheduler.running if r.lora_request} == {2, 3}
+    unlimited = Scheduler(config, BlockManager(256, 4, False))
+    for r in (request("x", 1), request("y", 2), request("z", 3)):
+        unlimited.add_request(r)
+    assert len(_step(unlimited)) == 3

@@ -73,6 +73,7 @@ ENGINE_FLAGS = {
     "watermark": "watermark", "scheduler_reserve_full_isl": "scheduler_reserve_full_isl",
     "tensor_parallel_size": "tensor_parallel_size",
     "enable_lora": "enable_lora", "max_lora_rank": "max_lora_rank", "max_cpu_loras": "max_cpu_loras",
+    "max_loras": "max_loras",
     "pipeline_parallel_size": "pipeline_parallel_size", "nnodes": "nnodes",
     "node_rank": "node_rank", "dist_init_addr": "dist_init_addr", "core_process": "core_process",
     "max_n": "max_n", "max_prompt_chars": "max_prompt_chars",
@@ -407,7 +408,8 @@ def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--max-cpu-loras", type=int, default=None,
                       help="adapters kept loaded at once, the least recently used dropped (default 8)")
     lora.add_argument("--max-loras", type=int, default=None,
-                      help="vLLM's adapters a step may hold; pagoda puts no limit on a step (accepted)")
+                      help="the most distinct adapters running at once (vLLM's per-batch limit; "
+                           "default: none, where vLLM's is 1)")
 
 
 def runtime_lora_updating() -> bool:
