@@ -120,7 +120,7 @@ class NativeDecoder:
     @classmethod
     def build(cls, model: nn.Module) -> NativeDecoder | None:
         """The native stack for `model`'s weights and bound KV pool, or None where it does not
-        fit (`refusal` says why)."""
+        fit (`make` says why)."""
         made = cls.make(model)
         return made if isinstance(made, NativeDecoder) else None
 

@@ -246,9 +246,10 @@ class Int8Panels:
       [n, k / group]), with fp32 offsets m of the same shape or without: w = q * d + m (GGUF's
       Q6_K, Q5_K, Q5_1, and layers whose sources mix kinds), codes in [-32, 31] only.
     On the avx512bf16 and avx2 builds (`gemm_int8_format` 2) the codes are stored + 128 as
-    uint8 (+ 32 for the fp32-group kinds: `code_bias`), each panel of 32 rows by quads of k (row c's 4 codes of quad j at j * 128 + 4 c), group
-    scales as f16 [panel][group][32 rows], or fp32 [panel][group][d, then m][32 rows]; on the
-    portable one (0) as int8 in the bf16 panels' layout (k-pairs), per-row scales only.
+    uint8 (+ 32 for the fp32-group kinds: `code_bias`), each panel of 32 rows by quads of k
+    (row c's 4 codes of quad j at j * 128 + 4 c), group scales as f16 [panel][group][32 rows],
+    or fp32 [panel][group][d, then m][32 rows]; on the portable one (0) as int8 in the bf16
+    panels' layout (k-pairs), per-row scales only.
     `x_group(rows)`: the groups along k in which the GEMM rounds x of that many rows to int8
     codes (`packing.round_to_int8_groups`; the weight's own groups where it has them), 0 where it
     multiplies x as it is (the portable build; AMX tiles, `amx_at(rows)`, never for groups)."""
