@@ -167,7 +167,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
     hybrid = len(groups) > 1
     return EngineParts(config, tokenizer, runner, num_blocks[0], spec.block_bytes(config.cache.block_size),
-                       eos_token_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, plan),
+                       eos_token_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, plan, runner),
                        PoolerConfig.from_hf_config(hf_config), specs if hybrid else [],
                        num_blocks if hybrid else [])
 
@@ -195,12 +195,14 @@ def allocate_groups(groups: list[tuple[KVCacheSpec, list[int]]], num_blocks: lis
     return caches, layer_groups
 
 
-def engine_info(device: torch.device, plan: KernelPlan | None) -> EngineInfo:
+def engine_info(device: torch.device, plan: KernelPlan | None, runner: ModelRunner) -> EngineInfo:
     from pagoda.layers import cpu_kernels
 
     lib = cpu_kernels.library() if device.type == "cpu" else None
+    decoder = ("native stack" if runner.native_decoder is not None
+               else f"layer by layer: {runner.native_refusal}" if runner.native_refusal is not None else "")
     return EngineInfo(lib.variant if lib is not None else "none", plan.summary() if plan else "",
-                      plan.source if plan else "")
+                      plan.source if plan else "", decoder)
 
 
 def plan_linears(model: torch.nn.Module, retune: bool = False) -> KernelPlan | None:

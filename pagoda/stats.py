@@ -98,9 +98,12 @@ class EngineInfo:
     """What the engine was built with, given once to each stat logger (an info metric).
 
     `linear_kernels` is the kernel plan of the model's largest bf16 linear ("rows 1+ gemm";
-    "" without one), `kernel_plan_source` where it came from (measured, cached, forced).
+    "" without one), `kernel_plan_source` where it came from (measured, cached, forced),
+    `decoder` how decode steps run the decoder layers on the CPU ("native stack", or "layer by
+    layer: " and why; "" off the CPU kernels).
     """
 
     kernel_variant: str
     linear_kernels: str
     kernel_plan_source: str
+    decoder: str = ""

@@ -216,6 +216,7 @@ def test_engine_measures_caches_logs_and_exports_its_plan(tiny_llama, tmp_path, 
     with caplog.at_level("INFO", logger="pagoda"):
         first = build_model_parts(config)
     assert first.info.kernel_plan_source == "measured" and first.info.linear_kernels.startswith("rows 1")
+    assert first.info.decoder == "native stack"
     assert any(r.getMessage().startswith("linear (measured): rows 1") for r in caplog.records)
     assert len(list((tmp_path / "kernel_plans").glob("*.json"))) == 1
     second = build_model_parts(config)
@@ -229,6 +230,7 @@ def test_engine_measures_caches_logs_and_exports_its_plan(tiny_llama, tmp_path, 
     stat_logger.record_engine_info(second.info)
     text = generate_latest(registry).decode()
     assert 'pagoda:kernel_plan_info{' in text and f'linear_kernels="{second.info.linear_kernels}"' in text
+    assert 'decoder="native stack"' in text
     assert f'kernel_variant="{cpu_kernels.library().variant}"' in text  # type: ignore[union-attr]
 
 

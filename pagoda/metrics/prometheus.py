@@ -218,15 +218,16 @@ class PrometheusStatLogger(StatLoggerBase):
             sorted([*self._cache_info_labels(), "engine"]), registry=None))
         self._set_cache_info()
         self._engine_info = self._register(Gauge(
-            "pagoda:kernel_plan_info", "The CPU kernel build and the linear kernels chosen by "
-            "measurement for the model's largest bf16 weight (kernel_plan.py).",
-            [*LABEL_NAMES, "kernel_variant", "linear_kernels", "kernel_plan_source"], registry=None))
+            "pagoda:kernel_plan_info", "The CPU kernel build, the linear kernels chosen by "
+            "measurement for the model's largest bf16 weight (kernel_plan.py), and how decode steps "
+            "run the decoder layers (the native stack, or layer by layer and why).",
+            [*LABEL_NAMES, "kernel_variant", "linear_kernels", "kernel_plan_source", "decoder"], registry=None))
 
     def record_engine_info(self, info: EngineInfo) -> None:
         self._engine_info.clear()
         self._engine_info.labels(**self.labels, kernel_variant=info.kernel_variant,
                                  linear_kernels=info.linear_kernels,
-                                 kernel_plan_source=info.kernel_plan_source).set(1)
+                                 kernel_plan_source=info.kernel_plan_source, decoder=info.decoder).set(1)
 
     def record(self, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:
