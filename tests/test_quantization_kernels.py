@@ -231,20 +231,24 @@ def test_qgemm_int8_random_shapes() -> None:
 @pytest.mark.usefixtures("int8_tiles")
 @pytest.mark.parametrize("m", [1, 3, 6, 13, 64, 101])
 @pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 64, True), (77, 96, False)])
+@pytest.mark.parametrize("narrow", [False, True])
 def test_qgemm_int8_group_scales_match_dequantize_then_matmul(variant: str, m: int, n: int, k: int,  # noqa: F811
-                                                              bias: bool) -> None:
-    """int8 panels with an f16 scale per row and group of 32 (GGUF's Q8_0): each group's integer
-    sum scaled by its own scale, x rounded to int8 codes by the same groups, never on AMX tiles
+                                                              bias: bool, narrow: bool) -> None:
+    """int8 panels with an f16 scale per row and group of 32 (GGUF's Q8_0; `narrow`: codes in
+    [-16, 15], Q5_0's, which the avx2 build multiplies unsigned + 32): each group's integer sum
+    scaled by its own scale, x rounded to int8 codes by the same groups, never on AMX tiles
     (the fixture's "amx" case turns them on for every row count)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    codes = (torch.randint(-16, 16, (n, k), generator=gen, dtype=torch.int8) if narrow
+             else torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8))
     scales = (torch.rand(n, k // 32, generator=gen) * 0.01).half().float()
     if variant == "portable":
         with pytest.raises(ValueError, match="need the avx512bf16 or avx2 kernels"):
             ops.Int8Panels(codes, scales)
         return
     weight = ops.Int8Panels(codes, scales)
-    assert weight.kind == ops.INT8_GROUP_PANELS and not weight.amx_at(m) and weight.x_group(m) == 32
+    kind = ops.INT8_GROUP_NARROW_PANELS if narrow and ops.int8_narrow_f16_groups() else ops.INT8_GROUP_PANELS
+    assert weight.kind == kind and not weight.amx_at(m) and weight.x_group(m) == 32
     rows = torch.tensor([n - 1, 0, n // 2])
     assert torch.equal(weight.codes(rows), codes[rows]) and torch.equal(weight.row_scales(rows), scales[rows])
     base = torch.full((m, k + 3), float("nan")).to(torch.bfloat16)

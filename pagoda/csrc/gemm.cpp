@@ -1324,14 +1324,20 @@ constexpr int kInt8Group = 32;  // x's rounding group along K (8 quads), but fp3
 // or fp32 scales d by groups of 16 or 32, with fp32 offsets m (w = q * d + m) or without (the
 // AVX2 build only: GGUF's Q6_K, Q5_K, Q5_1 and the layers whose sources mix kinds). Per panel
 // and group, fp32 d holds its 32 columns, then (with offsets) m its 32.
-enum Int8Scales : int { kColumnScales = 0, kF16Groups = 1, kF32Groups = 2, kF32GroupsOffsets = 3 };
+// The AVX2 build also takes f16 groups of narrow codes (kF16GroupsNarrow: GGUF's Q5_0, codes in
+// [-16, 15]), stored + 32 like the fp32 kinds' (`narrow_quads`).
+enum Int8Scales : int { kColumnScales = 0, kF16Groups = 1, kF32Groups = 2, kF32GroupsOffsets = 3, kF16GroupsNarrow = 4 };
 
 // Floats of group values per panel and group (fp32 kinds).
 constexpr int64_t group_floats(int S) { return S == kF32GroupsOffsets ? 2 * kPanel : kPanel; }
+constexpr bool is_f32_groups(int S) { return S == kF32Groups || S == kF32GroupsOffsets; }
+constexpr bool is_f16_groups(int S) { return S == kF16Groups || S == kF16GroupsNarrow; }
+// Whether the codes are narrow, stored + 32 (else + 128).
+constexpr bool is_narrow(int S) { return is_f32_groups(S) || S == kF16GroupsNarrow; }
 
 // The scale kinds this build's tiles take (fp32 groups: the AVX2 build's).
 #if defined(PAGODA_AVX2)
-constexpr int kInt8ScaleKinds = 4;
+constexpr int kInt8ScaleKinds = 5;
 #else
 constexpr int kInt8ScaleKinds = 2;
 #endif
@@ -1344,8 +1350,8 @@ struct Int8GroupScales {
   int64_t group;
   // Panel `index`'s values (G groups along K).
   const void* of(int64_t index, int64_t G) const {
-    if (kind == kF16Groups) return static_cast<const uint16_t*>(values) + index * G * kPanel;
-    if (kind >= kF32Groups) return static_cast<const float*>(values) + index * G * group_floats(kind);
+    if (is_f16_groups(kind)) return static_cast<const uint16_t*>(values) + index * G * kPanel;
+    if (is_f32_groups(kind)) return static_cast<const float*>(values) + index * G * group_floats(kind);
     return nullptr;
   }
 };
@@ -1548,21 +1554,21 @@ inline void narrow_quads(const Int8Rows& x, const uint8_t* w, int64_t g0, int64_
 template <int R, bool PF, int S>
 void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, const void* scales, int64_t q0, int64_t q1, Sums sums) {
   constexpr int V = kInt8Avx2Vectors<R>;
-  const int64_t group_quads = S >= kF32Groups ? x.group / 4 : kGroupQuads;
+  const int64_t group_quads = is_f32_groups(S) ? x.group / 4 : kGroupQuads;
   for (int64_t g0 = q0; g0 < q1; g0 += group_quads) {
     const int64_t g = g0 / group_quads, end = std::min(q1, g0 + group_quads);
     for (int v0 = 0; v0 < 4; v0 += V) {
       __m256i part[R][V];
-      if constexpr (S >= kF32Groups)
+      if constexpr (is_narrow(S))
         narrow_quads<R, V, PF>(x, w, g0, end, v0, g, part);
       else
         wide_quads<R, V, PF>(x, w, g0, end, v0, part);
       __m256 dv[V], mv[V];
       for (int j = 0; j < V; ++j) {
-        if constexpr (S == kF16Groups) {
+        if constexpr (is_f16_groups(S)) {
           const uint16_t* d = static_cast<const uint16_t*>(scales) + g * kPanel + 8 * (v0 + j);
           dv[j] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d)));
-        } else if constexpr (S >= kF32Groups) {
+        } else if constexpr (is_f32_groups(S)) {
           const float* d = static_cast<const float*>(scales) + g * group_floats(S) + 8 * (v0 + j);
           dv[j] = _mm256_loadu_ps(d);
           if constexpr (S == kF32GroupsOffsets) mv[j] = _mm256_loadu_ps(d + kPanel);
@@ -1767,6 +1773,11 @@ extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }
 // Whether int8 panels take fp32 group scales (groups of 16 or 32, offsets or none): the AVX2 build.
 extern "C" int64_t pagoda_gemm_int8_f32_groups() { return pagoda::kInt8ScaleKinds > pagoda::kF32Groups; }
 
+// Whether int8 panels take narrow codes (+ 32) with f16 groups of 32: the AVX2 build.
+extern "C" int64_t pagoda_gemm_int8_narrow_f16_groups() {
+  return pagoda::kInt8ScaleKinds > pagoda::kF16GroupsNarrow;
+}
+
 // Steps of at least `rows` rows multiply bf16 panels on the FMA tiles (the AVX-512 build) or on
 // widened chunks (the AVX2 build; see kAvx2WideRows); returns whether this build has them.
 extern "C" int64_t pagoda_gemm_set_fma_rows(int64_t rows) {
@@ -1840,6 +1851,11 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
     case pagoda::kPackedInt8Groups:
       pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
                          {pagoda::kF16Groups, w.scales, pagoda::kInt8Group}, b, yb, y_stride, M, w.n, w.k);
+      break;
+    case pagoda::kPackedInt8GroupsNarrow:
+      if (!pagoda_gemm_int8_narrow_f16_groups()) std::abort();  // NOTE: as below
+      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
+                         {pagoda::kF16GroupsNarrow, w.scales, pagoda::kInt8Group}, b, yb, y_stride, M, w.n, w.k);
       break;
     case pagoda::kPackedInt8F32Groups:
     case pagoda::kPackedInt8F32GroupsOffsets:

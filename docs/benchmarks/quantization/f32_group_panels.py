@@ -9,6 +9,12 @@ offsets) or SmolLM2's (14 down projections 576 x 1536 in Q6_K).
 
 Usage: python f32_group_panels.py [1b|smollm2] M [M ...]   (random codes; prints ms a pass,
 median of 5 passes after one, and records / panels)
+
+`python f32_group_panels.py narrow M [M ...]`: f16-group panels (GGUF's Q5_0 and Q8_0), wide
+codes against narrow ones, SmolLM2's 30 layers as its Q4_K_M file holds them in Q5_0 (fused qkv
+960 x 576, o 576 x 576, gate/up 3072 x 576): once with codes in [-16, 15] (Q5_0's: the avx2
+build's narrow kind, stored + 32 and multiplied unsigned), once with one code per row set to
+127 (the wide kind, stored + 128, the weight's sign moved onto x).
 """
 
 from __future__ import annotations
@@ -51,8 +57,41 @@ def timed(fn: Callable[[], None]) -> float:
     return statistics.median(times) * 1e3
 
 
+def f16_panels(narrow: bool) -> list[ops.Int8Panels]:
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(30):
+        for n, k in [(960, 576), (576, 576), (3072, 576)]:
+            codes = torch.randint(-16, 16, (n, k), generator=gen, dtype=torch.int8)
+            if not narrow:
+                codes[:, 0] = 127
+            out.append(ops.Int8Panels(codes, (torch.rand(n, k // 32, generator=gen) / 100).half().float()))
+    return out
+
+
+def wide_against_narrow(rows: list[int]) -> None:
+    wide, narrow = f16_panels(False), f16_panels(True)
+    print(f"kinds: wide {wide[0].kind}, narrow {narrow[0].kind} (narrow f16 groups: {ops.int8_narrow_f16_groups()})")
+    print("| rows | wide ms | narrow ms | wide / narrow |")
+    print("|---|---|---|---|")
+    for m in rows:
+        x = torch.randn(m, 576).to(torch.bfloat16)
+
+        def run(weights: list[ops.Int8Panels], x: torch.Tensor = x) -> Callable[[], None]:
+            def one_pass() -> None:
+                for w in weights:
+                    ops.gemm(x, w)
+            return one_pass
+
+        a, b = timed(run(wide)), timed(run(narrow))
+        print(f"| {m} | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
+
+
 def main() -> None:
     shape, rows = sys.argv[1], [int(a) for a in sys.argv[2:]]
+    if shape == "narrow":
+        wide_against_narrow(rows)
+        return
     weights = layers(shape)
     print(f"{shape}: {len(weights)} layers, avx2 fp32 group panels: {ops.int8_f32_groups()}")
     print("| rows | records ms | panels ms | records / panels |")

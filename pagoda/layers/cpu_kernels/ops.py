@@ -178,7 +178,9 @@ class GemmWeight(ctypes.Structure):
 
 
 BF16_PANELS, INT8_PANELS, INT4_PANELS, INT8_GROUP_PANELS = 0, 1, 2, 6
-INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS = 7, 8
+INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS = 7, 8, 9
+# The kinds whose codes are narrow ([-32, 31]), stored + 32 (`Int8Panels.code_bias`).
+NARROW_KINDS = (INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS)
 
 
 def describe(kind: int, data: torch.Tensor, scales: torch.Tensor | None, group_size: int, n: int,
@@ -236,12 +238,19 @@ def int8_f32_groups() -> bool:
     return bool(_lib().fn("gemm_int8_f32_groups")())
 
 
+def int8_narrow_f16_groups() -> bool:
+    """Whether this build's int8 panels with f16 group scales take narrow codes ([-32, 31],
+    multiplied as unsigned bytes + 32: GGUF's Q5_0) apart from wide ones: the avx2 build."""
+    return bool(_lib().fn("gemm_int8_narrow_f16_groups")())
+
+
 class Int8Panels:
     """int8 codes [n, k] in [-127, 127] in the small-M GEMM's panel layout (pagoda/csrc/gemm.cpp),
     scaled by one of:
     - one fp32 scale per output row (scales [n]): w = q * scale;
     - one f16 scale per row and group of 32 along k (scales [n, k / 32], values f16 holds
-      exactly: GGUF's Q8_0 and Q5_0): w = q * scale;
+      exactly: GGUF's Q8_0 and Q5_0): w = q * scale (on the avx2 build, codes all in [-32, 31],
+      Q5_0's, take the narrow kind: `int8_narrow_f16_groups`);
     - (`int8_f32_groups`: the avx2 build) fp32 scales d per row and group of 16 or 32 (scales
       [n, k / group]), with fp32 offsets m of the same shape or without: w = q * d + m (GGUF's
       Q6_K, Q5_K, Q5_1, and layers whose sources mix kinds), codes in [-32, 31] only.
@@ -273,7 +282,7 @@ class Int8Panels:
             self.scales = scales.float().reshape(-1).contiguous()
         else:
             parts = [scales] if offsets is None else [scales, offsets]
-            dtype = torch.float16 if self.kind == INT8_GROUP_PANELS else torch.float32
+            dtype = torch.float16 if self.kind in (INT8_GROUP_PANELS, INT8_GROUP_NARROW_PANELS) else torch.float32
             groups = torch.zeros(len(parts), cols, self.k // self.group_size, dtype=dtype)
             for i, part in enumerate(parts):
                 groups[i, :self.n] = part
@@ -288,7 +297,8 @@ class Int8Panels:
             return INT8_PANELS, 0
         group = codes.shape[1] // scales.shape[1]
         if offsets is None and group == 32 and torch.equal(scales.to(torch.float16).float(), scales.float()):
-            return INT8_GROUP_PANELS, 32
+            narrow = int8_narrow_f16_groups() and int(codes.min()) >= -32 and int(codes.max()) <= 31
+            return (INT8_GROUP_NARROW_PANELS if narrow else INT8_GROUP_PANELS), 32
         return (INT8_F32_GROUP_PANELS if offsets is None else INT8_F32_GROUP_OFFSET_PANELS), group
 
     @staticmethod
@@ -310,7 +320,7 @@ class Int8Panels:
         kind, group = Int8Panels._kind(codes, scales, offsets)
         if fmt != 2:
             return f"int8 panels with group scales need the avx512bf16 or avx2 kernels (this build's format {fmt})"
-        if kind == INT8_GROUP_PANELS:
+        if kind in (INT8_GROUP_PANELS, INT8_GROUP_NARROW_PANELS):
             return None
         if group == 32 and offsets is None and not int8_f32_groups():
             return "int8 panels keep group scales as f16 on this build: these are not all f16 values"
@@ -339,10 +349,10 @@ class Int8Panels:
 
     @property
     def code_bias(self) -> int:
-        """What the stored codes add (format 2): 32 for the fp32-group kinds' narrow codes in
-        [-32, 31] (GGUF's k-quants: multiplied as unsigned bytes with no sign moved onto x), 128
+        """What the stored codes add (format 2): 32 for the narrow kinds' codes in [-32, 31]
+        (GGUF's k-quants and Q5_0: multiplied as unsigned bytes with no sign moved onto x), 128
         for the others."""
-        return 32 if self.kind in (INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS) else 128
+        return 32 if self.kind in NARROW_KINDS else 128
 
     @property
     def has_offsets(self) -> bool:

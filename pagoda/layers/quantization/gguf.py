@@ -16,7 +16,8 @@ On the avx512bf16 and avx2 kernels the int4 records and Q8_0/Q5_0's int8 records
 no offsets) are repacked into the GEMM's panels at load (`PackedLinearMethod.use_gemm`); on the
 avx2 build the other int8 records too (fp32 scales by groups of 16 or 32, their offsets inside
 the panels: Q6_K, Q5_K, Q5_1 and mixed layers), so that every layer of a Q4_K_M or Q5_K_M file
-runs the native decoder stack. On the avx512bf16 build those keep their records (the GEMV, up
+runs the native decoder stack; there every layer whose codes lie in [-32, 31] (the k-quants',
+Q5_0's) is multiplied as unsigned bytes (`ops.Int8Panels.code_bias`). On the avx512bf16 build those keep their records (the GEMV, up
 to 256 rows), and a layer with offsets (added outside the kernel) keeps its model on the layer
 path.
 
