@@ -217,7 +217,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         held = Counter(r.group for r in self.running)
-        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+        # NOTE: the adapters running, counted only under a `max_loras`
+        adapters = ({r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
+                    if self.max_loras is not None else set())
         skipped: list[tuple[Request, bool]] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.admission_limit:
             request = self.waiting.peek(held)

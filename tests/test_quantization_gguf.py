@@ -310,7 +310,7 @@ def test_a_gguf_of_every_kind_runs_the_native_stack(tmp_path: Path, monkeypatch)
     prompt = torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
     packed = LLM(str(path), quantization="gguf", dtype="bfloat16", num_kv_blocks=32, max_model_len=128)
-    f32_groups = cpu_kernels.ops.int8_f32_groups()
+    f32_groups = cpu_kernels.ops.int8_narrow_tiles()
     methods = {n: m.method for n, m in packed.engine.runner.model.named_modules() if isinstance(m, Linear)}
     on_panels = {n for n, m in methods.items() if isinstance(m, PackedLinearMethod) and m.panels is not None}
     # NOTE: the random Q8_0 blocks hold codes of -128, which no panel takes (llama-quantize's

@@ -141,7 +141,7 @@ def test_int8_records_with_offsets_outside(group_size: int, m: int, dtype: torch
     assert method.native_weight() is None
     # NOTE: where the GEMM takes fp32 group scales (the avx2 build) the panels hold the offsets
     # and multiply them by the group sums of x rounded to int8 codes by the same groups.
-    assert method.use_gemm() == ops.int8_f32_groups()
+    assert method.use_gemm() == ops.int8_narrow_tiles()
     if method.use_gemm():
         assert method.offsets is None and method.native_weight() is method.panels and "offsets" in method.name
         assert torch.equal(method.dequantize(torch.float32), dense)
@@ -247,7 +247,7 @@ def test_qgemm_int8_group_scales_match_dequantize_then_matmul(variant: str, m: i
             ops.Int8Panels(codes, scales)
         return
     weight = ops.Int8Panels(codes, scales)
-    kind = ops.INT8_GROUP_NARROW_PANELS if narrow and ops.int8_narrow_f16_groups() else ops.INT8_GROUP_PANELS
+    kind = ops.INT8_GROUP_NARROW_PANELS if narrow and ops.int8_narrow_tiles() else ops.INT8_GROUP_PANELS
     assert weight.kind == kind and not weight.amx_at(m) and weight.x_group(m) == 32
     rows = torch.tensor([n - 1, 0, n // 2])
     assert torch.equal(weight.codes(rows), codes[rows]) and torch.equal(weight.row_scales(rows), scales[rows])
@@ -267,7 +267,7 @@ def test_int8_group_panels_refuse_what_they_cannot_hold(variant: str) -> None:  
     if variant == "portable":
         pytest.skip("the portable build holds no group scales")
     codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
-    if not ops.int8_f32_groups():
+    if not ops.int8_narrow_tiles():
         with pytest.raises(ValueError, match="not all f16 values"):
             ops.Int8Panels(codes, torch.full((8, 2), 0.1))  # 0.1 is no f16
         with pytest.raises(ValueError, match="need the avx2 kernels"):
@@ -278,7 +278,7 @@ def test_int8_group_panels_refuse_what_they_cannot_hold(variant: str) -> None:  
         ops.Int8Panels(codes, torch.ones(8, 2), torch.ones(8, 4))
     with pytest.raises(ValueError, match="groups of 16 or 32|need the avx2 kernels"):
         ops.Int8Panels(torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 2))  # groups of 24
-    if ops.int8_f32_groups():  # NOTE: narrow codes only (stored + 32, multiplied unsigned)
+    if ops.int8_narrow_tiles():  # NOTE: narrow codes only (stored + 32, multiplied unsigned)
         with pytest.raises(ValueError, match=r"take codes in \[-32, 31\].*span \[-33, 31\]"):
             ops.Int8Panels(torch.full((8, 64), 31, dtype=torch.int8).index_fill_(1, torch.tensor([5]), -33),
                            torch.ones(8, 4))
@@ -297,7 +297,7 @@ def test_int8_panels_with_fp32_group_scales_and_offsets(variant: str, m: int, gr
     codes = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.randn(n, k // group, generator=gen) * 0.01  # NOTE: no f16 values
     zero = -torch.rand(n, k // group, generator=gen) * 0.05 if offsets else None
-    if variant == "portable" or not ops.int8_f32_groups():
+    if variant == "portable" or not ops.int8_narrow_tiles():
         with pytest.raises(ValueError, match="need the avx|f16 on this build"):
             ops.Int8Panels(codes, scales, zero)
         return

@@ -1770,13 +1770,9 @@ bool amx_dot_wins(int64_t rows) {
 
 extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }
 
-// Whether int8 panels take fp32 group scales (groups of 16 or 32, offsets or none): the AVX2 build.
-extern "C" int64_t pagoda_gemm_int8_f32_groups() { return pagoda::kInt8ScaleKinds > pagoda::kF32Groups; }
-
-// Whether int8 panels take narrow codes (+ 32) with f16 groups of 32: the AVX2 build.
-extern "C" int64_t pagoda_gemm_int8_narrow_f16_groups() {
-  return pagoda::kInt8ScaleKinds > pagoda::kF16GroupsNarrow;
-}
+// Whether the int8 tiles take narrow codes (+ 32, in [-32, 31]): with fp32 group scales by
+// groups of 16 or 32, offsets or none, and with f16 groups of 32 (the AVX2 build).
+extern "C" int64_t pagoda_gemm_int8_narrow() { return pagoda::kInt8ScaleKinds > pagoda::kF16GroupsNarrow; }
 
 // Steps of at least `rows` rows multiply bf16 panels on the FMA tiles (the AVX-512 build) or on
 // widened chunks (the AVX2 build; see kAvx2WideRows); returns whether this build has them.
@@ -1853,14 +1849,14 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
                          {pagoda::kF16Groups, w.scales, pagoda::kInt8Group}, b, yb, y_stride, M, w.n, w.k);
       break;
     case pagoda::kPackedInt8GroupsNarrow:
-      if (!pagoda_gemm_int8_narrow_f16_groups()) std::abort();  // NOTE: as below
+      if (!pagoda_gemm_int8_narrow()) std::abort();  // NOTE: as below
       pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
                          {pagoda::kF16GroupsNarrow, w.scales, pagoda::kInt8Group}, b, yb, y_stride, M, w.n, w.k);
       break;
     case pagoda::kPackedInt8F32Groups:
     case pagoda::kPackedInt8F32GroupsOffsets:
-      // NOTE: ops.py builds these only where pagoda_gemm_int8_f32_groups says the build has them.
-      if (!pagoda_gemm_int8_f32_groups()) std::abort();
+      // NOTE: ops.py builds these only where pagoda_gemm_int8_narrow says the build has them.
+      if (!pagoda_gemm_int8_narrow()) std::abort();
       pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
                          {w.kind == pagoda::kPackedInt8F32Groups ? pagoda::kF32Groups : pagoda::kF32GroupsOffsets,
                           w.scales, w.group_size},

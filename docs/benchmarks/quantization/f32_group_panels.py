@@ -71,7 +71,7 @@ def f16_panels(narrow: bool) -> list[ops.Int8Panels]:
 
 def wide_against_narrow(rows: list[int]) -> None:
     wide, narrow = f16_panels(False), f16_panels(True)
-    print(f"kinds: wide {wide[0].kind}, narrow {narrow[0].kind} (narrow f16 groups: {ops.int8_narrow_f16_groups()})")
+    print(f"kinds: wide {wide[0].kind}, narrow {narrow[0].kind} (narrow f16 groups: {ops.int8_narrow_tiles()})")
     print("| rows | wide ms | narrow ms | wide / narrow |")
     print("|---|---|---|---|")
     for m in rows:
@@ -93,7 +93,7 @@ def main() -> None:
         wide_against_narrow(rows)
         return
     weights = layers(shape)
-    print(f"{shape}: {len(weights)} layers, avx2 fp32 group panels: {ops.int8_f32_groups()}")
+    print(f"{shape}: {len(weights)} layers, avx2 fp32 group panels: {ops.int8_narrow_tiles()}")
     print("| rows | records ms | panels ms | records / panels |")
     print("|---|---|---|---|")
     for m in rows:

@@ -232,16 +232,11 @@ def panels_are_native() -> bool:
     return _lib().variant in ("avx512bf16", "avx2")
 
 
-def int8_f32_groups() -> bool:
-    """Whether this build's int8 panels take fp32 group scales by groups of 16 or 32, with
-    offsets or without (`Int8Panels`): the avx2 build."""
-    return bool(_lib().fn("gemm_int8_f32_groups")())
-
-
-def int8_narrow_f16_groups() -> bool:
-    """Whether this build's int8 panels with f16 group scales take narrow codes ([-32, 31],
-    multiplied as unsigned bytes + 32: GGUF's Q5_0) apart from wide ones: the avx2 build."""
-    return bool(_lib().fn("gemm_int8_narrow_f16_groups")())
+def int8_narrow_tiles() -> bool:
+    """Whether this build's int8 tiles take narrow codes ([-32, 31], stored + 32 and multiplied
+    as unsigned bytes): with fp32 scales by groups of 16 or 32, offsets or none, and with f16
+    groups of 32 (`Int8Panels`): the avx2 build."""
+    return bool(_lib().fn("gemm_int8_narrow")())
 
 
 class Int8Panels:
@@ -250,8 +245,8 @@ class Int8Panels:
     - one fp32 scale per output row (scales [n]): w = q * scale;
     - one f16 scale per row and group of 32 along k (scales [n, k / 32], values f16 holds
       exactly: GGUF's Q8_0 and Q5_0): w = q * scale (on the avx2 build, codes all in [-32, 31],
-      Q5_0's, take the narrow kind: `int8_narrow_f16_groups`);
-    - (`int8_f32_groups`: the avx2 build) fp32 scales d per row and group of 16 or 32 (scales
+      Q5_0's, take the narrow kind: `int8_narrow_tiles`);
+    - (`int8_narrow_tiles`: the avx2 build) fp32 scales d per row and group of 16 or 32 (scales
       [n, k / group]), with fp32 offsets m of the same shape or without: w = q * d + m (GGUF's
       Q6_K, Q5_K, Q5_1, and layers whose sources mix kinds), codes in [-32, 31] only.
     On the avx512bf16 and avx2 builds (`gemm_int8_format` 2) the codes are stored + 128 as
@@ -264,11 +259,11 @@ class Int8Panels:
     multiplies x as it is (the portable build; AMX tiles, `amx_at(rows)`, never for groups)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
-        if (refused := Int8Panels.refusal(codes, scales, offsets)) is not None:
+        self.kind, self.group_size, refused = Int8Panels._classify(codes, scales, offsets)
+        if refused is not None:
             raise ValueError(refused)
         self.n, self.k = codes.shape
         self.format = int(_lib().fn("gemm_int8_format")())
-        self.kind, self.group_size = Int8Panels._kind(codes, scales, offsets)
         self.width = 4 if self.format == 2 else 2  # k's of a row side by side
         cols, steps = -(-self.n // 32) * 32, -(-self.k // self.width)
         padded = torch.zeros(cols, self.width * steps, dtype=torch.int8)
@@ -291,49 +286,46 @@ class Int8Panels:
         self.desc, self.desc_ptr = describe(self.kind, self.data, self.scales, self.group_size, self.n, self.k)
 
     @staticmethod
-    def _kind(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None) -> tuple[int, int]:
-        """(the GEMM's kind, the group size along k; 0 per row) for these scales and offsets."""
-        if offsets is None and (scales.dim() == 1 or scales.shape[1] == 1):
-            return INT8_PANELS, 0
-        group = codes.shape[1] // scales.shape[1]
-        if offsets is None and group == 32 and torch.equal(scales.to(torch.float16).float(), scales.float()):
-            narrow = int8_narrow_f16_groups() and int(codes.min()) >= -32 and int(codes.max()) <= 31
-            return (INT8_GROUP_NARROW_PANELS if narrow else INT8_GROUP_PANELS), 32
-        return (INT8_F32_GROUP_PANELS if offsets is None else INT8_F32_GROUP_OFFSET_PANELS), group
-
-    @staticmethod
     def refusal(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None) -> str | None:
         """Why these codes, scales (and offsets) cannot be int8 panels on this build (None: they can)."""
+        return Int8Panels._classify(codes, scales, offsets)[2]
+
+    @staticmethod
+    def _classify(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
+                  ) -> tuple[int, int, str | None]:
+        """(the GEMM's kind, the group size along k (0: per row), why this build cannot take them
+        or None) for these codes, scales and offsets; the codes' range read once."""
         grouped = offsets is not None or (scales.dim() == 2 and scales.shape[1] > 1)
         if (codes.dtype != torch.int8 or codes.dim() != 2 or not codes.numel() or scales.shape[0] != codes.shape[0]
                 or (grouped and (scales.dim() != 2 or codes.shape[1] % scales.shape[1]))
                 or (not grouped and scales.numel() != codes.shape[0])):
-            return (f"expected int8 codes [n, k] and n scales (or [n, k / group]), got {codes.dtype} "
-                    f"{tuple(codes.shape)} and scales {tuple(scales.shape)}")
+            return -1, 0, (f"expected int8 codes [n, k] and n scales (or [n, k / group]), got {codes.dtype} "
+                           f"{tuple(codes.shape)} and scales {tuple(scales.shape)}")
         if offsets is not None and offsets.shape != scales.shape:
-            return f"offsets {tuple(offsets.shape)} do not match the scales {tuple(scales.shape)}"
-        if bool((codes == -128).any()):
-            return "int8 panels take codes in [-127, 127] (symmetric quantization); -128 found"
+            return -1, 0, f"offsets {tuple(offsets.shape)} do not match the scales {tuple(scales.shape)}"
+        low, high = (int(v) for v in torch.aminmax(codes))
+        if low == -128:
+            return -1, 0, "int8 panels take codes in [-127, 127] (symmetric quantization); -128 found"
         if not grouped:
-            return None
-        fmt = int(_lib().fn("gemm_int8_format")())
-        kind, group = Int8Panels._kind(codes, scales, offsets)
-        if fmt != 2:
-            return f"int8 panels with group scales need the avx512bf16 or avx2 kernels (this build's format {fmt})"
-        if kind in (INT8_GROUP_PANELS, INT8_GROUP_NARROW_PANELS):
-            return None
-        if group == 32 and offsets is None and not int8_f32_groups():
-            return "int8 panels keep group scales as f16 on this build: these are not all f16 values"
-        if not int8_f32_groups():
-            return ("int8 panels with fp32 group scales (groups of 16, or offsets) need the avx2 kernels; "
-                    "this build keeps such weights as records")
+            return INT8_PANELS, 0, None
+        narrow_tiles, narrow = int8_narrow_tiles(), -32 <= low and high <= 31
+        if int(_lib().fn("gemm_int8_format")()) != 2:
+            return -1, 0, "int8 panels with group scales need the avx512bf16 or avx2 kernels (this build's format 0)"
+        group = codes.shape[1] // scales.shape[1]
+        if offsets is None and group == 32 and torch.equal(scales.to(torch.float16).float(), scales.float()):
+            return (INT8_GROUP_NARROW_PANELS if narrow_tiles and narrow else INT8_GROUP_PANELS), 32, None
+        kind = INT8_F32_GROUP_PANELS if offsets is None else INT8_F32_GROUP_OFFSET_PANELS
+        if not narrow_tiles:
+            return kind, group, ("int8 panels keep group scales as f16 on this build: these are not all f16 values"
+                                 if group == 32 and offsets is None else
+                                 "int8 panels with fp32 group scales (groups of 16, or offsets) need the avx2 "
+                                 "kernels; this build keeps such weights as records")
         if group not in (16, 32):
-            return f"int8 panels take groups of 16 or 32 along k, not {group} (k {codes.shape[1]})"
-        low, high = int(codes.min()), int(codes.max())
-        if low < -32 or high > 31:
-            return (f"int8 panels with fp32 group scales take codes in [-32, 31] (GGUF's k-quants), "
-                    f"these span [{low}, {high}]")
-        return None
+            return kind, group, f"int8 panels take groups of 16 or 32 along k, not {group} (k {codes.shape[1]})"
+        if not narrow:
+            return kind, group, (f"int8 panels with fp32 group scales take codes in [-32, 31] (GGUF's k-quants), "
+                                 f"these span [{low}, {high}]")
+        return kind, group, None
 
     def amx_at(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs on AMX tiles (the codes widened to bf16, exact)."""
