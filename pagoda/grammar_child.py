@@ -3,7 +3,8 @@
 `grammar_text` turns one constraint (kind and spec, as `StructuredOutputsParams` holds them)
 into llguidance's grammar text; the engine calls it in process or, through
 `GrammarSandbox`, here. Run as a script, this file
-is one sandbox worker (`python -I grammar_child.py MEMORY_MIB CPU_SECONDS`): it reads the
+is one sandbox worker (`python -I grammar_child.py MEMORY_MIB CPU_SECONDS [IMPORT_PATH]`,
+IMPORT_PATH the parent's `sys.path` joined by `os.pathsep`): it reads the
 tokenizer once, then answers JSON lines: for each constraint it converts and compiles it
 against the tokenizer, and replies `{"grammar": text}` or `{"error": message}`. A native crash
 or a runaway compile kills only this process; the parent answers the request with a 400 and
@@ -105,6 +106,10 @@ def _serve(memory_mib: int, cpu_seconds: int) -> None:
 def main() -> None:
     """The child's main: limits, tokenizer, then one reply per request line until EOF."""
     _die_with_parent()
+    if len(sys.argv) > 3:
+        import os
+
+        sys.path[:] = sys.argv[3].split(os.pathsep)
     # NOTE: compiled on a thread, as the parent compiles on one: the same stack limit.
     thread = threading.Thread(target=_serve, args=(int(sys.argv[1]), int(sys.argv[2])), name="grammar-compile")
     thread.start()

@@ -24,6 +24,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from copy import copy
@@ -39,6 +40,10 @@ class SandboxError(ValueError):
     """The constraint could not be compiled in the sandbox: invalid, crashed or too slow."""
 
 
+class SandboxStartError(RuntimeError):
+    """A compiling process could not start (the server's fault, never the request's)."""
+
+
 def tokenizer_init(hf_tokenizer: Any, n_vocab: int) -> dict[str, Any]:
     """What a child needs to build llguidance's tokenizer (as `llguidance.hf` builds it)."""
     backend = copy(hf_tokenizer.backend_tokenizer)
@@ -51,15 +56,31 @@ class _Child:
     """One compiling process and its pipes."""
 
     def __init__(self, init_line: str, memory_mib: int, cpu_s: int) -> None:
+        # NOTE: -I keeps the environment's PYTHON* variables and the user's site out, so the
+        # parent's import path is handed over: llguidance is found where the parent found it
+        # (PYTHONPATH, `pip install --user` or `--target`), not only in the interpreter's site.
+        self._stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", CHILD_SCRIPT, str(memory_mib), str(cpu_s)], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, encoding="utf-8",
+            [sys.executable, "-I", CHILD_SCRIPT, str(memory_mib), str(cpu_s), os.pathsep.join(sys.path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, encoding="utf-8",
             errors="surrogatepass")
-        self._write(init_line)
-        reply = self.read(START_TIMEOUT_S)
+        try:
+            self._write(init_line)
+            reply = self.read(START_TIMEOUT_S)
+        except (OSError, ValueError):
+            reply = None
         if reply is None or not reply.get("ready"):
+            self.proc.kill()
+            self.proc.wait()
+            why = self._last_words()
             self.kill()
-            raise RuntimeError("a grammar-compiling process failed to start")
+            raise SandboxStartError(f"a grammar-compiling process failed to start: {why}")
+
+    def _last_words(self) -> str:
+        """The last line the child wrote to stderr (why it failed to start)."""
+        self._stderr.seek(0)
+        lines = self._stderr.read().decode("utf-8", "replace").strip().splitlines()
+        return lines[-1] if lines else "it wrote nothing"
 
     def _write(self, line: str) -> None:
         stdin: IO[str] | None = self.proc.stdin
@@ -101,6 +122,7 @@ class _Child:
         for pipe in (self.proc.stdin, self.proc.stdout):
             if pipe is not None:
                 pipe.close()
+        self._stderr.close()
 
 
 class GrammarSandbox:

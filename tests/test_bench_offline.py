@@ -83,12 +83,11 @@ def test_latency_measures_both_backends(tiny_llama: Path, tmp_path: Path) -> Non
     assert set(saved["results"][0]["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
 
 
-# NOTE: slow (14.5 s on a 2-vCPU Zen 3, most of it converting SmolLM2's tokenizer from the GGUF):
-# it took the default suite past its 10 minutes there (2026-12-01). `pytest -m slow` runs it.
-@pytest.mark.slow
-def test_random_model_of_a_shape_loads_and_serves(tmp_path: Path) -> None:
+def test_random_model_of_a_shape_loads_and_serves(tmp_path: Path, smollm2_tokenizer_dir: Path) -> None:
     """`bench random-model` writes a Llama directory with SmolLM2's tokenizer that pagoda loads:
-    greedy tokens equal transformers' on the same random weights (fp32), at a tiny shape here."""
+    greedy tokens equal transformers' on the same random weights (fp32), at a tiny shape here.
+    The tokenizer comes from the session's saved copy (`--tokenizer DIR`): converting it from
+    the GGUF again took 14 s."""
     import transformers
 
     from pagoda import LLM, SamplingParams
@@ -96,7 +95,7 @@ def test_random_model_of_a_shape_loads_and_serves(tmp_path: Path) -> None:
 
     dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16)
-    out = random_model.build("tiny", tmp_path / "m", seed=1, dims=dims)
+    out = random_model.build("tiny", tmp_path / "m", seed=1, dims=dims, tokenizer_source=str(smollm2_tokenizer_dir))
     config = transformers.AutoConfig.from_pretrained(out)
     assert (config.hidden_size, config.num_hidden_layers, config.vocab_size) == (64, 2, 49152)
     llm = LLM(str(out), dtype="float32", num_kv_blocks=32, max_model_len=256)
@@ -108,4 +107,5 @@ def test_random_model_of_a_shape_loads_and_serves(tmp_path: Path) -> None:
     assert list(got) == want.tolist()
     with pytest.raises(ValueError, match="unknown shape 'llama-2b'"):
         random_model.build("llama-2b", tmp_path / "x")
-    assert set(random_model.SHAPES) == {"smollm2-135m", "llama-1b", "llama-8b", "mixtral-8x1024", "dense-2048"}
+    assert set(random_model.SHAPES) == {"smollm2-135m", "llama-1b", "llama-8b", "mixtral-8x1024", "dense-2048",
+                                        "qwen3-0.6b"}

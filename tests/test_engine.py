@@ -150,7 +150,8 @@ def test_profile_forward_runs_a_full_budget_prefill(llm):
     saved = [(a.k_cache, a.v_cache) for a in runner.model.attention_layers()]
     spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, torch.float32)
     try:
-        assert profile_forward(runner, spec, llm.engine.config) == 0  # CPU: nothing to measure
+        # NOTE: the CPU has nothing to measure; CUDA's peak is the activations of a full step.
+        assert (profile_forward(runner, spec, llm.engine.config) > 0) == (runner.device.type == "cuda")
     finally:
         runner.bind_kv_cache(saved)
     assert _greedy(llm, max_tokens=3).token_ids

@@ -85,6 +85,8 @@ def test_unwritten_slots_are_never_read(tiny_model_factory, references):
     # NOTE: the CPU pool is left uninitialised (torch.empty); poison it to prove no read
     # of a slot that was never written can reach the output.
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32)
+    if llm.engine.runner.attention_backend.zeroed_pool:
+        pytest.skip("torch's attention (CUDA, or no kernels) reads padded slots of a zeroed pool, masked")
     for attn in llm.engine.runner.model.attention_layers():
         attn.k_cache.fill_(float("nan"))
         attn.v_cache.fill_(float("nan"))

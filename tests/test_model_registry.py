@@ -39,3 +39,19 @@ def test_heads_wider_than_the_kernels_take_stay_on_torch():
     assert isinstance(attention_backend_for(model(256, 256), 16, cpu, True), NativeAttentionBackend)  # type: ignore[arg-type]
     for m, native in ((model(256, 320), True), (model(256, 256), False)):
         assert isinstance(attention_backend_for(m, 16, cpu, native), TorchAttentionBackend)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "gemma3", "qwen3_moe"])
+def test_every_architecture_builds_on_another_device(arch, tiny_model_factory):
+    """Models are built under the engine's device (`load_model`); a table made on the CPU by a
+    library (transformers' scaled ropes) once broke every llama3 and Gemma 3 build on CUDA.
+    The meta device stands in for the GPU here: any tensor left on the CPU fails the build."""
+    from transformers import AutoConfig
+
+    from pagoda.distributed.group import SINGLE, WHOLE
+
+    config = AutoConfig.from_pretrained(tiny_model_factory(arch))
+    cls, flags = resolve_architecture(config)
+    with torch.device("meta"):
+        model = cls(config, flags, 64, SINGLE, WHOLE)
+    assert {b.device.type for b in model.buffers()} | {p.device.type for p in model.parameters()} == {"meta"}

@@ -341,6 +341,36 @@ def test_a_compile_over_its_cpu_time_is_ended_by_the_kernel_and_named(smollm2_to
         sandbox.close()
 
 
+def test_a_child_imports_from_the_parents_path_and_a_failed_start_is_the_servers_error(
+        smollm2_tokenizer_dir, tmp_path, monkeypatch):
+    """Children run isolated (`python -I`), which drops PYTHONPATH and the user's site: a
+    parent that found llguidance there (on a lent GPU: `pip install --target`) once had every
+    constraint refused as the user's "Invalid regex ...: Broken pipe". The child now imports
+    from the parent's path (a stub placed first on it is what the child finds here), and a
+    child that cannot start is a `SandboxStartError` (the server's 500) naming why."""
+    from transformers import AutoTokenizer
+
+    from pagoda.config import LimitsConfig
+    from pagoda.grammar_sandbox import SandboxStartError
+
+    stub = tmp_path / "llguidance"
+    stub.mkdir()
+    (stub / "__init__.py").write_text("raise ImportError('a stub llguidance from the parent path')\n")
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir)
+    compiler = GrammarCompiler(tok, 49152, limits=LimitsConfig(grammar_compile_workers=1))
+    compiler._tokenizer()  # NOTE: the real llguidance, imported here before the stub is on the path
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(SandboxStartError, match="failed to start: ImportError: a stub llguidance from the "
+                                                    "parent path"):
+            compiler.compile(StructuredOutputsParams(regex="[a-c]{2}"))
+        assert compiler._sandbox is not None and compiler._sandbox._num_started == 0
+        monkeypatch.undo()
+        assert not compiler.compile(StructuredOutputsParams(regex="[a-c]{2}")).terminated
+    finally:
+        compiler.close()
+
+
 def test_without_sandbox_workers_grammars_compile_in_process(smollm2_tokenizer_dir):
     from transformers import AutoTokenizer
 

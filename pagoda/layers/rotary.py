@@ -53,7 +53,9 @@ def inv_freq_for(config: object, head_dim: int, layer_type: str | None = None) -
     torch.set_default_dtype(torch.float32)
     try:
         extra = {} if layer_type is None else {"layer_type": layer_type}
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **extra)
+        # NOTE: on the CPU whatever device the model is built under (RotaryEmbedding moves it).
+        with torch.device("cpu"):
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", **extra)
     finally:
         torch.set_default_dtype(previous)
     return inv_freq.float(), float(scaling)
@@ -63,7 +65,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_positions: int) -> None:
         super().__init__()
         positions = torch.arange(max_positions, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
+        # NOTE: transformers' rope functions make their table on the CPU; the model may be
+        # built under another device (found on CUDA: every scaled rope failed to build).
+        freqs = positions[:, None] * inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
