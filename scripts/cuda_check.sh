@@ -39,13 +39,18 @@ has() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 if has tests; then
 step "tests on the GPU"
-TESTS=${TESTS:-"tests/test_cuda.py tests/test_hf_equivalence.py tests/test_engine.py tests/test_prefix_caching.py
+# NOTE: tests/test_cuda.py first and alone: its pool-sizing test reads the GPU's free memory,
+# which the other files' engines (each sized by gpu_memory_utilization) would change under it.
+OMP_NUM_THREADS=4 timeout 120 python3 -m pytest -v -rfE --tb=short -p no:cacheprovider --timeout 60 -o addopts="" \
+  tests/test_cuda.py > "$OUT/tests_cuda.log" 2>&1
+echo "test_cuda.py rc=$?"; grep -E "^(FAILED|ERROR) " "$OUT/tests_cuda.log" | cut -c1-220; tail -1 "$OUT/tests_cuda.log"
+TESTS=${TESTS:-"tests/test_hf_equivalence.py tests/test_engine.py tests/test_prefix_caching.py
   tests/test_spec_decode.py tests/test_gemma3.py tests/test_moe.py tests/test_sliding_window_kv.py
   tests/test_quantization.py tests/test_lora.py tests/test_prompt_logprobs.py tests/test_pooling.py
   tests/test_structured_outputs.py tests/test_sampler.py tests/test_beam_search.py"}
-# shellcheck disable=SC2086
 # NOTE: -v names each test as it ends, so a run cut by the timeout still says what passed; each
 # test's own limit sits well under the whole run's (a hang is then one named failure).
+# shellcheck disable=SC2086
 OMP_NUM_THREADS=2 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider \
   -n "${WORKERS:-8}" --timeout 60 -o addopts="" -m "not slow" --durations=10 $TESTS > "$OUT/tests.log" 2>&1
 echo "pytest rc=$?"
