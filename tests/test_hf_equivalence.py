@@ -144,3 +144,21 @@ def test_rope_the_tables_cannot_hold_is_refused_by_name():
                                                            "long_factor": [2.0] * 32})
     with pytest.raises(ValueError, match="'longrope'"):
         inv_freq_for(long, 64)
+
+
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_q_and_k_side_by_side_rotate_as_one_bit_for_bit(tokens):
+    """The torch path (CUDA's) rotates q and k as one tensor when the fused projection left them
+    side by side (half the launches): bit for bit what rotating each gives, one token too
+    (whose views may carry any first stride); apart, or after q/k norms, each on its own."""
+    from pagoda.layers.rotary import RotaryInputs, _adjacent_heads, apply_rotary
+
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (4 + 2 + 2) * 16, generator=g).to(torch.bfloat16)
+    q, k, v = qkv.split([64, 32, 32], dim=-1)
+    q, k, v = q.view(-1, 4, 16), k.view(-1, 2, 16), v.view(-1, 2, 16)
+    cos, sin = torch.randn(tokens, 1, 16, generator=g).bfloat16(), torch.randn(tokens, 1, 16, generator=g).bfloat16()
+    assert _adjacent_heads(q, k) is not None
+    got_q, got_k = RotaryInputs(torch.arange(tokens), cos, sin).apply(q, k)
+    assert torch.equal(got_q, apply_rotary(q, cos, sin)) and torch.equal(got_k, apply_rotary(k, cos, sin))
+    assert _adjacent_heads(q, v) is None and _adjacent_heads(k, q) is None

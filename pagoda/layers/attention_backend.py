@@ -181,8 +181,10 @@ class TorchAttentionMetadata:
         v_flat = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
         _write(k_flat, self.slot_mapping, k, layer.k_scale)
         _write(v_flat, self.slot_mapping, v, layer.v_scale)
-        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
         n = self.num_decode_tokens
+        if n == q.shape[0]:
+            return self._decode(layer, q, k_flat, v_flat)  # NOTE: all decodes: no copy into `out`
+        out = q.new_empty(q.shape[0], layer.num_heads * layer.head_dim)
         if n:
             out[:n] = self._decode(layer, q[:n], k_flat, v_flat)
         for chunk in self.prefills:

@@ -97,7 +97,26 @@ class RotaryInputs:
             cpu_kernels.ops.rotary_inplace(q, self.positions, self.cos, self.sin)
             cpu_kernels.ops.rotary_inplace(k, self.positions, self.cos, self.sin)
             return q, k
-        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        joint = _adjacent_heads(q, k)
+        if joint is None:
+            return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        # NOTE: q and k side by side in one projection's output are rotated as one tensor:
+        # the same elementwise operations, half the kernel launches (what bounds a CUDA step).
+        out = apply_rotary(joint, self.cos, self.sin)
+        return out[:, :q.shape[1]], out[:, q.shape[1]:]
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """q [T, H, D] and k [T, KV, D] as one [T, H + KV, D] view when k's heads follow q's in
+    memory with the same strides (the fused qkv projection's split), else None."""
+    # NOTE: one token's views may carry any stride for their size-1 first dimension.
+    if (q.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.dtype != k.dtype
+            or q.stride()[1:] != (q.shape[2], 1) or k.stride()[1:] != (k.shape[2], 1)
+            or (q.shape[0] > 1 and q.stride(0) != k.stride(0))):
+        return None
+    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
