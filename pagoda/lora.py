@@ -8,9 +8,10 @@ low-rank update to the rows of the requests that use it: y[rows] += s * (x[rows]
 s = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA), for each adapter in the step. Fused
 projections (q/k/v, gate/up) take each part's update in its slice of the output.
 
-The updates run as forward hooks on the base projections, so a step with an adapted request
-runs the model layer by layer in torch (the one-call native stack does not take them); a step
-without one runs as before. Prefix-cache blocks are named with the adapter (its id, name and
+In bf16 on the CPU the one-call native decoder stack adds the updates inside its call
+(`NativeDecoder.adapted`, pagoda/csrc/decoder.cpp: the same roundings, products in fp32);
+for a step it does not take, they run as forward hooks on the base projections, layer by layer
+in torch. Prefix-cache blocks are named with the adapter (its id, name and
 folder), so requests share cached KV only with requests of the same adapter. Not served: tensor or
 pipeline parallelism with adapters, adapters on embeddings or the LM head, DoRA, biases,
 per-module rank or alpha patterns (each refused with its reason).

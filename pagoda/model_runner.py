@@ -114,9 +114,12 @@ class ModelRunner:
         residual instead."""
         self._set_threads(inputs.num_tokens)
         if inputs.lora_rows and self.lora is not None:
-            # NOTE: the adapters' updates hook the projections, layer by layer in torch.
+            # NOTE: the native stack adds the adapters' updates inside its call; for steps it
+            # does not take, they hook the projections, layer by layer in torch.
             with self.lora.step(inputs.lora_rows, self.device):
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate)
+                fused = (self.native_decoder.adapted(inputs.lora_rows, self.lora.adapter)
+                         if self.native_decoder is not None else None)
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate, fused=fused)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, intermediate,
                                 fused=self.native_decoder)

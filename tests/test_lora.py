@@ -300,3 +300,49 @@ def test_a_peft_adapter_on_smollm2_equals_transformers_and_peft(smollm2_and_peft
     got = [o.outputs[0].token_ids for o in llm.generate(ps + ps, params, use_tqdm=False,
                                                         lora_request=[lora, lora, None, None])]
     assert got == want + want_base
+
+
+def test_adapted_rows_run_inside_the_native_stack_as_the_hooks_do(tiny_llama: Path, adapters: dict[str, Path],
+                                                                  monkeypatch):
+    """In bf16 a step with adapted rows runs the one-call native stack, each row adding its
+    adapter's updates inside the call (pagoda/csrc/decoder.cpp), where it ran layer by layer
+    with the updates as hooks: the same tokens and log-probabilities within the products' fp32
+    summation order, two adapters and the base model in one batch, prefill and decode steps."""
+    from pagoda.models.native_decoder import NativeDecoder
+
+    engine = dict(dtype="bfloat16", max_model_len=256, num_kv_blocks=128, enable_lora=True, max_lora_rank=8,
+                  enable_prefix_caching=False)
+    native = LLM(str(tiny_llama), **engine)
+    if native.engine.runner.native_decoder is None:
+        pytest.skip("no native stack here (no CPU kernels)")
+    hooks = LLM(str(tiny_llama), **engine)
+    hooks.engine.runner.native_decoder = None
+    adapted_calls = []
+    call = NativeDecoder.__call__
+
+    def counting(self, h, residual, positions, meta, lora_runs=None):  # type: ignore[no-untyped-def]
+        adapted_calls.append(lora_runs is not None)
+        return call(self, h, residual, positions, meta, lora_runs)
+
+    monkeypatch.setattr(NativeDecoder, "__call__", counting)
+    ps = prompts(4)
+    loras = [LoRARequest("all", 1, str(adapters["all"])), LoRARequest("attn", 2, str(adapters["attn"])), None,
+             LoRARequest("all", 1, str(adapters["all"]))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    got = native.generate(ps, params, use_tqdm=False, lora_request=loras)
+    want = hooks.generate(ps, params, use_tqdm=False, lora_request=loras)
+    assert adapted_calls.count(True) >= 8  # NOTE: the prefill step and every decode step
+    base = [o.outputs[0].token_ids for o in hooks.generate(ps, params, use_tqdm=False)]
+    compared = 0
+    for g, w in zip(got, want, strict=True):
+        g_out, w_out = g.outputs[0], w.outputs[0]
+        assert g_out.token_ids[0] == w_out.token_ids[0]
+        for token_g, token_w, lp_g, lp_w in zip(g_out.token_ids, w_out.token_ids, g_out.logprobs, w_out.logprobs,
+                                                strict=True):
+            if token_g != token_w:
+                break
+            assert lp_g.keys() == lp_w.keys()
+            assert max(abs(lp_g[t].logprob - lp_w[t].logprob) for t in lp_g) < 0.05
+            compared += 1
+    assert compared >= 16
+    assert [o.outputs[0].token_ids for o in got][:2] != base[:2]  # NOTE: the adapters were applied

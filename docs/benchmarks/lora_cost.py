@@ -5,8 +5,8 @@ layer, PEFT's layout), alternating rounds in one process.
     .venv/bin/python docs/benchmarks/lora_cost.py [--model smollm2] [--rank 16] [--streams 16]
         [--tokens 64] [--rounds 3]
 
-A step with an adapted request runs the model layer by layer in torch (pagoda/lora.py), so the
-figure is that path's price against the native stack's, plus the low-rank products.
+In bf16 the adapted rows' updates run inside the one-call native stack (pagoda/csrc/decoder.cpp),
+so the figure is the price of the low-rank products there (layer by layer with hooks before).
 """
 
 from __future__ import annotations

@@ -20,10 +20,17 @@
 //   h = pre_ff_norm(residual); act = gelu(gate) * up; h = post_ff_norm(act . Wdown^T)
 // so its results are bit for bit those of the Python path. The caller applies the final norm.
 // Each linear is a packed weight of the small-M GEMM (bf16, int8 or int4 panels: gemm.h).
+// Rows that run with a LoRA adapter (pagoda/lora.py) add its low-rank update to each adapted
+// projection's output right after the product, as the Python path's hooks do: the same
+// roundings (the update rounded to bf16, then added in fp32 and rounded), its products in fp32.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "gemm.h"
+#include "parallel.h"
+#include "vec.h"
 
 extern "C" {
 void pagoda_rms_norm_bf16(const void* x, const void* weight, void* out, int64_t rows, int n, int64_t x_stride,
@@ -102,6 +109,25 @@ struct StepGroup {
   int64_t max_blocks;
 };
 
+// One adapter's update of one projection (pagoda/lora.py's LoRAUpdate): y[:, start:start + width]
+// += bf16((x . a^T) . b_t), a [r, k] fp32 (scaled: LoRAUpdate's a_t transposed), b_t [r, width]
+// fp32; r = 0: not adapted.
+struct LoraUpdate {
+  const float* a;
+  const float* b_t;
+  const int64_t* cols;  // [r, 2]: each row of b_t's nonzero columns [begin, end)
+  int64_t r, start, width;
+};
+
+// The rows of a step that run with one adapter (indices, ascending) and its updates, four a
+// layer (qkv, o, gate_up, down) for every layer.
+struct LoraRun {
+  const int64_t* rows;
+  int64_t count;
+  const LoraUpdate* updates;
+};
+enum Projection : int { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
 struct DecodeStep {
   int64_t num_tokens, num_seqs;
   const StepGroup* groups;
@@ -114,11 +140,98 @@ struct DecodeStep {
   void* attn;      // scratch [T, q]
   void* gate_up;   // scratch [T, 2 intermediate]
   void* act;       // scratch [T, intermediate]
+  const LoraRun* lora_runs;  // the adapted rows (null: none)
+  int64_t num_lora_runs;
 };
 
 // y[M, n] (row stride n) = x[M, k] . W^T (+ bias).
 void project(const LinearWeight& l, const void* x, void* y, int64_t M) {
   pagoda_gemm_packed(&l.weight, x, l.weight.k, l.bias, y, l.weight.n, M);
+}
+
+// bf16 rounding of fp32 bits, to nearest even (a NaN stays a NaN), branch-free so that the
+// loops below vectorize: vec.h's store_one, one element at a time.
+inline uint32_t round_bf16_bits(uint32_t u) {
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? (u | 0x00400000u) & 0xFFFF0000u : rounded;
+}
+
+// out[c] = bf16(out[c] + bf16(delta[c])): the Python path's `y[rows] += delta.to(bf16)`.
+void add_rounded(const float* delta, bf16* out, int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    uint32_t d, y = static_cast<uint32_t>(out[c].bits) << 16;
+    std::memcpy(&d, delta + c, 4);
+    d = round_bf16_bits(d);
+    float df, yf;
+    std::memcpy(&df, &d, 4);
+    std::memcpy(&yf, &y, 4);
+    const float sum = yf + df;
+    uint32_t bits;
+    std::memcpy(&bits, &sum, 4);
+    out[c].bits = static_cast<uint16_t>(round_bf16_bits(bits) >> 16);
+  }
+}
+
+// fp32 dot product of x and a (n long) in 32 running sums (four vectors' worth, so that it
+// vectorizes and the adds do not wait on each other), then added.
+inline float dot(const float* x, const float* a, int64_t n) {
+  constexpr int kParts = 32;
+  float part[kParts] = {};
+  int64_t c = 0;
+  for (; c + kParts <= n; c += kParts)
+    for (int l = 0; l < kParts; ++l) part[l] += x[c + l] * a[c + l];
+  float sum = 0.f;
+  for (int l = 0; l < kParts; ++l) sum += part[l];
+  for (; c < n; ++c) sum += x[c] * a[c];
+  return sum;
+}
+
+// Columns a block of the update's second product: its sums stay in registers over b's rows.
+constexpr int64_t kLoraCols = 64;
+
+// The adapted rows' updates of projection `which` of layer `layer` (x [T, k] its input, y [T, n]
+// its output): per adapter, mid = x . a^T for each of its rows, then for each block of columns
+// every row's delta = mid . b_t, skipping rows of b_t that are zero over the block (a fused
+// projection's b_t is block-diagonal), rounded to bf16 and added.
+void adapt(const DecodeStep& t, int64_t layer, int which, const void* x, int64_t k, void* y, int64_t n) {
+  for (int64_t i = 0; i < t.num_lora_runs; ++i) {
+    const LoraRun& run = t.lora_runs[i];
+    const LoraUpdate& u = run.updates[layer * 4 + which];
+    if (u.r == 0) continue;
+    const int64_t rows = run.count, r = u.r;
+    std::vector<float> mid(size_t(rows * r));
+    parallel_items(rows, [&](int64_t m) {
+      thread_local std::vector<float> wide;
+      wide.resize(size_t(k));
+      const bf16* xr = static_cast<const bf16*>(x) + run.rows[m] * k;
+      for (int64_t c = 0; c < k; ++c) wide[c] = to_float(xr[c]);
+      for (int64_t j = 0; j < r; ++j) mid[m * r + j] = dot(wide.data(), u.a + j * k, k);
+    });
+    parallel_items((u.width + kLoraCols - 1) / kLoraCols, [&](int64_t block) {
+      const int64_t c0 = block * kLoraCols, c1 = std::min(u.width, c0 + kLoraCols);
+      for (int64_t m = 0; m < rows; ++m) {
+        float delta[kLoraCols] = {};
+        const float* acc = mid.data() + m * r;
+        for (int64_t j = 0; j < r; ++j) {
+          if (u.cols[2 * j] >= c1 || u.cols[2 * j + 1] <= c0) continue;
+          const float* b = u.b_t + j * u.width + c0;
+          const float w = acc[j];
+          if (c1 - c0 == kLoraCols) {
+            for (int64_t l = 0; l < kLoraCols; ++l) delta[l] += w * b[l];
+          } else {
+            for (int64_t l = 0; l < c1 - c0; ++l) delta[l] += w * b[l];
+          }
+        }
+        add_rounded(delta, static_cast<bf16*>(y) + run.rows[m] * n + u.start + c0, c1 - c0);
+      }
+    });
+  }
+}
+
+// A projection and the adapted rows' updates of it.
+void project(const LinearWeight& l, const DecodeStep& t, int64_t layer, int which, const void* x, void* y) {
+  project(l, x, y, t.num_tokens);
+  if (t.num_lora_runs) adapt(t, layer, which, x, l.weight.k, y, l.weight.n);
 }
 
 void attend(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, char* qkv, int64_t row) {
@@ -155,7 +268,7 @@ void attend(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, c
   }
 }
 
-void decode_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, bool first) {
+void decode_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, int64_t i, bool first) {
   const int64_t T = t.num_tokens;
   const int n = static_cast<int>(s.hidden);
   if (first) {
@@ -164,17 +277,17 @@ void decode_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep
   } else {
     pagoda_fused_add_rms_norm_bf16(t.h, t.residual, l.input_norm, T, n, s.eps);
   }
-  project(l.qkv, t.h, t.qkv, T);
+  project(l.qkv, t, i, kQkv, t.h, t.qkv);
   attend(s, l, t, static_cast<char*>(t.qkv), l.qkv.weight.n);
-  project(l.o, t.attn, t.h, T);
+  project(l.o, t, i, kO, t.attn, t.h);
   pagoda_fused_add_rms_norm_bf16(t.h, t.residual, l.post_norm, T, n, s.eps);
-  project(l.gate_up, t.h, t.gate_up, T);
+  project(l.gate_up, t, i, kGateUp, t.h, t.gate_up);
   pagoda_silu_and_mul_bf16(t.gate_up, t.act, T, static_cast<int>(s.intermediate));
-  project(l.down, t.act, t.h, T);
+  project(l.down, t, i, kDown, t.act, t.h);
 }
 
 // Gemma 3's layer (see the top of this file); its norms' weights are fp32 scales 1 + w.
-void gemma3_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, bool first) {
+void gemma3_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, int64_t i, bool first) {
   const int64_t T = t.num_tokens;
   const int n = static_cast<int>(s.hidden);
   auto norm_in_place = [&](const void* scale) {
@@ -186,14 +299,14 @@ void gemma3_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep
   } else {
     pagoda_fused_add_gemma_rms_norm_bf16(t.h, t.residual, l.input_norm, T, n, s.eps);
   }
-  project(l.qkv, t.h, t.qkv, T);
+  project(l.qkv, t, i, kQkv, t.h, t.qkv);
   attend(s, l, t, static_cast<char*>(t.qkv), l.qkv.weight.n);
-  project(l.o, t.attn, t.h, T);
+  project(l.o, t, i, kO, t.attn, t.h);
   norm_in_place(l.post_norm);
   pagoda_fused_add_gemma_rms_norm_bf16(t.h, t.residual, l.pre_ff_norm, T, n, s.eps);
-  project(l.gate_up, t.h, t.gate_up, T);
+  project(l.gate_up, t, i, kGateUp, t.h, t.gate_up);
   pagoda_gelu_tanh_and_mul_bf16(t.gate_up, t.act, T, static_cast<int>(s.intermediate));
-  project(l.down, t.act, t.h, T);
+  project(l.down, t, i, kDown, t.act, t.h);
   norm_in_place(l.post_ff_norm);
 }
 
@@ -206,7 +319,7 @@ extern "C" void pagoda_decoder_stack_bf16(const void* stack, const void* step, i
   const auto& s = *static_cast<const pagoda::DecoderStack*>(stack);
   const auto& t = *static_cast<const pagoda::DecodeStep*>(step);
   const auto layer = s.arch == pagoda::kGemma3 ? pagoda::gemma3_layer : pagoda::decode_layer;
-  for (int64_t i = 0; i < s.num_layers; ++i) layer(s, s.layers[i], t, i == 0 && !has_residual);
+  for (int64_t i = 0; i < s.num_layers; ++i) layer(s, s.layers[i], t, i, i == 0 && !has_residual);
 }
 
 // The sizes of the structs Python mirrors with ctypes (pagoda/layers/cpu_kernels/ops.py,
@@ -218,4 +331,6 @@ extern "C" void pagoda_abi_sizes(int64_t* out) {
   out[3] = sizeof(pagoda::DecoderStack);
   out[4] = sizeof(pagoda::DecodeStep);
   out[5] = sizeof(pagoda::StepGroup);
+  out[6] = sizeof(pagoda::LoraUpdate);
+  out[7] = sizeof(pagoda::LoraRun);
 }

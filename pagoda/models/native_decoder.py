@@ -12,13 +12,15 @@ int4 panels), no mixture-of-experts layer,
 a bf16 or fp8 KV pool bound. It takes steps of at most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
 builds it when it binds the KV pool; the model calls it in place of its layer loop for steps
 the paged-attention kernel attends whole (on the native path every step: decodes and prefill
-chunks alike) of at most `max_rows` rows (`takes`), and runs its layers otherwise.
+chunks alike) of at most `max_rows` rows (`takes`), and runs its layers otherwise. A step with
+LoRA rows runs it through `adapted`: each adapter's low-rank updates added inside the call.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +35,9 @@ from pagoda.layers.cpu_kernels import checks
 from pagoda.layers.linear import Linear
 from pagoda.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3MLP
 from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+if TYPE_CHECKING:
+    from pagoda.lora import LoRAAdapter, LoRARequest
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 CACHE_KINDS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
@@ -64,7 +69,15 @@ class _StepGroup(ctypes.Structure):
 class _DecodeStep(ctypes.Structure):
     _fields_ = [("num_tokens", _I64), ("num_seqs", _I64), ("groups", _PTR), ("positions", _PTR), ("seq_lens", _PTR),
                 ("query_start_loc", _PTR), ("h", _PTR), ("residual", _PTR), ("qkv", _PTR), ("attn", _PTR),
-                ("gate_up", _PTR), ("act", _PTR)]
+                ("gate_up", _PTR), ("act", _PTR), ("lora_runs", _PTR), ("num_lora_runs", _I64)]
+
+
+class _LoraUpdate(ctypes.Structure):
+    _fields_ = [("a", _PTR), ("b_t", _PTR), ("cols", _PTR), ("r", _I64), ("start", _I64), ("width", _I64)]
+
+
+class _LoraRun(ctypes.Structure):
+    _fields_ = [("rows", _PTR), ("count", _I64), ("updates", _PTR)]
 
 
 def native_packed(layer: Linear) -> Any:
@@ -87,7 +100,7 @@ def linear_weight(layer: Linear) -> _LinearWeight | None:
 
 ABI_MIRRORS: dict[str, type[ctypes.Structure]] = {
     "LinearWeight": _LinearWeight, "DecoderLayer": _DecoderLayer, "DecoderStack": _DecoderStack,
-    "DecodeStep": _DecodeStep, "StepGroup": _StepGroup}
+    "DecodeStep": _DecodeStep, "StepGroup": _StepGroup, "LoraUpdate": _LoraUpdate, "LoraRun": _LoraRun}
 
 
 DecoderLayer = LlamaDecoderLayer | Gemma3DecoderLayer
@@ -116,6 +129,10 @@ class NativeDecoder:
         self._widths = (attn.qkv_proj.out_features, attn.q_size, 2 * d.intermediate_size, d.intermediate_size)
         self._num_groups = max(layer.group for layer in layers) + 1
         self._fn = cpu_kernels.library().fn("decoder_stack_bf16")  # type: ignore[union-attr]
+        names = {id(m): name for name, m in model.named_modules()}
+        # NOTE: each layer's qkv, o, gate_up and down by module name: what an adapter's updates name
+        self._projections = [names[id(m)] for layer in model.layers for m in _linears(layer)]  # type: ignore[arg-type]
+        self._lora: dict[int, tuple[LoRAAdapter, Any]] = {}
 
     @classmethod
     def build(cls, model: nn.Module) -> NativeDecoder | None:
@@ -193,6 +210,44 @@ class NativeDecoder:
                              attn.v_scale, cos.data_ptr(), sin.data_ptr(), attn.sliding_window or 0,
                              attn.kv_group, *pointers[2:])
 
+    def adapted(self, rows: list[tuple[LoRARequest, int, int]],
+                adapter_of: Callable[[LoRARequest], LoRAAdapter]) -> AdaptedStack | None:
+        """The stack for a step whose `rows` ((adapter, first row, row count)) run with LoRA
+        adapters, each row adding its adapter's updates inside the call; None if an adapter
+        adapts a projection the stack does not run."""
+        by_adapter: dict[int, tuple[LoRARequest, list[int]]] = {}
+        for request, first, count in rows:
+            by_adapter.setdefault(request.lora_int_id, (request, []))[1].extend(range(first, first + count))
+        runs, indices = [], []
+        for request, row_ids in by_adapter.values():
+            updates = self._updates(adapter_of(request))
+            if updates is None:
+                return None
+            indices.append(torch.tensor(row_ids, dtype=torch.int64))
+            runs.append(_LoraRun(indices[-1].data_ptr(), len(row_ids), ctypes.addressof(updates)))
+        return AdaptedStack(self, (_LoraRun * len(runs))(*runs), indices)
+
+    def _updates(self, adapter: LoRAAdapter) -> Any:
+        """The adapter's updates as the stack reads them (4 a layer), made once an adapter."""
+        cached = self._lora.get(adapter.request.lora_int_id)
+        if cached is not None and cached[0] is adapter:
+            return cached[1][0]
+        if not set(adapter.updates) <= set(self._projections):
+            return None
+        structs, kept = [], []
+        for name in self._projections:
+            u = adapter.updates.get(name)
+            if u is None:
+                structs.append(_LoraUpdate())
+                continue
+            a, spans = u.a_t.T.contiguous(), _nonzero_spans(u.b_t)  # NOTE: a's rows are the dot products' operands
+            kept += [a, spans]
+            structs.append(_LoraUpdate(a.data_ptr(), u.b_t.data_ptr(), spans.data_ptr(), u.a_t.shape[1], u.start,
+                                       u.b_t.shape[1]))
+        updates = (_LoraUpdate * len(structs))(*structs)  # NOTE: the adapter keeps b_t alive, `kept` the rest
+        self._lora[adapter.request.lora_int_id] = (adapter, (updates, kept))
+        return updates
+
     def takes(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
         """Whether the kernel attends every row of this step (its metadata, every KV cache
         group's, no torch-path prefill chunks), in bf16, with few enough rows that every
@@ -203,8 +258,9 @@ class NativeDecoder:
                 and h.dtype == torch.bfloat16 and h.is_contiguous() and positions.dtype == torch.int64)
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's MLP output, the residual stream before it), computed in h's buffer."""
+                 meta: AttentionMetadata, lora_runs: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's MLP output, the residual stream before it), computed in h's buffer;
+        `lora_runs`: the adapted rows (`adapted`)."""
         groups = _groups(meta)
         assert groups is not None
         seq_lens, starts = groups[0].seq_lens, groups[0].query_start_loc
@@ -218,7 +274,9 @@ class NativeDecoder:
             for g in groups))
         step = _DecodeStep(rows, seq_lens.shape[0], ctypes.addressof(views), positions.data_ptr(),
                            seq_lens.data_ptr(), starts.data_ptr(), h.data_ptr(), res.data_ptr(), qkv.data_ptr(),
-                           attn.data_ptr(), gate_up.data_ptr(), act.data_ptr())
+                           attn.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+                           ctypes.addressof(lora_runs) if lora_runs is not None else None,
+                           len(lora_runs) if lora_runs is not None else 0)
         self._fn(ctypes.byref(self._stack), ctypes.byref(step), int(residual is not None))
         return h, res
 
@@ -231,6 +289,30 @@ class NativeDecoder:
             g = groups[group]
             checks.slots(g.slot_mapping, rows, pool)
             checks.paged(pool, g.block_tables, g.seq_lens, g.query_start_loc, rows)
+
+
+def _nonzero_spans(b_t: torch.Tensor) -> torch.Tensor:
+    """Each row's nonzero columns of `b_t` as [begin, end) (int64 [r, 2]; [0, 0) for a zero row):
+    a fused projection's b_t is block-diagonal, each part's rows zero outside its columns."""
+    nonzero = b_t != 0
+    width = b_t.shape[1]
+    begin = torch.where(nonzero.any(1), nonzero.int().argmax(1), 0)
+    end = torch.where(nonzero.any(1), width - nonzero.flip(1).int().argmax(1), 0)
+    return torch.stack((begin, end), 1).to(torch.int64).contiguous()
+
+
+class AdaptedStack:
+    """The native stack for one step with adapted rows (`NativeDecoder.adapted`)."""
+
+    def __init__(self, decoder: NativeDecoder, runs: Any, rows: list[torch.Tensor]) -> None:
+        self.decoder, self.runs, self._rows = decoder, runs, rows  # NOTE: the runs point into rows
+
+    def takes(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
+        return self.decoder.takes(h, positions, meta)
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.decoder(h, residual, positions, meta, self.runs)
 
 
 def _groups(meta: AttentionMetadata) -> list[NativeAttentionMetadata] | None:

@@ -50,7 +50,8 @@ _PLAIN: dict[str, ArgTypes] = {
     "abi_sizes": [_P],
 }
 # NOTE: the order of `pagoda_abi_sizes`'s output (pagoda/csrc/decoder.cpp).
-ABI_STRUCTS = ("GemmWeight", "LinearWeight", "DecoderLayer", "DecoderStack", "DecodeStep", "StepGroup")
+ABI_STRUCTS = ("GemmWeight", "LinearWeight", "DecoderLayer", "DecoderStack", "DecodeStep", "StepGroup",
+               "LoraUpdate", "LoraRun")
 
 
 class AbiMismatchError(RuntimeError):
