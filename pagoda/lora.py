@@ -105,6 +105,9 @@ class LoRAAdapter:
     rank: int
     scaling: float
     updates: dict[str, LoRAUpdate] = field(default_factory=dict)
+    # NOTE: the native decoder stack's view of `updates` (models/native_decoder.py), made by it
+    # at the adapter's first step there; dropped with the adapter.
+    native: Any = field(default=None, repr=False, compare=False)
 
 
 class LoRAError(ValueError):

@@ -143,10 +143,12 @@ def tiny_llama(tiny_model_factory) -> Path:
 def hf_greedy_generate(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """transformers' greedy `generate`, one prompt at a time, running past EOS like ignore_eos."""
     model.generation_config.eos_token_id = None
+    device = next(model.parameters()).device
     outs = []
     for p in prompts:
         with torch.inference_mode():
-            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            ids = model.generate(torch.tensor([p], device=device),
+                                 attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
                                  max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
         outs.append(ids[0, len(p):].tolist())
     return outs

@@ -38,15 +38,7 @@ def _hf(model_dir, dtype: torch.dtype, device: str) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    model.generation_config.eos_token_id = None
-    outs = []
-    for p in _prompts():
-        with torch.inference_mode():
-            ids = model.generate(torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), dtype=torch.long,
-                                                                                              device=device),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-        outs.append(ids[0, len(p):].tolist())
-    return outs
+    return hf_greedy_generate(model, _prompts(), MAX_TOKENS)
 
 
 def _greedy(llm: LLM) -> list[list[int]]:
@@ -67,19 +59,13 @@ def test_weights_and_kv_pools_live_on_the_gpu(tiny_llama) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equals_transformers_with_chunks_preemption_and_prefix_hits(arch, tiny_model_factory) -> None:
     model_dir = tiny_model_factory(arch)
-    want = hf_greedy_generate(_cpu_fp32(model_dir), _prompts(), MAX_TOKENS)
+    want = _hf(model_dir, torch.float32, "cpu")
     # NOTE: 10 blocks of 16 for six requests of up to 77 tokens: 16-token chunks, the shared
     # 24-token prefix hit, and preemption by recompute, all in one run.
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=10, max_model_len=128, max_num_batched_tokens=16)
     llm.generate(_prompts()[:1], GREEDY, use_tqdm=False)
     assert _greedy(llm) == want
     assert llm.engine.scheduler.num_preemptions > 0
-
-
-def _cpu_fp32(model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])

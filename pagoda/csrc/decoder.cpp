@@ -149,26 +149,13 @@ void project(const LinearWeight& l, const void* x, void* y, int64_t M) {
   pagoda_gemm_packed(&l.weight, x, l.weight.k, l.bias, y, l.weight.n, M);
 }
 
-// bf16 rounding of fp32 bits, to nearest even (a NaN stays a NaN), branch-free so that the
-// loops below vectorize: vec.h's store_one, one element at a time.
-inline uint32_t round_bf16_bits(uint32_t u) {
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? (u | 0x00400000u) & 0xFFFF0000u : rounded;
-}
-
-// out[c] = bf16(out[c] + bf16(delta[c])): the Python path's `y[rows] += delta.to(bf16)`.
+// out[c] = bf16(out[c] + bf16(delta[c])): the Python path's `y[rows] += delta.to(bf16)`
+// (vec.h's rounding, which vectorizes here).
 void add_rounded(const float* delta, bf16* out, int64_t n) {
   for (int64_t c = 0; c < n; ++c) {
-    uint32_t d, y = static_cast<uint32_t>(out[c].bits) << 16;
-    std::memcpy(&d, delta + c, 4);
-    d = round_bf16_bits(d);
-    float df, yf;
-    std::memcpy(&df, &d, 4);
-    std::memcpy(&yf, &y, 4);
-    const float sum = yf + df;
-    uint32_t bits;
-    std::memcpy(&bits, &sum, 4);
-    out[c].bits = static_cast<uint16_t>(round_bf16_bits(bits) >> 16);
+    bf16 d;
+    store_one(delta[c], &d);
+    store_one(to_float(out[c]) + to_float(d), out + c);
   }
 }
 

@@ -65,15 +65,16 @@ inline float to_float(fp8_e4m3 x) { return f16_from_bits(e4m3_to_f16_bits(x.bits
 
 inline void store_one(float f, float* out) { *out = f; }
 inline void store_one(float f, f16* out) { *out = static_cast<f16>(f); }
+// fp32 bits rounded to bf16's (the upper half), to nearest even; a NaN stays a NaN (quieted).
+// Branch-free, so that loops of it vectorize.
+inline uint32_t round_bf16_bits(uint32_t u) {
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? (u | 0x00400000u) & 0xFFFF0000u : rounded;
+}
 inline void store_one(float f, bf16* out) {
   uint32_t u;
   std::memcpy(&u, &f, sizeof(u));
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
-    out->bits = static_cast<uint16_t>((u >> 16) | 0x40u);
-    return;
-  }
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  out->bits = static_cast<uint16_t>(u >> 16);
+  out->bits = static_cast<uint16_t>(round_bf16_bits(u) >> 16);
 }
 
 // f as fp8 with kMant mantissa bits and exponent bias kBias: round to nearest even,

@@ -132,7 +132,6 @@ class NativeDecoder:
         names = {id(m): name for name, m in model.named_modules()}
         # NOTE: each layer's qkv, o, gate_up and down by module name: what an adapter's updates name
         self._projections = [names[id(m)] for layer in model.layers for m in _linears(layer)]  # type: ignore[arg-type]
-        self._lora: dict[int, tuple[LoRAAdapter, Any]] = {}
 
     @classmethod
     def build(cls, model: nn.Module) -> NativeDecoder | None:
@@ -228,10 +227,10 @@ class NativeDecoder:
         return AdaptedStack(self, (_LoraRun * len(runs))(*runs), indices)
 
     def _updates(self, adapter: LoRAAdapter) -> Any:
-        """The adapter's updates as the stack reads them (4 a layer), made once an adapter."""
-        cached = self._lora.get(adapter.request.lora_int_id)
-        if cached is not None and cached[0] is adapter:
-            return cached[1][0]
+        """The adapter's updates as the stack reads them (4 a layer), made once an adapter and
+        kept on it (`LoRAAdapter.native`)."""
+        if adapter.native is not None:
+            return adapter.native[0]
         if not set(adapter.updates) <= set(self._projections):
             return None
         structs, kept = [], []
@@ -245,7 +244,7 @@ class NativeDecoder:
             structs.append(_LoraUpdate(a.data_ptr(), u.b_t.data_ptr(), spans.data_ptr(), u.a_t.shape[1], u.start,
                                        u.b_t.shape[1]))
         updates = (_LoraUpdate * len(structs))(*structs)  # NOTE: the adapter keeps b_t alive, `kept` the rest
-        self._lora[adapter.request.lora_int_id] = (adapter, (updates, kept))
+        adapter.native = (updates, kept)
         return updates
 
     def takes(self, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> bool:
