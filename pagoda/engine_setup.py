@@ -135,6 +135,9 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
         reason = fp8_unsupported_reason(device)
         if reason:
             raise ValueError(reason)
+    # NOTE: this engine's own allocations are counted from here (another engine in this process
+    # or on this GPU is not this one's to pay for: vLLM's per-instance gpu_memory_utilization).
+    baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = load_model(path, hf_config, dtype, device, max_model_len, tp, stage,
                        gguf_packed=quantization == "gguf")
     if quantization is not None:
@@ -156,7 +159,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     runner = ModelRunner(model, config.cache.block_size, device,
                          LoRAManager(model, config.lora) if config.lora.enable_lora else None)
     num_blocks = num_blocks_for_groups(specs, config.cache, device, max_model_len, config.scheduler,
-                                       _available_cuda_bytes(config, runner, spec, device))
+                                       _available_cuda_bytes(config, runner, spec, device, baseline))
     if agree is not None:
         num_blocks = [agree(num_blocks[0])]
     check_capacity(num_blocks[0], config.cache.block_size, max_model_len)
@@ -236,13 +239,28 @@ def quantize(model: torch.nn.Module, scheme: str, group_size: int, device: torch
 
 
 def _available_cuda_bytes(config: EngineConfig, runner: ModelRunner, spec: KVCacheSpec,
-                          device: torch.device) -> int | None:
+                          device: torch.device, baseline: int) -> int | None:
     """GPU memory left for KV under gpu_memory_utilization, after weights and a profiling pass."""
     if device.type != "cuda":
         return None
     peak = profile_forward(runner, spec, config)
     free, total = torch.cuda.mem_get_info(device)
-    return max(int(total * config.cache.gpu_memory_utilization) - (total - free) - peak, 0)
+    own = torch.cuda.memory_allocated(device) - baseline
+    return cuda_kv_bytes(total, free, config.cache.gpu_memory_utilization, own, peak)
+
+
+def cuda_kv_bytes(total: int, free: int, utilization: float, own: int, peak: int) -> int:
+    """KV bytes for one engine: its share of the GPU (`utilization` x `total`) less what it
+    already holds (`own`: weights) and its profiled activation `peak`, as vLLM sizes an
+    instance; never more than the memory still free (less the peak), which other engines and
+    processes on the GPU may have taken (a warning says so)."""
+    share = max(int(total * utilization) - own - peak, 0)
+    free_left = max(free - peak, 0)
+    if free_left < share:
+        logger.warning("KV cache: %.2f GiB free on the GPU, less than gpu_memory_utilization=%.2f leaves "
+                       "this engine (%.2f GiB): the pool takes what is free", free_left / 2**30, utilization,
+                       share / 2**30)
+    return min(share, free_left)
 
 
 def profile_forward(runner: ModelRunner, spec: KVCacheSpec, config: EngineConfig) -> int:

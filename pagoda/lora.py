@@ -162,13 +162,22 @@ def module_name(key: str) -> tuple[str, str]:
     return stem, kind
 
 
-def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAAdapter:
-    """Reads `request`'s PEFT folder and maps its updates onto `model`'s projections."""
+def check_adapter(request: LoRARequest, max_rank: int) -> tuple[dict[str, Any], int]:
+    """`request`'s adapter config and rank, refused as `load_adapter` would refuse them, without
+    reading its weights or needing the model (the server checks --lora-modules before loading)."""
     config = read_adapter_config(request.lora_path)
     rank = int(config.get("r", 0))
     if not 1 <= rank <= max_rank:
         raise LoRAError(f"LoRA adapter {request.lora_name!r} has rank {rank}; this server takes "
                         f"ranks 1-{max_rank} (--max-lora-rank).")
+    if not any(os.path.isfile(os.path.join(request.lora_path, name)) for name in ADAPTER_WEIGHTS):
+        raise LoRAError(f"No {' or '.join(ADAPTER_WEIGHTS)} in the LoRA adapter folder {request.lora_path!r}.")
+    return config, rank
+
+
+def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAAdapter:
+    """Reads `request`'s PEFT folder and maps its updates onto `model`'s projections."""
+    config, rank = check_adapter(request, max_rank)
     alpha = float(config.get("lora_alpha", rank))
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
     pairs: dict[str, dict[str, torch.Tensor]] = {}

@@ -157,6 +157,23 @@ def test_profile_forward_runs_a_full_budget_prefill(llm):
     assert _greedy(llm, max_tokens=3).token_ids
 
 
+def test_cuda_pool_is_this_engines_share_of_the_gpu(caplog):
+    """As vLLM's per-instance gpu_memory_utilization: another engine's memory on the GPU does not
+    shrink this one's share (a second engine at twice the share gets twice the pool), but the
+    pool never takes more than is free."""
+    from pagoda.engine_setup import cuda_kv_bytes
+
+    gib = 2**30
+    alone = cuda_kv_bytes(total=100 * gib, free=99 * gib, utilization=0.1, own=1 * gib, peak=gib // 2)
+    assert alone == int(8.5 * gib)
+    beside = cuda_kv_bytes(total=100 * gib, free=80 * gib, utilization=0.2, own=1 * gib, peak=gib // 2)
+    assert beside == int(18.5 * gib)
+    with caplog.at_level("WARNING", logger="pagoda"):
+        assert cuda_kv_bytes(total=100 * gib, free=5 * gib, utilization=0.9, own=gib, peak=gib) == 4 * gib
+    assert "less than gpu_memory_utilization=0.90" in caplog.text
+    assert cuda_kv_bytes(total=100 * gib, free=50 * gib, utilization=0.01, own=2 * gib, peak=0) == 0
+
+
 def test_pool_too_small_for_max_model_len_fails_at_start(tiny_llama):
     with pytest.raises(ValueError, match="max_model_len=256.*--kv-cache-memory.*--max-model-len"):
         LLM(str(tiny_llama), dtype="float32", num_kv_blocks=4, max_model_len=256)

@@ -162,3 +162,11 @@ def test_q_and_k_side_by_side_rotate_as_one_bit_for_bit(tokens):
     got_q, got_k = RotaryInputs(torch.arange(tokens), cos, sin).apply(q, k)
     assert torch.equal(got_q, apply_rotary(q, cos, sin)) and torch.equal(got_k, apply_rotary(k, cos, sin))
     assert _adjacent_heads(q, v) is None and _adjacent_heads(k, q) is None
+    # NOTE: two tensors end to end in memory but in separate storages (what CUDA's caching
+    # allocator made of Qwen3's normed q and k) are not one view: q's storage ends before k.
+    memory = bytearray(qkv[:, :96].float().contiguous().numpy().tobytes())
+    apart_q = torch.frombuffer(memory, dtype=torch.float32, count=tokens * 64).view(-1, 4, 16)
+    apart_k = torch.frombuffer(memory, dtype=torch.float32, offset=tokens * 64 * 4, count=tokens * 32)
+    apart_k = apart_k.view(-1, 2, 16)
+    assert apart_k.data_ptr() == apart_q.data_ptr() + apart_q.nbytes
+    assert _adjacent_heads(apart_q, apart_k) is None

@@ -257,6 +257,7 @@ def test_the_server_serves_adapters_by_name(tiny_llama: Path, adapters: dict[str
                               "--lora-modules", f"all={adapters['all']}"],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
     assert too_big.returncode == 1 and "rank 8; this server takes ranks 1-4" in too_big.stderr
+    assert "Loaded" not in too_big.stderr  # NOTE: refused before the model loads
 
 
 def peft_adapter(model: torch.nn.Module, out: Path):

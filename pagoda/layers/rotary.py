@@ -114,7 +114,10 @@ def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
             or q.stride()[1:] != (q.shape[2], 1) or k.stride()[1:] != (k.shape[2], 1)
             or (q.shape[0] > 1 and q.stride(0) != k.stride(0))):
         return None
-    if k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
+    # NOTE: one storage, not just adjacent addresses: a caching allocator (CUDA's) may place two
+    # separate tensors (Qwen3's normed q and k) end to end, and a view must stay in its storage.
+    if (k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()
+            or q.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()):
         return None
     return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
 

@@ -39,7 +39,7 @@ from pagoda.config import (
     json_object,
     parse_bytes,
 )
-from pagoda.lora import LoRARequest
+from pagoda.lora import LoRARequest, check_adapter
 from pagoda.metrics import (
     LiveStatLogger,
     check_histogram_buckets,
@@ -324,7 +324,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None)
     cache.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=byte_size, default=None,
                        help="KV pool size, e.g. 4GiB")
-    cache.add_argument("--gpu-memory-utilization", type=float, default=None)
+    cache.add_argument("--gpu-memory-utilization", type=float, default=None,
+                       help="share of the GPU's memory this engine may use for weights, activations and "
+                            "KV (per engine, as vLLM; default 0.9)")
     cache.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
                        help="KV blocks in the pool, overriding the memory-based size")
     cache.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
@@ -971,6 +973,12 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
         loras = lora_modules(args.lora_modules, args.enable_lora)
     except ValueError as e:
         print(f"pagoda serve: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        for lora in loras.values():  # NOTE: a missing or too-large adapter is refused before the model loads
+            check_adapter(lora, config.lora.max_lora_rank)
+    except (ValueError, OSError) as e:
+        print(f"pagoda serve: error: --lora-modules: {e}", file=sys.stderr)
         return 1
     started = time.perf_counter()
     live = LiveStatLogger()
