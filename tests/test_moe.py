@@ -99,6 +99,41 @@ def test_experts_on_gemm_panels_compute_the_stacked_weights():
     torch.testing.assert_close(moe(x, logits), want, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.computes_bf16()),
+                    reason="needs kernels that compute bf16 (the avx2 or avx512bf16 build)")
+@pytest.mark.parametrize(("renormalize", "in_dtype", "scheme"), [
+    (True, False, None), (False, True, None), (True, False, "int8"), (False, True, "int4")],
+    ids=["mixtral", "qwen3_moe", "mixtral-int8", "qwen3_moe-int4"])
+def test_the_native_block_equals_router_and_experts_in_torch(renormalize, in_dtype, scheme):
+    """moe.cpp's one call (router, top-k, experts, weighted sum) against the layer's torch
+    routing of the same router logits over the same packed experts: outputs within bf16
+    rounding (the softmax and the sums' order are the kernel's own), for 1, 3 and 40 rows."""
+    from pagoda.layers.fused_moe import Router, bind_native_moe
+
+    w13, w2 = (w.to(torch.bfloat16) for w in _experts(4))
+    moe = _fused(w13, w2, renormalize, in_dtype).to(torch.bfloat16)
+    router = Router(H, E).to(torch.bfloat16)
+    router.weight.data = (torch.randn(E, H, generator=torch.Generator().manual_seed(5)) * 0.3).bfloat16()
+    block = nn.ModuleDict({"gate": router, "experts": moe})
+    if scheme is not None:
+        quantize_model(block, scheme)
+    pack_experts_for_cpu(block)
+    if scheme is not None and moe.native is None:
+        pytest.skip("this build's quantized experts have no native weights")
+    assert moe.native is not None and not bind_native_moe(router, _fused(w13, w2, True, tp=_Summed(rank=0, size=2)))
+    for rows in (1, 3, 40):
+        x = torch.randn(rows, H, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        logits = cpu_kernels.ops.gemm(x, moe.native.router)  # NOTE: the same logits (a near tie may flip)
+        got, want = moe.native(x), moe(x, logits)
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        # NOTE: rows whose k-th and next logits tie (bf16 logits do) may pick either expert:
+        # the kernel the lower id, torch.topk as its sort leaves them.
+        ranked = logits.float().sort(-1, descending=True).values
+        clear = ranked[:, K - 1] != ranked[:, K]
+        assert clear.sum() >= 0.9 * rows
+        torch.testing.assert_close(got[clear].float(), want[clear].float(), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_experts_compute_their_dequantized_weights(scheme, monkeypatch):
     # NOTE: the methods' torch path, the definition (the kernels round x their own way and
@@ -122,16 +157,17 @@ def test_quantized_experts_compute_their_dequantized_weights(scheme, monkeypatch
                          ids=["int8", "bf16"])
 def test_quantized_and_bf16_moe_models_generate(engine, tiny_model_factory, monkeypatch):
     """int8: every expert packed; bf16: the experts on the GEMM's panels where the kernels
-    compute bf16, and the native decoder stack (dense layers only) not built."""
+    compute bf16, each block one native call, inside the native decoder stack."""
     # NOTE: a forced plan for the dense linears: measuring one (the 49152-row LM head) took 4 s.
     monkeypatch.setenv("PAGODA_LINEAR_PLAN", "gemm")
     llm = LLM(str(tiny_model_factory("mixtral")), num_kv_blocks=64, **engine)
     experts = [m for m in llm.engine.runner.model.modules() if isinstance(m, FusedMoE)]
-    assert len(experts) == 2 and llm.engine.runner.native_decoder is None
+    assert len(experts) == 2
     if "quantization" in engine:
         assert all(m.expert_methods is not None for m in experts)
     elif cpu_kernels.available() and cpu_kernels.computes_bf16():
-        assert all(m.gemm_weights is not None for m in experts)
+        assert all(m.gemm_weights is not None and m.native is not None for m in experts)
+        assert llm.engine.runner.native_decoder is not None
     out = llm.generate(_prompts(2), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [8, 8]
 

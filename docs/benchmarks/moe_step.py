@@ -46,7 +46,6 @@ def blocks(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.
     model = torch.nn.ModuleList(layers).to(dtype)
     for p in model.parameters():
         p.data.normal_(0, 0.02)
-    cpu_kernels.enable(model, cpu_kernels.available())
     if args.engine_paths:
         prepack_for_cpu(model, plan=plan_linears(model))
         pack_experts_for_cpu(model)

@@ -20,6 +20,8 @@
 //   h = pre_ff_norm(residual); act = gelu(gate) * up; h = post_ff_norm(act . Wdown^T)
 // so its results are bit for bit those of the Python path. The caller applies the final norm.
 // Each linear is a packed weight of the small-M GEMM (bf16, int8 or int4 panels: gemm.h).
+// A mixture-of-experts layer (Mixtral, Qwen3-MoE's sparse layers) runs its feed-forward block
+// as the layer path does, through moe.cpp's one call (router, experts, weighted sum).
 // Rows that run with a LoRA adapter (pagoda/lora.py) add its low-rank update to each adapted
 // projection's output right after the product, as the Python path's hooks do: the same
 // roundings (the update rounded to bf16, then added in fp32 and rounded), its products in fp32.
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "moe.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -89,6 +92,7 @@ struct DecoderLayer {
   const void* k_norm;
   const void* pre_ff_norm;
   const void* post_ff_norm;
+  const MoeLayer* moe;  // a sparse feed-forward block in place of gate_up and down (Llama family), or null
 };
 
 struct DecoderStack {
@@ -268,6 +272,10 @@ void decode_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep
   attend(s, l, t, static_cast<char*>(t.qkv), l.qkv.weight.n);
   project(l.o, t, i, kO, t.attn, t.h);
   pagoda_fused_add_rms_norm_bf16(t.h, t.residual, l.post_norm, T, n, s.eps);
+  if (l.moe) {
+    pagoda_fused_moe_bf16(l.moe, t.h, t.h, T);
+    return;
+  }
   project(l.gate_up, t, i, kGateUp, t.h, t.gate_up);
   pagoda_silu_and_mul_bf16(t.gate_up, t.act, T, static_cast<int>(s.intermediate));
   project(l.down, t, i, kDown, t.act, t.h);
@@ -320,4 +328,5 @@ extern "C" void pagoda_abi_sizes(int64_t* out) {
   out[5] = sizeof(pagoda::StepGroup);
   out[6] = sizeof(pagoda::LoraUpdate);
   out[7] = sizeof(pagoda::LoraRun);
+  out[8] = sizeof(pagoda::MoeLayer);
 }

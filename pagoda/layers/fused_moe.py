@@ -11,7 +11,10 @@ rows and down columns, as a column- then row-parallel MLP); the partial sums mee
 all-reduce after the down projection (`ParallelGroup.all_reduce`, the row-parallel layers'
 collective).
 On CPU, where the kernels compute bf16, bf16 experts run on the small-M GEMM's panels
-(`pack_experts_for_cpu`, at engine set-up beside `prepack_for_cpu`).
+(`pack_experts_for_cpu`, at engine set-up beside `prepack_for_cpu`), and a bf16 block whose
+experts all have native weights (panels, or quantized experts' packed weights) runs router,
+routing, experts and weighted sum as one native call (`NativeMoe`, pagoda/csrc/moe.cpp): the
+layer path and the native decoder stack alike, so both compute the same bits.
 Quantization (`quantization.quantize_model`) gives each expert a packed method per projection
 (`expert_methods`, the same `PackedLinearMethod`/`Fp8LinearMethod` objects a `Linear` holds) and
 frees the stacked float weights. Checkpoint tensors arrive per expert (`expert_target` maps
@@ -21,9 +24,10 @@ down_proj`) and each lands in its expert's slice.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +41,17 @@ from pagoda.layers.linear import GEMV_MAX_ROWS
 
 if TYPE_CHECKING:
     from pagoda.layers.linear import LinearMethod
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class MoeLayerStruct(ctypes.Structure):
+    """pagoda/csrc/moe.h's `MoeLayer`, field for field."""
+
+    _fields_ = [("router", cpu_kernels.ops.GemmWeight), ("w13", _PTR), ("w2", _PTR), ("num_experts", _I64),
+                ("top_k", _I64), ("renormalize", _I64), ("weights_in_model_dtype", _I64), ("hidden", _I64),
+                ("intermediate", _I64)]
+
 
 # checkpoint projection name -> (stacked parameter, half of w13: 0 gate, 1 up; 0 for down)
 _PROJECTIONS = {"w1": ("w13_weight", 0), "gate_proj": ("w13_weight", 0), "w3": ("w13_weight", 1),
@@ -117,8 +132,10 @@ class FusedMoE(nn.Module):
         self.w2_weight.weight_loader = self._load_w2  # type: ignore[attr-defined]
         # NOTE: set by quantization: each expert's (gate_up, down) methods, in place of the stacks.
         self.expert_methods: list[tuple[LinearMethod, LinearMethod]] | None = None
-        # NOTE: set by `pack_experts_for_cpu`: each expert's bf16 (gate_up, down) GEMM panels.
+        # NOTE: set by `pack_experts_for_cpu`: each expert's bf16 (gate_up, down) GEMM panels, and
+        # the whole block (with its router) as one native call where every expert has a native weight.
         self.gemm_weights: list[tuple[cpu_kernels.ops.PackedWeight, cpu_kernels.ops.PackedWeight]] | None = None
+        self.native: NativeMoe | None = None
         self.act = SiluAndMul()
 
     def _local_rows(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
@@ -167,10 +184,67 @@ class FusedMoE(nn.Module):
         return sum(m.weight_bytes() for pair in self.expert_methods or () for m in pair)
 
 
+class NativeMoe:
+    """A sparse block (router and experts) as moe.cpp's one call, for bf16 rows of at most
+    `max_rows` (what quantized records take); the decoder stack reads `struct`."""
+
+    def __init__(self, router: cpu_kernels.ops.PackedWeight, experts: list[tuple[Any, Any]], moe: FusedMoE,
+                 max_rows: int) -> None:
+        num = len(experts)
+        self._w13 = (cpu_kernels.ops.GemmWeight * num)(*(w13.desc for w13, _ in experts))
+        self._w2 = (cpu_kernels.ops.GemmWeight * num)(*(w2.desc for _, w2 in experts))
+        self.router = router
+        self._experts = experts  # NOTE: the structs point into these and the router
+        self.struct = MoeLayerStruct(router.desc, ctypes.addressof(self._w13), ctypes.addressof(self._w2), num,
+                                     moe.top_k, int(moe.renormalize), int(moe.weights_in_model_dtype), router.k,
+                                     moe.local_size)
+        self.max_rows = max_rows
+        self._fn = cpu_kernels.library().fn("fused_moe_bf16")  # type: ignore[union-attr]
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return (x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu"
+                and 0 < x.shape[0] <= self.max_rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self._fn(ctypes.byref(self.struct), x.data_ptr(), out.data_ptr(), x.shape[0])
+        return out
+
+
+def _native_experts(moe: FusedMoE) -> tuple[list[tuple[Any, Any]], int] | None:
+    """Each expert's native (gate_up, down) weights (bf16 panels, or quantized methods' packed
+    weights) and up to how many rows they take, or None where some expert has none."""
+    if moe.gemm_weights is not None:
+        return list(moe.gemm_weights), 1 << 62
+    if moe.expert_methods is None:
+        return None
+    experts = []
+    for pair in moe.expert_methods:
+        native = [getattr(m, "native_weight", lambda: None)() for m in pair]
+        if any(w is None for w in native):
+            return None
+        experts.append((native[0], native[1]))
+    return experts, min(getattr(w, "max_rows", 1 << 62) for pair in experts for w in pair)
+
+
+def bind_native_moe(router: Router, moe: FusedMoE) -> bool:
+    """Gives `moe` its native call (`NativeMoe`) where it fits: one process, a bf16 router and
+    native weights for every expert; returns whether it did."""
+    if moe.tp.size != 1 or router.weight.dtype != torch.bfloat16 or router.weight.device.type != "cpu":
+        return False
+    found = _native_experts(moe)
+    if found is None:
+        return False
+    experts, max_rows = found
+    moe.native = NativeMoe(cpu_kernels.ops.PackedWeight(router.weight.detach()), experts, moe, max_rows)
+    return True
+
+
 def pack_experts_for_cpu(model: nn.Module) -> int:
     """Packs every bf16 `FusedMoE`'s experts onto the small-M GEMM's panels, in one huge-page
     buffer in the order a step reads them, and frees the stacked weights, where the CPU kernels
-    compute bf16 (`cpu_kernels.computes_bf16`). Returns the number of layers packed.
+    compute bf16 (`cpu_kernels.computes_bf16`); then gives every block whose experts all have
+    native weights its one native call (`bind_native_moe`). Returns the number of layers packed.
 
     NOTE: each expert sees a few of a step's rows (rows x k / E on average), where the GEMM is
     the fastest bf16 path measured on both CPUs with kernel plans (docs/performance.md); torch's
@@ -180,12 +254,15 @@ def pack_experts_for_cpu(model: nn.Module) -> int:
     layers = [m for m in model.modules() if isinstance(m, FusedMoE) and m.w13_weight.dtype == torch.bfloat16
               and m.w13_weight.numel() and m.w13_weight.device.type == "cpu"]
     weights = [w for m in layers for e in range(m.num_experts) for w in (m.w13_weight[e], m.w2_weight[e])]
-    if not weights:
-        return 0
-    views = iter(memory.huge_page_slices([cpu_kernels.ops.packed_bytes(*w.shape) for w in weights]))
-    packed = iter([cpu_kernels.ops.PackedWeight(w.detach(), out=next(views)) for w in weights])
-    for m in layers:
-        m.gemm_weights = [(next(packed), next(packed)) for _ in range(m.num_experts)]
-        for w in (m.w13_weight, m.w2_weight):
-            w.data = torch.empty(0, dtype=w.dtype)
+    if weights:
+        views = iter(memory.huge_page_slices([cpu_kernels.ops.packed_bytes(*w.shape) for w in weights]))
+        packed = iter([cpu_kernels.ops.PackedWeight(w.detach(), out=next(views)) for w in weights])
+        for m in layers:
+            m.gemm_weights = [(next(packed), next(packed)) for _ in range(m.num_experts)]
+            for w in (m.w13_weight, m.w2_weight):
+                w.data = torch.empty(0, dtype=w.dtype)
+    for block in model.modules():
+        router, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+        if isinstance(router, Router) and isinstance(experts, FusedMoE):
+            bind_native_moe(router, experts)
     return len(layers)

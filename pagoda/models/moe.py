@@ -64,6 +64,9 @@ class SparseMoeBlock(nn.Module):
                                 moe.renormalize, moe.weights_in_model_dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = self.experts.native
+        if native is not None and native.takes(x):
+            return native(x)
         return self.experts(x, self.gate(x))
 
 

@@ -8,8 +8,8 @@ a step for SmolLM2's 30 layers (docs/performance.md): as much as its attention a
 on the same buffers, so its output is bit for bit the layer path's (tested).
 `NativeDecoder.build` returns None unless the whole model fits: one process (no tensor or
 pipeline parallelism), bf16, every linear on the small-M GEMM's packed weights (bf16, int8 or
-int4 panels), no mixture-of-experts layer,
-a bf16 or fp8 KV pool bound. It takes steps of at most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
+int4 panels), every mixture-of-experts block with its native call (`NativeMoe`: Mixtral and
+Qwen3-MoE run their sparse layers inside the stack), a bf16 or fp8 KV pool bound. It takes steps of at most `max_rows` rows: as far as every linear's kernel plan (kernel_plan.py) names the GEMM. The model runner
 builds it when it binds the KV pool; the model calls it in place of its layer loop for steps
 the paged-attention kernel attends whole (on the native path every step: decodes and prefill
 chunks alike) of at most `max_rows` rows (`takes`), and runs its layers otherwise. A step with
@@ -32,6 +32,7 @@ from pagoda.layers.attention_backend import (
     NativeAttentionMetadata,
 )
 from pagoda.layers.cpu_kernels import checks
+from pagoda.layers.fused_moe import MoeLayerStruct, NativeMoe
 from pagoda.layers.linear import Linear
 from pagoda.models.gemma3 import Gemma3DecoderLayer, Gemma3ForCausalLM, Gemma3MLP
 from pagoda.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
@@ -53,7 +54,8 @@ class _DecoderLayer(ctypes.Structure):
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR), ("qkv", _LinearWeight), ("o", _LinearWeight),
                 ("gate_up", _LinearWeight), ("down", _LinearWeight), ("k_cache", _PTR), ("v_cache", _PTR),
                 ("k_scale", _F32), ("v_scale", _F32), ("cos", _PTR), ("sin", _PTR), ("window", _I64),
-                ("group", _I64), ("q_norm", _PTR), ("k_norm", _PTR), ("pre_ff_norm", _PTR), ("post_ff_norm", _PTR)]
+                ("group", _I64), ("q_norm", _PTR), ("k_norm", _PTR), ("pre_ff_norm", _PTR), ("post_ff_norm", _PTR),
+                ("moe", _PTR)]
 
 
 class _DecoderStack(ctypes.Structure):
@@ -100,7 +102,8 @@ def linear_weight(layer: Linear) -> _LinearWeight | None:
 
 ABI_MIRRORS: dict[str, type[ctypes.Structure]] = {
     "LinearWeight": _LinearWeight, "DecoderLayer": _DecoderLayer, "DecoderStack": _DecoderStack,
-    "DecodeStep": _DecodeStep, "StepGroup": _StepGroup, "LoraUpdate": _LoraUpdate, "LoraRun": _LoraRun}
+    "DecodeStep": _DecodeStep, "StepGroup": _StepGroup, "LoraUpdate": _LoraUpdate, "LoraRun": _LoraRun,
+    "MoeLayer": MoeLayerStruct}
 
 
 DecoderLayer = LlamaDecoderLayer | Gemma3DecoderLayer
@@ -131,7 +134,9 @@ class NativeDecoder:
         self._fn = cpu_kernels.library().fn("decoder_stack_bf16")  # type: ignore[union-attr]
         names = {id(m): name for name, m in model.named_modules()}
         # NOTE: each layer's qkv, o, gate_up and down by module name: what an adapter's updates name
-        self._projections = [names[id(m)] for layer in model.layers for m in _linears(layer)]  # type: ignore[arg-type]
+        # (a sparse layer's two feed-forward entries name nothing: adapters adapt no experts)
+        self._projections = [names[id(m)] if m is not None else "" for layer in model.layers
+                             for m in _linears(layer)]  # type: ignore[arg-type]
 
     @classmethod
     def build(cls, model: nn.Module) -> NativeDecoder | None:
@@ -181,10 +186,11 @@ class NativeDecoder:
     def _gemm_rows(layer: DecoderLayer) -> int:
         """Up to how many rows the layer's kernel plans all take the GEMM (no plan: any), and
         its quantized records the GEMV (`Records.max_rows`)."""
-        linears = _linears(layer)
+        linears = [m for m in _linears(layer) if m is not None]
         planned = [m.plan.max_rows("gemm") for m in linears if m.plan is not None]
         records = [getattr(native_packed(m), "max_rows", 1 << 62) for m in linears if m.plan is None]
-        return min(planned + records, default=1 << 62)
+        moe = _native_moe(layer)
+        return min(planned + records + ([moe.max_rows] if moe is not None else []), default=1 << 62)
 
     @staticmethod
     def _layer(model: LlamaForCausalLM | Gemma3ForCausalLM, layer: DecoderLayer) -> _DecoderLayer | str:
@@ -195,10 +201,10 @@ class NativeDecoder:
         norms, rotary = kind
         attn = layer.self_attn.attn
         linears = _linears(layer)
-        weights = [linear_weight(m) for m in linears]
+        weights = [linear_weight(m) if m is not None else _LinearWeight() for m in linears]
         k, v = attn.k_cache, attn.v_cache
         for name, m, w in zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), linears, weights, strict=True):
-            if w is None:
+            if w is None and m is not None:
                 return f"{name} has no native weight ({getattr(m.method, 'name', type(m.method).__name__)})"
         if not k.numel() or k.dtype not in CACHE_KINDS:
             return "no KV pool the kernel reads"
@@ -207,7 +213,7 @@ class NativeDecoder:
         sin: torch.Tensor = rotary.sin  # type: ignore[assignment]
         return _DecoderLayer(pointers[0], pointers[1], *weights, k.data_ptr(), v.data_ptr(), attn.k_scale,
                              attn.v_scale, cos.data_ptr(), sin.data_ptr(), attn.sliding_window or 0,
-                             attn.kv_group, *pointers[2:])
+                             attn.kv_group, *pointers[2:], _moe_pointer(layer))
 
     def adapted(self, rows: list[tuple[LoRARequest, int, int]],
                 adapter_of: Callable[[LoRARequest], LoRAAdapter]) -> AdaptedStack | None:
@@ -324,9 +330,11 @@ def _groups(meta: AttentionMetadata) -> list[NativeAttentionMetadata] | None:
 
 def _llama_kind(model: nn.Module, layer: LlamaDecoderLayer) -> tuple[list[torch.Tensor], nn.Module] | str:
     """A Llama-family layer's norm weights (input, post-attention, and Qwen3's per-head q and k)
-    and rotary, or why the stack does not compute it (sparse experts, non-bf16 norms)."""
-    if not isinstance(layer.mlp, LlamaMLP):
-        return f"a {type(layer.mlp).__name__} feed-forward (the stack's is a dense MLP)"
+    and rotary, or why the stack does not compute it (sparse experts without their native call,
+    non-bf16 norms)."""
+    if not isinstance(layer.mlp, LlamaMLP) and _native_moe(layer) is None:
+        return (f"a {type(layer.mlp).__name__} feed-forward (the stack's is a dense MLP, or experts with "
+                "native weights in bf16)")
     attn = layer.self_attn
     norms: list[torch.Tensor] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
     if attn.q_norm is not None and attn.k_norm is not None:
@@ -348,11 +356,23 @@ def _gemma3_kind(model: nn.Module, layer: Gemma3DecoderLayer) -> tuple[list[torc
     return norms, rotary
 
 
-def _linears(layer: DecoderLayer) -> tuple[Linear, ...]:
-    """qkv, o, gate_up and down (a dense MLP: `_layer` takes no other)."""
+def _linears(layer: DecoderLayer) -> tuple[Linear | None, ...]:
+    """qkv, o, gate_up and down (None, None for a sparse block's: `_native_moe`)."""
     mlp = layer.mlp
-    assert isinstance(mlp, LlamaMLP | Gemma3MLP)
+    if not isinstance(mlp, LlamaMLP | Gemma3MLP):
+        return layer.self_attn.qkv_proj, layer.self_attn.o_proj, None, None
     return layer.self_attn.qkv_proj, layer.self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def _native_moe(layer: DecoderLayer) -> NativeMoe | None:
+    """A sparse layer's native call (`FusedMoE.native`), or None (a dense layer, or experts without it)."""
+    native = getattr(getattr(layer.mlp, "experts", None), "native", None)
+    return native if isinstance(native, NativeMoe) else None
+
+
+def _moe_pointer(layer: DecoderLayer) -> int | None:
+    moe = _native_moe(layer)
+    return ctypes.addressof(moe.struct) if moe is not None else None
 
 
 def _rotary_tables(model: LlamaForCausalLM | Gemma3ForCausalLM) -> list[torch.Tensor]:

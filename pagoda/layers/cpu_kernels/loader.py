@@ -47,11 +47,12 @@ _PLAIN: dict[str, ArgTypes] = {
     "gemm_pack_bf16": [_P, _L, _P, _L, _L],
     "set_num_threads": [_I],
     "decoder_stack_bf16": [_P, _P, _L],
+    "fused_moe_bf16": [_P, _P, _P, _L],
     "abi_sizes": [_P],
 }
 # NOTE: the order of `pagoda_abi_sizes`'s output (pagoda/csrc/decoder.cpp).
 ABI_STRUCTS = ("GemmWeight", "LinearWeight", "DecoderLayer", "DecoderStack", "DecodeStep", "StepGroup",
-               "LoraUpdate", "LoraRun")
+               "LoraUpdate", "LoraRun", "MoeLayer")
 
 
 class AbiMismatchError(RuntimeError):
