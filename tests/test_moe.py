@@ -121,6 +121,9 @@ def test_the_native_block_equals_router_and_experts_in_torch(renormalize, in_dty
     if scheme is not None and moe.native is None:
         pytest.skip("this build's quantized experts have no native weights")
     assert moe.native is not None and not bind_native_moe(router, _fused(w13, w2, True, tp=_Summed(rank=0, size=2)))
+    if scheme is not None and cpu_kernels.ops.panels_are_native():  # NOTE: on the panels, as dense layers
+        assert moe.expert_methods is not None and all(m.panels is not None for p in moe.expert_methods for m in p)
+        assert moe.native.max_rows == 1 << 62
     for rows in (1, 3, 40):
         x = torch.randn(rows, H, generator=torch.Generator().manual_seed(rows)).bfloat16()
         logits = cpu_kernels.ops.gemm(x, moe.native.router)  # NOTE: the same logits (a near tie may flip)

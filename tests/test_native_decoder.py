@@ -95,8 +95,7 @@ class Recorder:
 def test_native_stack_equals_the_layer_path(arch: str, engine: dict, tiny_model_factory) -> None:
     # NOTE: without quantized panels (the portable build) the stack multiplies the records
     # by the GEMV, for steps of up to 16 rows; wider steps (the first prefill) run the layers.
-    # (quantized experts keep their records: a MoE model's quantized stack takes up to 16 rows too)
-    records = "quantization" in engine and (not quantized_panels() or arch == "mixtral")
+    records = "quantization" in engine and not quantized_panels()
     # NOTE: prefix caching off: the second run would compute only the prompts' uncached rows,
     # and a quantized GEMM rounds x by its row count (AMX tiles from the measured count take x as
     # it is, `vpdpbusd` below rounds it to int8 codes), so fewer rows may round differently.

@@ -240,11 +240,27 @@ def bind_native_moe(router: Router, moe: FusedMoE) -> bool:
     return True
 
 
+def _panel_quantized_experts(model: nn.Module) -> None:
+    """Quantized experts of a bf16 model onto the GEMM's integer panels where this build
+    multiplies them (each method's `use_gemm`, as `prepack_for_cpu` does for a `Linear`), in
+    huge pages; the others keep their records."""
+    panels = []
+    for moe in model.modules():
+        if isinstance(moe, FusedMoE) and moe.expert_methods is not None and moe.w13_weight.dtype == torch.bfloat16:
+            for method in (m for pair in moe.expert_methods for m in pair):
+                use_gemm = getattr(method, "use_gemm", None)
+                if use_gemm is not None and use_gemm():
+                    panels.append(getattr(method, "panels"))  # noqa: B009 - set by use_gemm()
+    if panels:
+        cpu_kernels.ops.gather_in_huge_pages(panels)
+
+
 def pack_experts_for_cpu(model: nn.Module) -> int:
     """Packs every bf16 `FusedMoE`'s experts onto the small-M GEMM's panels, in one huge-page
     buffer in the order a step reads them, and frees the stacked weights, where the CPU kernels
-    compute bf16 (`cpu_kernels.computes_bf16`); then gives every block whose experts all have
-    native weights its one native call (`bind_native_moe`). Returns the number of layers packed.
+    compute bf16 (`cpu_kernels.computes_bf16`), and a bf16 model's quantized experts onto the
+    integer panels where this build takes them; then gives every block whose experts all have
+    native weights its one native call (`bind_native_moe`). Returns the number of bf16 layers packed.
 
     NOTE: each expert sees a few of a step's rows (rows x k / E on average), where the GEMM is
     the fastest bf16 path measured on both CPUs with kernel plans (docs/performance.md); torch's
@@ -261,6 +277,7 @@ def pack_experts_for_cpu(model: nn.Module) -> int:
             m.gemm_weights = [(next(packed), next(packed)) for _ in range(m.num_experts)]
             for w in (m.w13_weight, m.w2_weight):
                 w.data = torch.empty(0, dtype=w.dtype)
+    _panel_quantized_experts(model)
     for block in model.modules():
         router, experts = getattr(block, "gate", None), getattr(block, "experts", None)
         if isinstance(router, Router) and isinstance(experts, FusedMoE):
