@@ -423,11 +423,6 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     log_stats: bool = True
 
-    def __post_init__(self) -> None:
-        if self.lora.enable_lora and self.parallel.world_size > 1:
-            raise ValueError("LoRA adapters (enable_lora) are served in one process: not with "
-                             "tensor or pipeline parallelism.")
-
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: object) -> EngineConfig:
         """Builds the config from flat vLLM-style keyword arguments.

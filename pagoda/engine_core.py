@@ -27,7 +27,7 @@ from pagoda.engine_setup import EngineParts
 from pagoda.input_processor import EngineRequest
 from pagoda.isolation import StepResult, execute_isolating, untrusted_blocks, uses_any
 from pagoda.kv_cache_manager import HybridBlockManager
-from pagoda.lora import LoRAError, LoRAManager, LoRARequest
+from pagoda.lora import LoRARequest
 from pagoda.output_processor import finished_stats, record_token_timing
 from pagoda.outputs import RequestMetrics
 from pagoda.pooling import PooledPart, finish_vector
@@ -138,18 +138,11 @@ class EngineCore:
         Raises:
             LoRAError: the engine serves no adapters, or this one cannot be served.
         """
-        self._lora(request.lora_name).adapter(request)
+        self.runner.add_lora(request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Drops a loaded adapter (a request still using it loads it again); whether it was loaded."""
-        return self._lora(str(lora_int_id)).adapters.pop(lora_int_id, None) is not None
-
-    def _lora(self, name: str) -> LoRAManager:
-        lora: LoRAManager | None = getattr(self.runner, "lora", None)
-        if lora is None:
-            raise LoRAError(f"LoRA adapter {name!r} asked for, but this engine serves none "
-                            "(enable_lora / --enable-lora).")
-        return lora
+        return bool(self.runner.remove_lora(lora_int_id))
 
     def abort_request(self, request_id: str) -> list[EngineCoreOutput]:
         """Ends every unfinished sequence of a request and frees its blocks at once; returns

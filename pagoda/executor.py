@@ -31,13 +31,14 @@ from typing import Any
 
 from pagoda.config import EngineConfig
 from pagoda.engine_setup import EngineParts, build_model_parts, eos_token_ids, resolve_max_model_len
+from pagoda.lora import LoRAError, LoRARequest
 from pagoda.models.loader import load_hf_config, load_tokenizer, resolve_model_path
 from pagoda.pooling import PoolerConfig
 from pagoda.request import Request
 from pagoda.sampler import SamplerOutput
 from pagoda.scheduler import SchedulerOutput
 from pagoda.worker import WorkerSpec, receive, send
-from pagoda.worker_step import WorkerOutput, WorkerStepError, for_workers
+from pagoda.worker_step import LoRAControl, LoRAReply, WorkerOutput, WorkerStepError, for_workers
 
 logger = logging.getLogger("pagoda")
 
@@ -147,22 +148,48 @@ class MultiprocExecutor:
         assert conn is not None
         self.conn = conn
         self.vocab_size = vocab_size
+        self._loras: dict[int, LoRARequest] = {}  # NOTE: what the workers loaded, as they were asked
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Loads an adapter on every worker (each its shard and stage), unless they have it;
+        raises `LoRAError` with a rank's reason if one refuses it (then none keeps it)."""
+        if self._loras.get(request.lora_int_id) == request:
+            return
+        reply = self._control(LoRAControl(request=request))
+        if reply.error is not None:
+            raise LoRAError(reply.error)
+        self._loras[request.lora_int_id] = request
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops an adapter on every worker; whether they had it."""
+        self._loras.pop(lora_int_id, None)
+        reply = self._control(LoRAControl(remove_id=lora_int_id))
+        if reply.error is not None:
+            raise LoRAError(reply.error)
+        return reply.removed
+
+    def _control(self, control: LoRAControl) -> LoRAReply:
+        send(self.conn, control)
+        reply = self._wait()
+        assert isinstance(reply, LoRAReply), reply
+        return reply
 
     def execute(self, out: SchedulerOutput) -> tuple[list[Request], SamplerOutput | None]:
         send(self.conn, for_workers(out, self.vocab_size))
         reply = self._wait()
         if isinstance(reply, WorkerStepError):
             raise WorkerStepFailed(f"{reply.kind}: {reply.message}")
+        assert isinstance(reply, WorkerOutput), reply
         return reply.for_engine(out)
 
-    def _wait(self) -> WorkerOutput | WorkerStepError:
+    def _wait(self) -> WorkerOutput | WorkerStepError | LoRAReply:
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while not self.conn.poll(0.2):
             self.check_workers()
             if time.monotonic() > deadline:
                 raise WorkerDiedError(f"the workers did not answer within {STEP_TIMEOUT_S:g} s")
         try:
-            reply: WorkerOutput | WorkerStepError = receive(self.conn)
+            reply: WorkerOutput | WorkerStepError | LoRAReply = receive(self.conn)
         except (EOFError, OSError) as e:
             # NOTE: rank 0 usually falls because another rank did; name every dead one.
             deadline = time.monotonic() + 3

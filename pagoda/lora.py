@@ -12,9 +12,12 @@ In bf16 on the CPU the one-call native decoder stack adds the updates inside its
 (`NativeDecoder.adapted`, pagoda/csrc/decoder.cpp: the same roundings, products in fp32);
 for a step it does not take, they run as forward hooks on the base projections, layer by layer
 in torch. Prefix-cache blocks are named with the adapter (its id, name and
-folder), so requests share cached KV only with requests of the same adapter. Not served: tensor or
-pipeline parallelism with adapters, adapters on embeddings or the LM head, DoRA, biases,
-per-module rank or alpha patterns (each refused with its reason).
+folder), so requests share cached KV only with requests of the same adapter. Under tensor
+parallelism each rank holds its slice (B's rows of a column-parallel projection's output; A's
+columns of a row-parallel one's input, whose x A^T is summed over the group before B), and
+under pipeline parallelism each stage its layers' updates; the workers load an adapter
+together and refuse it together (worker.py). Not served: adapters on embeddings or the LM head,
+DoRA, biases, per-module rank or alpha patterns (each refused with its reason).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import torch
 from torch import nn
 
 from pagoda.config import LoRAConfig
+from pagoda.distributed.group import ParallelGroup
+from pagoda.layers.tensor_parallel import RowParallelLinear
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -71,10 +76,11 @@ class LoRAUpdate:
     a_t: torch.Tensor
     b_t: torch.Tensor
     start: int
+    reduce: ParallelGroup | None = None  # NOTE: a row-parallel shard's: x . A^T summed over the group
 
     @classmethod
     def of(cls, parts: list[tuple[torch.Tensor, torch.Tensor, int]], scaling: float,
-           device: torch.device) -> LoRAUpdate:
+           device: torch.device, reduce: ParallelGroup | None = None) -> LoRAUpdate:
         """From each adapted part's (A [r, in], B [out part, r], where the part starts), on
         the model's device."""
         rank = parts[0][0].shape[0]
@@ -84,12 +90,15 @@ class LoRAUpdate:
         for i, (_, b, offset) in enumerate(parts):
             b_t[i * rank:(i + 1) * rank, offset - start:offset - start + b.shape[0]] = b.T
         a_t = (torch.cat([a for a, _, _ in parts]) * scaling).T.contiguous()
-        return cls(a_t.to(device), b_t.to(device), start)
+        return cls(a_t.to(device), b_t.to(device), start, reduce)
 
     def add_to(self, y: torch.Tensor, x: torch.Tensor, rows: slice | torch.Tensor) -> None:
         """y[rows] += x[rows]'s update (rows: a slice, or the row indices)."""
         xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-        delta = ((xs.float() @ self.a_t) @ self.b_t).to(y.dtype)
+        mid = xs.float() @ self.a_t
+        if self.reduce is not None:
+            mid = self.reduce.all_reduce(mid)
+        delta = (mid @ self.b_t).to(y.dtype)
         out = y[:, self.start:self.start + self.b_t.shape[1]]
         if isinstance(rows, slice):
             out[rows] += delta
@@ -176,7 +185,9 @@ def check_adapter(request: LoRARequest, max_rank: int) -> tuple[dict[str, Any], 
 
 
 def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAAdapter:
-    """Reads `request`'s PEFT folder and maps its updates onto `model`'s projections."""
+    """Reads `request`'s PEFT folder and maps its updates onto `model`'s projections (this
+    rank's shard of them under tensor parallelism; this stage's layers under pipeline
+    parallelism)."""
     config, rank = check_adapter(request, max_rank)
     alpha = float(config.get("lora_alpha", rank))
     scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
@@ -184,41 +195,71 @@ def load_adapter(request: LoRARequest, model: nn.Module, max_rank: int) -> LoRAA
     for key, tensor in read_adapter_weights(request.lora_path).items():
         stem, kind = module_name(key)
         pairs.setdefault(stem, {})[kind] = tensor
+    if not pairs:
+        raise LoRAError(f"LoRA adapter {request.lora_name!r} holds no lora_A/lora_B weights.")
     adapter = LoRAAdapter(request, rank, scaling)
     found: dict[str, list[tuple[torch.Tensor, torch.Tensor, int]]] = {}
     modules = dict(model.named_modules())
-    packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
     for stem, pair in sorted(pairs.items()):
-        if set(pair) != {"lora_A", "lora_B"}:
-            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {stem} lacks its "
-                            f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight.")
-        parent, _, leaf = stem.rpartition(".")
-        fused, shard = packed.get(leaf, (leaf, None))
-        target = f"{parent}.{fused}" if parent else fused
-        module = modules.get(target)
-        if module is None or not hasattr(module, "in_features"):
-            raise LoRAError(f"LoRA adapter {request.lora_name!r} adapts {stem}, which this model "
-                            "does not have as a projection (embeddings and the LM head are not adapted).")
-        sizes = getattr(module, "output_sizes", [module.out_features])
-        part = 0 if shard is None else shard
-        a, b = pair["lora_A"], pair["lora_B"]
-        if a.shape != (rank, module.in_features) or b.shape != (sizes[part], rank):
-            raise LoRAError(f"LoRA adapter {request.lora_name!r}: {stem}'s A {tuple(a.shape)} and B "
-                            f"{tuple(b.shape)} do not fit rank {rank} and the model's "
-                            f"[{sizes[part]}, {module.in_features}] projection.")
-        found.setdefault(target, []).append((a.float(), b.float(), sum(sizes[:part])))
+        placed = _place(request, stem, pair, rank, model, modules)
+        if placed is not None:
+            target, a, b, offset = placed
+            found.setdefault(target, []).append((a.float(), b.float(), offset))
+    device = next(model.parameters()).device
     for target, parts in found.items():
-        adapter.updates[target] = LoRAUpdate.of(parts, scaling, next(model.parameters()).device)
-    if not adapter.updates:
-        raise LoRAError(f"LoRA adapter {request.lora_name!r} holds no lora_A/lora_B weights.")
+        module = modules[target]
+        tp = getattr(module, "tp", None)
+        # NOTE: a row-parallel projection's x . A^T is a partial sum on each rank: summed over the group.
+        reduce = tp if isinstance(module, RowParallelLinear) and tp is not None and tp.size > 1 else None
+        adapter.updates[target] = LoRAUpdate.of(parts, scaling, device, reduce)
     return adapter
+
+
+def _place(request: LoRARequest, stem: str, pair: dict[str, torch.Tensor], rank: int, model: nn.Module,
+           modules: dict[str, nn.Module]) -> tuple[str, torch.Tensor, torch.Tensor, int] | None:
+    """Where one adapted projection's A and B land: (the model's module, A and B as this rank
+    holds them, the part's first output column); None for a layer another pipeline stage runs."""
+    from pagoda.models.llama import MissingLayer
+
+    if pair.keys() != {"lora_A", "lora_B"}:
+        raise LoRAError(f"LoRA adapter {request.lora_name!r}: {stem} lacks its "
+                        f"{'lora_B' if 'lora_A' in pair else 'lora_A'} weight.")
+    names = stem.split(".")
+    if any(isinstance(modules.get(".".join(names[:i])), MissingLayer) for i in range(1, len(names))):
+        return None
+    packed: dict[str, tuple[str, int]] = getattr(model, "packed_modules", {})
+    parent, _, leaf = stem.rpartition(".")
+    fused, shard = packed.get(leaf, (leaf, None))
+    target = f"{parent}.{fused}" if parent else fused
+    module: Any = modules.get(target)
+    if module is None or not hasattr(module, "in_features"):
+        raise LoRAError(f"LoRA adapter {request.lora_name!r} adapts {stem}, which this model "
+                        "does not have as a projection (embeddings and the LM head are not adapted).")
+    sizes = getattr(module, "output_sizes", [module.out_features])
+    part = 0 if shard is None else shard
+    tp = getattr(module, "tp", None)
+    ranks = tp.size if tp is not None else 1
+    row_parallel = isinstance(module, RowParallelLinear)
+    # NOTE: the checkpoint's whole projection: this rank holds a slice of its input (row-parallel)
+    # or of each part's output (column-parallel).
+    width, height = module.in_features * (ranks if row_parallel else 1), sizes[part] * (1 if row_parallel else ranks)
+    a, b = pair["lora_A"], pair["lora_B"]
+    if a.shape != (rank, width) or b.shape != (height, rank):
+        raise LoRAError(f"LoRA adapter {request.lora_name!r}: {stem}'s A {tuple(a.shape)} and B "
+                        f"{tuple(b.shape)} do not fit rank {rank} and the model's [{height}, {width}] projection.")
+    if ranks > 1 and row_parallel:
+        a = a.narrow(1, module.shard_start, module.in_features)
+    elif ranks > 1:
+        assert tp is not None
+        b = b.narrow(0, tp.rank * sizes[part], sizes[part])
+    return target, a, b, sum(sizes[:part])
 
 
 class LoRAManager:
     """The adapters a runner serves, and the hooks that add their updates in a step.
 
     Args:
-        model: the model (one process: tensor and pipeline parallelism take no adapters).
+        model: the model (this rank's shard and stage under tensor or pipeline parallelism).
         config: the engine's LoRA settings.
     """
 

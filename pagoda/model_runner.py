@@ -21,7 +21,7 @@ from pagoda.layers.attention_backend import (
     NativeAttentionBackend,
     TorchAttentionBackend,
 )
-from pagoda.lora import LoRAManager
+from pagoda.lora import LoRAError, LoRAManager, LoRARequest
 from pagoda.model_inputs import InputPreparer, ModelInputs
 from pagoda.models.llama import Intermediate
 from pagoda.models.native_decoder import NativeDecoder
@@ -78,11 +78,26 @@ class ModelRunner:
         self.native_refusal: str | None = None  # why the model has no native decoder stack
         self.sampler = Sampler()
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
+
         self.attention_backend = attention_backend_for(model, block_size, device, self.use_cpu_kernel)
         self.preparer = InputPreparer(block_size, device, self.attention_backend)
         self.max_threads = torch.get_num_threads()
         if self.use_cpu_kernel:
             cpu_kernels.ops.set_num_threads(self.max_threads)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Loads a LoRA adapter now, if it is not loaded (raises `LoRAError` if it cannot be served)."""
+        self._lora(request.lora_name).adapter(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Drops a loaded adapter; whether it was loaded."""
+        return self._lora(str(lora_int_id)).adapters.pop(lora_int_id, None) is not None
+
+    def _lora(self, name: str) -> LoRAManager:
+        if self.lora is None:
+            raise LoRAError(f"LoRA adapter {name!r} asked for, but this engine serves none "
+                            "(enable_lora / --enable-lora).")
+        return self.lora
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       kv_groups: list[int] | None = None) -> None:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from pagoda.config import EngineConfig
 from pagoda.distributed import launch
 from pagoda.scheduler import SchedulerOutput
-from pagoda.worker_step import WorkerOutput, WorkerStepError
+from pagoda.worker_step import LoRAControl, LoRAReply, WorkerOutput, WorkerStepError
 
 if TYPE_CHECKING:
     from pagoda.model_inputs import ModelInputs
@@ -141,6 +141,24 @@ class Shard:
         finally:
             torch.set_num_threads(self.runner.max_threads)
 
+    def lora_control(self, control: LoRAControl) -> LoRAReply:
+        """Loads or drops an adapter on this rank; every rank answers the same (a rank that
+        refuses an adapter makes every rank drop it)."""
+        error, removed = None, False
+        try:
+            if control.request is not None:
+                self.runner.add_lora(control.request)
+            elif control.remove_id is not None:
+                removed = self.runner.remove_lora(control.remove_id)
+        except (ValueError, OSError) as exc:  # NOTE: LoRAError is a ValueError
+            error = str(exc)
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        refused = next((e for e in errors if e is not None), None)
+        if refused is not None and control.request is not None and error is None:
+            self.runner.remove_lora(control.request.lora_int_id)
+        return LoRAReply(refused, removed)
+
     def _forward(self, inputs: ModelInputs) -> LastStageOutput | Intermediate | WorkerStepError:
         """This stage's forward, or why it (or a stage before it) failed."""
         intermediate = None if self.stage.is_first else self._receive(inputs.num_tokens)
@@ -204,6 +222,11 @@ def run_worker(spec: WorkerSpec, conn: Connection | None) -> None:
         dist.broadcast_object_list(message, src=0)
         if message[0] is None:
             break
+        if isinstance(message[0], LoRAControl):
+            reply = shard.lora_control(message[0])
+            if conn is not None:
+                send(conn, reply)
+            continue
         _answer(shard, spec.rank, conn, shard.step(message[0]))
     launch.leave()
 

@@ -9,9 +9,9 @@ states, pooled requests' parts of their vectors), never logits.
 
 What a worker cannot hold is computed here, in the engine, before the step: a grammar's
 bitmask rows (`MaskedGrammar`: the sampling row, or one row per draft position), and a
-seeded generator's state, which the worker's sampler advances and sends back. Nothing is
-kept in the workers between steps, so a rerun of a failed step (isolation.py) sends the same
-copies again.
+seeded generator's state, which the worker's sampler advances and sends back. Nothing but
+LoRA adapters (loaded by a `LoRAControl` between steps) is kept in the workers between steps,
+so a rerun of a failed step (isolation.py) sends the same copies again.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import cast
 
 import torch
 
+from pagoda.lora import LoRARequest
 from pagoda.pooling import PooledPart, PoolingParams
 from pagoda.request import Request
 from pagoda.sampler import SamplerOutput, TokenLogprobs
@@ -69,9 +70,8 @@ class WorkerRequest:
     grammar: MaskedGrammar | None = None
     pooling_params: PoolingParams | None = None
     num_pooled_tokens: int = 0
+    lora_request: LoRARequest | None = None
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
-    # NOTE: LoRA adapters are served in one process only (config.py): a worker's copy has none.
-    lora_request: None = field(default=None, init=False, repr=False)
 
     @property
     def generator(self) -> torch.Generator | None:
@@ -128,7 +128,7 @@ def worker_request(request: Request, num_tokens: int, draft: list[int],
         request.num_prompt_logprobs,
         request.prompt_token_ids if params.prompt_logprobs is not None else [],
         state_bytes(request.generator) if samples and request.generator is not None else None,
-        grammar, request.pooling_params, request.num_pooled_tokens)
+        grammar, request.pooling_params, request.num_pooled_tokens, request.lora_request)
 
 
 def for_workers(out: SchedulerOutput, vocab_size: int) -> SchedulerOutput:
@@ -140,6 +140,24 @@ def for_workers(out: SchedulerOutput, vocab_size: int) -> SchedulerOutput:
         copy.add(cast(Request, worker_request(request, num_tokens, draft, vocab_size)), num_tokens,
                  draft)
     return copy
+
+
+@dataclass(frozen=True)
+class LoRAControl:
+    """Between steps: load `request`'s adapter on every rank, or drop adapter `remove_id`.
+    Each rank loads its shard and stage of it; they agree, so a refusal is every rank's."""
+
+    request: LoRARequest | None = None
+    remove_id: int | None = None
+
+
+@dataclass(frozen=True)
+class LoRAReply:
+    """The ranks' agreed answer to a `LoRAControl`: why a rank refused the adapter, or None;
+    whether a removed adapter was loaded."""
+
+    error: str | None = None
+    removed: bool = False
 
 
 @dataclass

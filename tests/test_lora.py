@@ -201,8 +201,39 @@ def test_an_engine_without_adapters_refuses_a_lora_request(tiny_llama: Path, ada
     with pytest.raises(LoRAError, match="enable_lora"):
         plain.generate(prompts(1), GREEDY, use_tqdm=False,
                        lora_request=LoRARequest("all", 1, str(adapters["all"])))
-    with pytest.raises(ValueError, match="not with tensor or pipeline parallelism"):
-        LLM(str(tiny_llama), enable_lora=True, tensor_parallel_size=2)
+
+
+def _parallel_adapters(tiny_llama: Path, adapters: dict[str, Path], **parallel: int) -> None:
+    """Two adapters and the base model in one batch, served by parallel workers: the tokens
+    merged weights give (as one process); a bad adapter refused by every rank, the engine going on."""
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=256, num_kv_blocks=64, enable_lora=True,
+              max_lora_rank=8, **parallel)
+    try:
+        ps = prompts(3)
+        a, b = LoRARequest("all", 1, str(adapters["all"])), LoRARequest("attn", 2, str(adapters["attn"]))
+        got = [o.outputs[0].token_ids for o in llm.generate(ps, GREEDY, use_tqdm=False, lora_request=[a, b, None])]
+        want = [merged_greedy(tiny_llama, adapters[name] if name else None, ps, 12)[i]
+                for i, name in enumerate(("all", "attn", None))]
+        assert got == want
+        too_big = LoRARequest("big", 3, str(write_adapter(adapters["all"].parent / "big", tiny_llama, ALL, rank=16)))
+        with pytest.raises(LoRAError, match="rank 16; this server takes ranks 1-8"):
+            llm.generate(ps[:1], GREEDY, use_tqdm=False, lora_request=too_big)
+        assert llm.engine.remove_lora(1) and not llm.engine.remove_lora(1)
+        again = llm.generate(ps[:1], GREEDY, use_tqdm=False, lora_request=a)  # NOTE: loaded again
+        assert again[0].outputs[0].token_ids == want[0]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_tensor_parallel_workers_serve_adapters(tiny_llama: Path, adapters: dict[str, Path]):
+    """TP=2: column-parallel projections take their B's rows, row-parallel ones their A's
+    columns with x A^T summed over the group."""
+    _parallel_adapters(tiny_llama, adapters, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_stages_serve_their_layers_updates(tiny_llama: Path, adapters: dict[str, Path]):
+    _parallel_adapters(tiny_llama, adapters, pipeline_parallel_size=2)
 
 
 def test_the_server_serves_adapters_by_name(tiny_llama: Path, adapters: dict[str, Path]):
