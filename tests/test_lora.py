@@ -20,6 +20,7 @@ from conftest import hf_greedy_generate
 from safetensors.torch import save_file
 
 from pagoda import LLM, SamplingParams
+from pagoda.distributed.group import ParallelGroup, PipelineStage
 from pagoda.lora import LoRAError, LoRARequest
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -225,9 +226,59 @@ def _parallel_adapters(tiny_llama: Path, adapters: dict[str, Path], **parallel: 
         llm.engine.shutdown()
 
 
+class _Unsummed(ParallelGroup):
+    """A rank of a group of two whose all-reduce the test does itself (it sums the ranks' results)."""
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_each_rank_and_stage_loads_its_slice_of_an_adapter(tiny_llama: Path, adapters: dict[str, Path]):
+    """In one process, no workers: rank r of TP=2 holds the rows of each column-parallel part's
+    update (q, k, v, gate, up) that its shard outputs, and a row-parallel (o, down) update whose
+    partial x A^T, summed over the ranks, gives the whole update; a pipeline stage holds only its
+    layers' updates."""
+    from pagoda.lora import load_adapter
+    from pagoda.models.loader import load_hf_config, load_model
+
+    cfg = load_hf_config(str(tiny_llama))
+    request = LoRARequest("all", 1, str(adapters["all"]))
+
+    def build(**parallel: object) -> torch.nn.Module:
+        return load_model(str(tiny_llama), cfg, torch.float32, torch.device("cpu"), 256, **parallel)
+
+    one = load_adapter(request, build(), 8)
+    ranks = [load_adapter(request, build(tp=_Unsummed(rank=r, size=2)), 8) for r in range(2)]
+    modules = dict(build().named_modules())
+    x = torch.randn(3, 4096, generator=torch.Generator().manual_seed(0))
+    for target, update in one.updates.items():
+        module = modules[target]
+        whole = torch.zeros(3, module.out_features)
+        update.add_to(whole, x[:, :module.in_features], slice(0, 3))
+        row_parallel = target.endswith(("o_proj", "down_proj"))
+        parts = []
+        for r, adapter in enumerate(ranks):
+            mine = adapter.updates[target]
+            assert (mine.reduce is not None) == row_parallel
+            width = module.in_features // 2 if row_parallel else module.in_features
+            out = torch.zeros(3, module.out_features if row_parallel else module.out_features // 2)
+            mine.add_to(out, x[:, r * width:(r + 1) * width] if row_parallel else x[:, :width], slice(0, 3))
+            parts.append(out)
+        if row_parallel:
+            torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
+        else:  # NOTE: rank r's columns: its half of each fused part, parts in order
+            sizes = getattr(module, "output_sizes", [module.out_features])
+            starts = [sum(sizes[:i]) for i in range(len(sizes))]
+            for r, out in enumerate(parts):
+                cols = torch.cat([torch.arange(a + r * n // 2, a + (r + 1) * n // 2) for a, n in zip(starts, sizes, strict=True)])
+                torch.testing.assert_close(out, whole[:, cols], rtol=1e-5, atol=1e-5)
+    last = load_adapter(request, build(stage=PipelineStage(index=1, size=2, first_layer=1)), 8)
+    assert last.updates and set(last.updates) == {t for t in one.updates if not t.startswith("layers.0.")}
+
+
+@pytest.mark.slow
 def test_tensor_parallel_workers_serve_adapters(tiny_llama: Path, adapters: dict[str, Path]):
-    """TP=2: column-parallel projections take their B's rows, row-parallel ones their A's
-    columns with x A^T summed over the group."""
+    """TP=2 in worker processes (23 s here; the slicing is checked in one process above)."""
     _parallel_adapters(tiny_llama, adapters, tensor_parallel_size=2)
 
 
