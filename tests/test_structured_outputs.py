@@ -16,6 +16,7 @@ import time
 import jsonschema
 import pytest
 import torch
+from conftest import NEEDS_SMOLLM2, NO_SMOLLM2
 
 from pagoda import LLM, SamplingParams
 from pagoda.structured_output import (
@@ -387,6 +388,8 @@ def test_without_sandbox_workers_grammars_compile_in_process(smollm2_tokenizer_d
 # ---- the real SmolLM2 ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smollm2() -> LLM:
+    if NO_SMOLLM2:
+        pytest.skip(NEEDS_SMOLLM2)
     return LLM("smollm2", max_model_len=1024, kv_cache_memory="256MiB")
 
 
