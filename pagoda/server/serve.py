@@ -401,7 +401,7 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
 def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
     lora = parser.add_argument_group("LoRA adapters (pagoda/lora.py)")
     lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
-                      help="serve LoRA adapters beside the base model (one process: no TP/PP)")
+                      help="serve LoRA adapters beside the base model (TP/PP too: each rank its slice)")
     lora.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                       help="adapters the API answers to by name (a request's `model`): NAME=PATH "
                            "or vLLM's JSON {\"name\": ..., \"path\": ..., \"base_model_name\": ...}")
