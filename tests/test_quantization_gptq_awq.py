@@ -10,7 +10,9 @@ plain float checkpoint. Then:
 - greedy generation in fp32 (torch path) equals the float checkpoint's token for token, and
   every prompt logprob is within 0.03 of it (the int4 product rounds x to bf16, and m is f16);
   on the native kernels (bf16, x rounded to int8 codes) within 0.15;
-- bad configs and act-order g_idx are clear errors.
+- act order (GPTQ's desc_act: each group's input columns scattered by `g_idx`) loads the same
+  way, its layers gathering x's columns (the fused parts share one order, as GPTQ makes them);
+- bad configs and a g_idx whose groups are not group_size wide are clear errors.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from pagoda.layers.linear import Linear
 from pagoda.layers.quantization.gptq_awq import checkpoint_quantization, resolve_quantization
-from pagoda.layers.quantization.methods import PackedLinearMethod
+from pagoda.layers.quantization.methods import InputPermutedMethod, PackedLinearMethod
 
 VOCAB, HIDDEN, INTERMEDIATE, LAYERS = 96, 128, 256, 2
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -53,13 +55,13 @@ def quantize_groups(w: torch.Tensor, group_size: int, sym: bool, min_zero: int
     return q.reshape(n, k), z.t().contiguous(), s.t().contiguous()
 
 
-def gptq_tensors(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group_size: int, v2: bool
-                 ) -> dict[str, torch.Tensor]:
+def gptq_tensors(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, group_size: int, v2: bool,
+                 g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     n, k = q.shape
     stored = z if v2 else (z - 1) & 15  # NOTE: v1 stores z - 1
     return {"qweight": pack_words(q.t().reshape(k // 8, 8, n).transpose(1, 2)),
             "qzeros": pack_words(stored.reshape(z.shape[0], n // 8, 8)),
-            "scales": s, "g_idx": torch.arange(k, dtype=torch.int32) // group_size}
+            "scales": s, "g_idx": torch.arange(k, dtype=torch.int32) // group_size if g_idx is None else g_idx}
 
 
 def awq_tensors(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -95,7 +97,11 @@ FORMATS = {
     "gptq-sym-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True, "desc_act": False}, True),
     "gptq-asym-g128": ({"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": False, "desc_act": False}, False),
     "awq-g64": ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}, False),
+    "gptq-act-g32": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False, "desc_act": True}, False),
 }
+# NOTE: act order: the layers that read one input share its column order (GPTQ sorts by the input's Hessian)
+INPUTS = {"self_attn.q_proj": "attn", "self_attn.k_proj": "attn", "self_attn.v_proj": "attn", "self_attn.o_proj": "o",
+          "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp", "mlp.down_proj": "down"}
 
 
 def checkpoints(root: Path, name: str) -> tuple[Path, Path, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
@@ -117,13 +123,20 @@ def checkpoints(root: Path, name: str) -> tuple[Path, Path, dict[str, tuple[torc
                           "mlp.gate_proj": (INTERMEDIATE, HIDDEN), "mlp.up_proj": (INTERMEDIATE, HIDDEN),
                           "mlp.down_proj": (HIDDEN, INTERMEDIATE)}.get(linear, (HIDDEN, HIDDEN))
             w = torch.randn(rows, cols, generator=gen) * 0.15
-            q, z, s = quantize_groups(w, config["group_size"], sym, min_zero=1 if name.startswith("gptq") else 0)
-            expand = config["group_size"]
-            z_full, s_full = z.t().repeat_interleave(expand, 1), s.t().float().repeat_interleave(expand, 1)
+            gs = config["group_size"]
+            # NOTE: act order quantizes the columns in `order`, group by group; identity otherwise
+            order = (torch.randperm(cols, generator=torch.Generator().manual_seed(hash((layer, INPUTS[linear])) % 2**31))
+                     if config.get("desc_act") else torch.arange(cols))
+            q_in_order, z, s = quantize_groups(w[:, order], gs, sym, min_zero=1 if name.startswith("gptq") else 0)
+            q = torch.empty_like(q_in_order)
+            q[:, order] = q_in_order
+            g_idx = torch.empty(cols, dtype=torch.int32)
+            g_idx[order] = (torch.arange(cols) // gs).to(torch.int32)
+            z_full, s_full = z.t()[:, g_idx.long()], s.t().float()[:, g_idx.long()]
             prefix = f"model.layers.{layer}.{linear}"
             floats[f"{prefix}.weight"] = (q - z_full).float() * s_full
             reference[f"layers.{layer}.{linear}"] = (floats[f"{prefix}.weight"], z_full.float() * s_full)
-            packed = gptq_tensors(q, z, s, config["group_size"], v2=False) if name.startswith("gptq") \
+            packed = gptq_tensors(q, z, s, gs, v2=False, g_idx=g_idx) if name.startswith("gptq") \
                 else awq_tensors(q, z, s)
             quantized.update({f"{prefix}.{part}": t for part, t in packed.items()})
             if name.startswith("gptq"):
@@ -176,8 +189,10 @@ def test_packed_layers_dequantize_to_the_reference(name: str, written) -> None:
     config, sym = FORMATS[name]
     for layer_name, layer in linears.items():
         method = layer.method
-        assert isinstance(method, PackedLinearMethod)
-        assert (method.scheme, method.group_size, method.offsets) == ("int4", config["group_size"], None)
+        assert isinstance(method, InputPermutedMethod) == bool(config.get("desc_act"))
+        inner = method.inner if isinstance(method, InputPermutedMethod) else method
+        assert isinstance(inner, PackedLinearMethod)
+        assert (inner.scheme, inner.group_size, inner.offsets) == ("int4", config["group_size"], None)
         assert not layer.weight.numel() and layer.weight.dtype == torch.uint8  # codes loaded as bytes, freed
         got, (want, zs) = method.dequantize(torch.float32), fused_reference(reference, layer_name)
         exact = zs.to(torch.float16).float() == zs
@@ -186,7 +201,7 @@ def test_packed_layers_dequantize_to_the_reference(name: str, written) -> None:
         assert exact.all() or not sym
 
 
-@pytest.mark.parametrize("name", ["awq-g64", "gptq-asym-g128"])
+@pytest.mark.parametrize("name", ["awq-g64", "gptq-asym-g128", "gptq-act-g32"])
 def test_generation_equals_the_dequantized_float_model(name: str, written, torch_path) -> None:
     from pagoda import LLM, SamplingParams
 
@@ -205,17 +220,21 @@ def test_generation_equals_the_dequantized_float_model(name: str, written, torch
     assert max(diffs) <= 0.03, diffs
 
 
-def test_generation_on_the_native_kernels(written) -> None:
+@pytest.mark.parametrize("name", ["awq-g64", "gptq-act-g32"])
+def test_generation_on_the_native_kernels(name: str, written) -> None:
     """The default path here (the CPU kernels' int4 GEMV, bf16): the same records, x rounded
-    to int8 codes by groups of 32 on AVX2; measured 0.06 from the float model (AWQ, bf16)."""
+    to int8 codes by groups of 32 on AVX2; measured 0.06 from the float model (AWQ, bf16).
+    Act order's layers gather x's columns, so its model keeps the layer path."""
     from pagoda import LLM, SamplingParams
     from pagoda.layers import cpu_kernels
 
     if cpu_kernels.library() is None:
         pytest.skip("no CPU kernels")
-    packed_dir, float_dir, _ = written("awq-g64")
+    packed_dir, float_dir, _ = written(name)
     engine = dict(dtype="bfloat16", num_kv_blocks=16, max_model_len=64)
     packed, plain = LLM(str(packed_dir), **engine), LLM(str(float_dir), **engine)
+    if name == "gptq-act-g32":
+        assert packed.engine.runner.native_decoder is None and "act order" in str(packed.engine.runner.native_refusal)
     prompt = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
     want, got = (llm.generate([prompt], params, use_tqdm=False)[0] for llm in (plain, packed))
@@ -256,15 +275,25 @@ def test_quantization_is_found_from_the_config_and_may_not_contradict_it() -> No
 
 
 @pytest.mark.parametrize("g_idx_first", [True, False])
-def test_act_order_g_idx_is_refused(g_idx_first: bool) -> None:
+def test_act_order_loads_whatever_the_tensors_order(g_idx_first: bool) -> None:
+    """The layer waits for its g_idx (named in the checkpoint) before or after its other
+    tensors; its codes come back in group order with the permutation; groups of the wrong
+    width are refused."""
     from pagoda.layers.quantization.gptq_awq import CheckpointQuant, iter_checkpoint_weights
 
     q, z, s = quantize_groups(torch.randn(64, 64), 32, True, 1)
     tensors = gptq_tensors(q, z, s, 32, v2=False)
     tensors["g_idx"] = tensors["g_idx"].flip(0)
     names = sorted(tensors, key=lambda k: (k != "g_idx") == g_idx_first)
-    with pytest.raises(ValueError, match="g_idx permutes the inputs"):
-        list(iter_checkpoint_weights(iter((f"x.{k}", tensors[k]) for k in names), CheckpointQuant("gptq", 32, 1)))
+    quant = CheckpointQuant("gptq", 32, 1)
+    out = dict(iter_checkpoint_weights(iter((f"x.{k}", tensors[k]) for k in names), quant,
+                                       [f"x.{k}" for k in names]))
+    perm = out["x.input_perm"]
+    assert torch.equal(perm, torch.arange(64).flip(0).reshape(2, 32).flip(1).flatten())  # group 0's columns first
+    assert torch.equal(out["x.weight"], q[:, perm].to(torch.uint8))
+    tensors["g_idx"] = torch.tensor([0] * 40 + [1] * 24, dtype=torch.int32)
+    with pytest.raises(ValueError, match="does not put 32 input columns in each group"):
+        list(iter_checkpoint_weights(iter((f"x.{k}", tensors[k]) for k in names), quant, [f"x.{k}" for k in names]))
 
 
 def test_cli_names() -> None:

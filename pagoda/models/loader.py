@@ -279,8 +279,9 @@ def load_model(path: str, hf_config: object, dtype: torch.dtype, device: torch.d
         packed = prepare_gguf_load(model, gguf_tensor_types(path))
     weights = iter_weights(path, packed)
     if quant is not None:
-        prepare_checkpoint_load(model, quant, checkpoint_tensor_names(path))
-        weights = iter_checkpoint_weights(weights, quant)
+        names = checkpoint_tensor_names(path)
+        prepare_checkpoint_load(model, quant, names)
+        weights = iter_checkpoint_weights(weights, quant, names)
     load_weights(model, weights, skip_extra_bias=quant is not None)
     if packed is not None or quant is not None:
         finish_gguf_load(model, quant.method.upper() if quant is not None else "GGUF")

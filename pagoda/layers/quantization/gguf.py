@@ -56,7 +56,7 @@ from torch import nn
 
 from pagoda.layers.linear import UNQUANTIZED, Linear
 from pagoda.layers.quantization import packing
-from pagoda.layers.quantization.methods import PackedLinearMethod
+from pagoda.layers.quantization.methods import InputPermutedMethod, PackedLinearMethod
 
 if TYPE_CHECKING:
     from pagoda.models.gguf_blocks import Blocks
@@ -201,7 +201,12 @@ def finish_gguf_load(model: nn.Module, source: str = "GGUF") -> None:
             if hasattr(layer, name):
                 delattr(layer, name)
         layer.method = packed_method(fmt, layer.weight.data, d, m)
-        used[fmt.describe()] += 1
+        perm = getattr(layer, "input_perm", None)
+        if perm is not None:
+            del layer.input_perm
+            if not torch.equal(perm.data, torch.arange(perm.numel(), device=perm.device)):
+                layer.method = InputPermutedMethod(layer.method, perm.data)
+        used[fmt.describe() + (", act order" if isinstance(layer.method, InputPermutedMethod) else "")] += 1
     if used:
         logger.info("%s-packed layers by record format: %s", source,
                     ", ".join(f"{n} {f}" for f, n in used.items()))

@@ -20,9 +20,17 @@ The settings come from config.json's `quantization_config` (as vLLM detects them
 an older checkpoint's quantize_config.json (GPTQ) or quant_config.json (AWQ) beside it.
 
 Refused with a clear error: bits other than 4, group sizes other than 32/64/128 (the int4
-records'), act-order checkpoints whose `g_idx` is not k // group_size (a permuted K; desc_act
-with a trivial g_idx loads), AWQ other than "gemm" or without zero points, other
-`quant_method`s, and a `--quantization` that contradicts the checkpoint's.
+records'), AWQ other than "gemm" or without zero points, other `quant_method`s, and a
+`--quantization` that contradicts the checkpoint's.
+
+Act order (GPTQ's desc_act): `g_idx` puts each input column k in group g_idx[k], the groups
+holding group_size columns each but scattered over K. The codes' columns are reordered so that
+each group's lie together (`input_perm`, a stable argsort of g_idx: exact, the same records),
+and the layer gathers x's columns the same way before its product (`InputPermutedMethod`). The
+fused parts of one layer share their input, hence their permutation (GPTQ's order follows the
+input's Hessian); parts with different ones are refused, and so is a row-parallel shard
+under tensor parallelism (its K split across ranks). Such layers run layer by layer (the
+native decoder stack takes no permutation).
 """
 
 from __future__ import annotations
@@ -189,8 +197,11 @@ def prepare_checkpoint_load(model: nn.Module, quant: CheckpointQuant, names: Ite
         ValueError: a fused layer with quantized and float parts, or a layer whose input size
             the int4 records cannot hold.
     """
+    names = list(names)
     quantized = {name.removeprefix("model.").removesuffix(".qweight") + ".weight": quant.method
                  for name in names if name.endswith(".qweight")}
+    ordered = {name.removeprefix("model.").removesuffix(".g_idx") + ".weight"
+               for name in names if name.endswith(".g_idx")}
     tied = getattr(getattr(model, "dims", None), "tie_word_embeddings", False)
     packed_modules = getattr(model, "packed_modules", {})
     count = 0
@@ -208,6 +219,8 @@ def prepare_checkpoint_load(model: nn.Module, quant: CheckpointQuant, names: Ite
         if why:
             raise ValueError(f"{quant.method} checkpoint: {module_name} cannot be held as int4 records: {why}.")
         prepare_linear(layer, quant.fmt)
+        if any(s in ordered for s in sources):
+            _add_perm_param(layer)
         if not (tied and module_name == "lm_head"):
             # NOTE: the codes load into bytes: the float buffer the layer was built with, never
             # written, is never committed, so loading peaks near the packed size, not the float
@@ -218,29 +231,26 @@ def prepare_checkpoint_load(model: nn.Module, quant: CheckpointQuant, names: Ite
     return count
 
 
-def iter_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], quant: CheckpointQuant
-                            ) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], quant: CheckpointQuant,
+                            names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each quantized layer's `qweight`/`qzeros`/`scales`
-    (and `g_idx`) turned into `weight` (codes), `weight_scale` and `weight_zero`, the other
-    tensors as they are.
+    (and `g_idx`, where `names` has one) turned into `weight` (codes), `weight_scale`,
+    `weight_zero` (and `input_perm`), the other tensors as they are.
 
     Raises:
-        ValueError: a permuted `g_idx` (act order), or a layer missing one of its tensors.
+        ValueError: a `g_idx` whose groups are not group_size columns each, or a layer missing
+            one of its tensors.
     """
+    with_g_idx = {name.removesuffix(".g_idx") for name in names if name.endswith(".g_idx")}
     pending: dict[str, dict[str, torch.Tensor]] = {}
-    done: set[str] = set()
     for name, tensor in weights:
         prefix, _, leaf = name.rpartition(".")
         if leaf not in (*PARTS, "g_idx"):
             yield name, tensor
             continue
-        if leaf == "g_idx" and prefix in done:  # NOTE: after its layer's tensors (another order)
-            _check_g_idx(prefix, tensor, quant)
-            continue
         parts = pending.setdefault(prefix, {})
         parts[leaf] = tensor
-        if all(p in parts for p in PARTS):
-            done.add(prefix)
+        if all(p in parts for p in PARTS) and ("g_idx" in parts or prefix not in with_g_idx):
             yield from _layer_tensors(prefix, pending.pop(prefix), quant)
     if pending:
         raise ValueError(f"{quant.method} checkpoint: layers missing some of {list(PARTS)}: "
@@ -249,18 +259,48 @@ def iter_checkpoint_weights(weights: Iterator[tuple[str, torch.Tensor]], quant: 
 
 def _layer_tensors(prefix: str, parts: dict[str, torch.Tensor], quant: CheckpointQuant
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    if "g_idx" in parts:
-        _check_g_idx(prefix, parts["g_idx"], quant)
     codes, d, m = to_records(quant, parts)
+    if "g_idx" in parts:
+        perm = act_order(prefix, parts["g_idx"], quant)
+        yield f"{prefix}.input_perm", perm
+        codes = codes[:, perm]
     yield f"{prefix}.weight", codes
     yield f"{prefix}.weight_scale", d
     yield f"{prefix}.weight_zero", m
 
 
-def _check_g_idx(prefix: str, g_idx: torch.Tensor, quant: CheckpointQuant) -> None:
-    """Raises ValueError unless `g_idx` is k // group_size (no act-order permutation)."""
-    trivial = torch.arange(g_idx.numel(), dtype=torch.int64) // quant.group_size
-    if not torch.equal(g_idx.to(torch.int64), trivial):
-        raise ValueError(f"{quant.method} checkpoint: {prefix}.g_idx permutes the inputs (act order, "
-                         "desc_act=true); pagoda's int4 records need g_idx = k // group_size. "
-                         "Re-quantize with desc_act=false.")
+def act_order(prefix: str, g_idx: torch.Tensor, quant: CheckpointQuant) -> torch.Tensor:
+    """The input columns in group order (int64 [K]: arange(K) where g_idx is k // group_size).
+
+    Raises:
+        ValueError: unless every group holds group_size columns.
+    """
+    g = g_idx.to(torch.int64)
+    perm = torch.argsort(g, stable=True)
+    if not torch.equal(g[perm], torch.arange(g.numel(), dtype=torch.int64) // quant.group_size):
+        raise ValueError(f"{quant.method} checkpoint: {prefix}.g_idx does not put {quant.group_size} "
+                         "input columns in each group (group_size).")
+    return perm
+
+
+def _add_perm_param(layer: Linear) -> None:
+    """The layer's `input_perm` (act order), loaded once per fused part: the parts must agree."""
+    from pagoda.layers.tensor_parallel import RowParallelLinear
+
+    param = nn.Parameter(torch.full((layer.in_features,), -1, dtype=torch.int64, device=layer.weight.device),
+                         requires_grad=False)
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, *shard: int) -> None:
+        if isinstance(layer, RowParallelLinear) and layer.tp.size > 1:
+            if torch.equal(loaded, torch.arange(loaded.numel(), device=loaded.device)):
+                param.data.copy_(torch.arange(param.numel()))  # NOTE: no act order: this shard's columns as they are
+                return
+            raise ValueError("An act-order (desc_act) checkpoint's row-parallel layers cannot be split "
+                             "across tensor-parallel ranks here; serve it with tensor_parallel_size=1.")
+        if int(param.data[0]) >= 0 and not torch.equal(param.data, loaded.to(param.device)):
+            raise ValueError("An act-order (desc_act) checkpoint's fused parts (q/k/v or gate/up) have "
+                             "different g_idx orders; pagoda's fused layers need one.")
+        param.data.copy_(loaded)
+
+    param.weight_loader = load  # type: ignore[attr-defined]
+    layer.input_perm = param

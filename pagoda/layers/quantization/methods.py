@@ -241,3 +241,31 @@ class Fp8LinearMethod:
 
     def weight_bytes(self) -> int:
         return self.weight.numel() + 4 * self.scale.numel()
+
+
+class InputPermutedMethod:
+    """A packed method whose weight's input columns were reordered (GPTQ's act order: each
+    group's columns together, gptq_awq.py): x's columns are gathered the same way before the
+    product. No native weight: the decoder stack, which takes none, leaves such layers to the
+    layer path."""
+
+    def __init__(self, inner: PackedLinearMethod, perm: torch.Tensor) -> None:
+        self.inner, self.perm = inner, perm
+
+    @property
+    def name(self) -> str:
+        return f"{self.inner.name}, act order"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.inner.apply(layer, x.index_select(-1, self.perm), bias)
+
+    def weight_bytes(self) -> int:
+        return self.inner.weight_bytes() + self.perm.numel() * self.perm.element_size()
+
+    def dequantize(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """The dense weight in the checkpoint's column order."""
+        w = self.inner.dequantize(dtype, native, rows)
+        out = torch.empty_like(w)
+        out[..., self.perm] = w
+        return out
