@@ -46,7 +46,7 @@ void route(const MoeLayer& m, const bf16* logits, int64_t T, float* weights, int
       int64_t best = -1;
       for (int64_t e = 0; e < E; ++e) {
         if (std::find(id, id + j, e) != id + j) continue;
-        if (best < 0 || p[e] > p[best]) best = e;  // NOTE: NaN never wins; equals keep the lower id
+        if (best < 0 || p[e] > p[best]) best = e;  // NOTE: among equals the lower id stays
       }
       id[j] = best;
       chosen += w[j] = p[best];
