@@ -224,24 +224,28 @@ def test_generation_equals_the_dequantized_float_model(name: str, written, torch
 def test_generation_on_the_native_kernels(name: str, written) -> None:
     """The default path here (the CPU kernels' int4 GEMV, bf16): the same records, x rounded
     to int8 codes by groups of 32 on AVX2; measured 0.06 from the float model (AWQ, bf16).
-    Act order's layers gather x's columns, so its model keeps the layer path."""
+    Act order's layers gather x's columns, inside the native decoder stack too: the stack's
+    tokens and logprobs are the layer path's exactly."""
     from pagoda import LLM, SamplingParams
     from pagoda.layers import cpu_kernels
 
     if cpu_kernels.library() is None:
         pytest.skip("no CPU kernels")
     packed_dir, float_dir, _ = written(name)
-    engine = dict(dtype="bfloat16", num_kv_blocks=16, max_model_len=64)
-    packed, plain = LLM(str(packed_dir), **engine), LLM(str(float_dir), **engine)
-    if name == "gptq-act-g32":
-        assert packed.engine.runner.native_decoder is None and "act order" in str(packed.engine.runner.native_refusal)
+    engine = dict(dtype="bfloat16", num_kv_blocks=16, max_model_len=64, enable_prefix_caching=False)
+    packed, plain, layered = (LLM(str(d), **engine) for d in (packed_dir, float_dir, packed_dir))
+    runner = packed.engine.runner
+    assert runner.native_decoder is not None, runner.native_refusal
+    layered.engine.runner.native_decoder = None
     prompt = torch.randint(3, VOCAB, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0)
-    want, got = (llm.generate([prompt], params, use_tqdm=False)[0] for llm in (plain, packed))
+    want, got, by_layers = (llm.generate([prompt], params, use_tqdm=False)[0] for llm in (plain, packed, layered))
     assert len(got.outputs[0].token_ids) == 8
     diffs = [abs(got.prompt_logprobs[i][t].logprob - want.prompt_logprobs[i][t].logprob)  # type: ignore[index]
              for i, t in enumerate(prompt) if i]
     assert max(diffs) <= 0.15, diffs
+    assert got.outputs[0].token_ids == by_layers.outputs[0].token_ids
+    assert got.prompt_logprobs == by_layers.prompt_logprobs
 
 
 def config_with(quantization_config: dict | None) -> object:

@@ -73,7 +73,8 @@ enum Arch : int64_t { kLlama = 0, kGemma3 = 1 };
 
 struct LinearWeight {
   GemmWeight weight;
-  const void* bias;  // bf16 [n] or null
+  const void* bias;      // bf16 [n] or null
+  const int64_t* perm;   // [k]: the input columns the weight's columns read (GPTQ act order), or null
 };
 
 struct DecoderLayer {
@@ -148,9 +149,18 @@ struct DecodeStep {
   int64_t num_lora_runs;
 };
 
-// y[M, n] (row stride n) = x[M, k] . W^T (+ bias).
+// y[M, n] (row stride n) = x[M, k] . W^T (+ bias); with `perm`, x's columns gathered first.
 void project(const LinearWeight& l, const void* x, void* y, int64_t M) {
-  pagoda_gemm_packed(&l.weight, x, l.weight.k, l.bias, y, l.weight.n, M);
+  const int64_t k = l.weight.k;
+  if (l.perm) {
+    thread_local std::vector<bf16> gathered;
+    gathered.resize(size_t(M * k));
+    const auto* xs = static_cast<const bf16*>(x);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = 0; c < k; ++c) gathered[m * k + c] = xs[m * k + l.perm[c]];
+    x = gathered.data();
+  }
+  pagoda_gemm_packed(&l.weight, x, k, l.bias, y, l.weight.n, M);
 }
 
 // out[c] = bf16(out[c] + bf16(delta[c])): the Python path's `y[rows] += delta.to(bf16)`

@@ -47,7 +47,7 @@ ARCH_LLAMA, ARCH_GEMMA3 = 0, 1  # decoder.cpp's Arch
 
 # NOTE: these mirror the structs of pagoda/csrc/decoder.cpp field for field.
 class _LinearWeight(ctypes.Structure):
-    _fields_ = [("weight", cpu_kernels.ops.GemmWeight), ("bias", _PTR)]
+    _fields_ = [("weight", cpu_kernels.ops.GemmWeight), ("bias", _PTR), ("perm", _PTR)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -92,12 +92,15 @@ def native_packed(layer: Linear) -> Any:
 
 
 def linear_weight(layer: Linear) -> _LinearWeight | None:
-    """The layer's packed weight (`native_packed`) and bias; None if it has none."""
+    """The layer's packed weight (`native_packed`), bias and input permutation (GPTQ act
+    order); None if it has no packed weight."""
     bias = layer.bias
     packed = native_packed(layer)
     if packed is None or (bias is not None and bias.dtype != torch.bfloat16):
         return None
-    return _LinearWeight(packed.desc, bias.data_ptr() if bias is not None else None)
+    perm = getattr(layer.method, "perm", None)
+    return _LinearWeight(packed.desc, bias.data_ptr() if bias is not None else None,
+                         perm.data_ptr() if perm is not None else None)
 
 
 ABI_MIRRORS: dict[str, type[ctypes.Structure]] = {

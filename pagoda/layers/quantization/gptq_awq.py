@@ -29,8 +29,8 @@ each group's lie together (`input_perm`, a stable argsort of g_idx: exact, the s
 and the layer gathers x's columns the same way before its product (`InputPermutedMethod`). The
 fused parts of one layer share their input, hence their permutation (GPTQ's order follows the
 input's Hessian); parts with different ones are refused, and so is a row-parallel shard
-under tensor parallelism (its K split across ranks). Such layers run layer by layer (the
-native decoder stack takes no permutation).
+under tensor parallelism (its K split across ranks). The native decoder stack gathers x's
+columns the same way before such a layer's product (decoder.cpp's `LinearWeight.perm`).
 """
 
 from __future__ import annotations

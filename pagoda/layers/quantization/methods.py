@@ -246,11 +246,21 @@ class Fp8LinearMethod:
 class InputPermutedMethod:
     """A packed method whose weight's input columns were reordered (GPTQ's act order: each
     group's columns together, gptq_awq.py): x's columns are gathered the same way before the
-    product. No native weight: the decoder stack, which takes none, leaves such layers to the
-    layer path."""
+    product; the native decoder stack gathers them too (`perm` beside the inner method's
+    native weight), and the inner records go onto the GEMM's panels as any layer's."""
 
     def __init__(self, inner: PackedLinearMethod, perm: torch.Tensor) -> None:
         self.inner, self.perm = inner, perm
+
+    def use_gemm(self) -> bool:
+        return self.inner.use_gemm()
+
+    @property
+    def panels(self) -> cpu_kernels.ops.Int8Panels | cpu_kernels.ops.Int4Panels | None:
+        return self.inner.panels
+
+    def native_weight(self) -> cpu_kernels.ops.Int8Panels | cpu_kernels.ops.Int4Panels | cpu_kernels.ops.Records | None:
+        return self.inner.native_weight()
 
     @property
     def name(self) -> str:
