@@ -163,16 +163,6 @@ void project(const LinearWeight& l, const void* x, void* y, int64_t M) {
   pagoda_gemm_packed(&l.weight, x, k, l.bias, y, l.weight.n, M);
 }
 
-// out[c] = bf16(out[c] + bf16(delta[c])): the Python path's `y[rows] += delta.to(bf16)`
-// (vec.h's rounding, which vectorizes here).
-void add_rounded(const float* delta, bf16* out, int64_t n) {
-  for (int64_t c = 0; c < n; ++c) {
-    bf16 d;
-    store_one(delta[c], &d);
-    store_one(to_float(out[c]) + to_float(d), out + c);
-  }
-}
-
 // fp32 dot product of x and a (n long) in 32 running sums (four vectors' worth, so that it
 // vectorizes and the adds do not wait on each other), then added.
 inline float dot(const float* x, const float* a, int64_t n) {
@@ -223,7 +213,8 @@ void adapt(const DecodeStep& t, int64_t layer, int which, const void* x, int64_t
             for (int64_t l = 0; l < c1 - c0; ++l) delta[l] += w * b[l];
           }
         }
-        add_rounded(delta, static_cast<bf16*>(y) + run.rows[m] * n + u.start + c0, c1 - c0);
+        bf16* out = static_cast<bf16*>(y) + run.rows[m] * n + u.start + c0;
+        for (int64_t l = 0; l < c1 - c0; ++l) add_rounded(delta[l], out + l);
       }
     });
   }

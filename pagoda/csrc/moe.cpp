@@ -113,11 +113,7 @@ extern "C" void pagoda_fused_moe_bf16(const void* layer, const void* x, void* ou
       if (m.weights_in_model_dtype) w = round_as<bf16>(w);
       bf16* dst = o + pair / K * H;
       const bf16* src = y + i * H;
-      for (int64_t c = 0; c < H; ++c) {
-        bf16 scaled;
-        store_one(to_float(src[c]) * w, &scaled);
-        store_one(to_float(dst[c]) + to_float(scaled), dst + c);
-      }
+      for (int64_t c = 0; c < H; ++c) add_rounded(to_float(src[c]) * w, dst + c);
     });
   }
 }

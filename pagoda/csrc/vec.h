@@ -77,6 +77,14 @@ inline void store_one(float f, bf16* out) {
   out->bits = static_cast<uint16_t>(round_bf16_bits(u) >> 16);
 }
 
+// *out = bf16(*out + bf16(delta)): torch's `y += delta.to(bf16)` on bf16 y (branch-free, so
+// loops of it vectorize): a LoRA update (decoder.cpp), an expert's weighted output (moe.cpp).
+inline void add_rounded(float delta, bf16* out) {
+  bf16 d;
+  store_one(delta, &d);
+  store_one(to_float(*out) + to_float(d), out);
+}
+
 // f as fp8 with kMant mantissa bits and exponent bias kBias: round to nearest even,
 // saturating at the largest finite value (`max_bits` as fp32 bits, `max_code` its fp8 code:
 // 448 for e4m3fn, 57344 for e5m2), NaN kept NaN: a cache write never makes an infinity.

@@ -37,7 +37,7 @@ from pagoda.distributed.group import SINGLE, ParallelGroup
 from pagoda.layers import cpu_kernels
 from pagoda.layers.activation import SiluAndMul
 from pagoda.layers.cpu_kernels import memory
-from pagoda.layers.linear import GEMV_MAX_ROWS
+from pagoda.layers.linear import GEMV_MAX_ROWS, pack_quantized_methods
 
 if TYPE_CHECKING:
     from pagoda.layers.linear import LinearMethod
@@ -244,15 +244,10 @@ def _panel_quantized_experts(model: nn.Module) -> None:
     """Quantized experts of a bf16 model onto the GEMM's integer panels where this build
     multiplies them (each method's `use_gemm`, as `prepack_for_cpu` does for a `Linear`), in
     huge pages; the others keep their records."""
-    panels = []
-    for moe in model.modules():
-        if isinstance(moe, FusedMoE) and moe.expert_methods is not None and moe.w13_weight.dtype == torch.bfloat16:
-            for method in (m for pair in moe.expert_methods for m in pair):
-                use_gemm = getattr(method, "use_gemm", None)
-                if use_gemm is not None and use_gemm():
-                    panels.append(getattr(method, "panels"))  # noqa: B009 - set by use_gemm()
-    if panels:
-        cpu_kernels.ops.gather_in_huge_pages(panels)
+    pack_quantized_methods(m for moe in model.modules()
+                           if isinstance(moe, FusedMoE) and moe.expert_methods is not None
+                           and moe.w13_weight.dtype == torch.bfloat16
+                           for pair in moe.expert_methods for m in pair)
 
 
 def pack_experts_for_cpu(model: nn.Module) -> int:

@@ -19,6 +19,7 @@ interface (`weight_loader`, `forward`, `project`).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol, TypeGuard
 
 import torch
@@ -222,17 +223,22 @@ def _pack_quantized(model: nn.Module) -> int:
     """Gathers the quantized weights that this build's GEMM takes (the method's `use_gemm`) in huge pages."""
     if not cpu_kernels.available():
         return 0
-    quantized = []
-    for module in model.modules():
-        w = getattr(module, "weight", None)
-        if not isinstance(module, Linear) or w is None or w.dtype != torch.bfloat16:
-            continue
-        use_gemm = getattr(module.method, "use_gemm", None)
+    methods = [m.method for m in model.modules()
+               if isinstance(m, Linear) and getattr(m, "weight", None) is not None and m.weight.dtype == torch.bfloat16]
+    return pack_quantized_methods(methods)
+
+
+def pack_quantized_methods(methods: Iterable[object]) -> int:
+    """Repacks each quantized method whose format this build's GEMM takes (its `use_gemm`) onto
+    the GEMM's panels, gathered in huge pages; returns how many (bf16 activations: the caller's check)."""
+    panels = []
+    for method in methods:
+        use_gemm = getattr(method, "use_gemm", None)
         if use_gemm is not None and use_gemm():
-            quantized.append(getattr(module.method, "panels"))  # noqa: B009 - set by use_gemm()
-    if quantized:
-        cpu_kernels.ops.gather_in_huge_pages(quantized)
-    return len(quantized)
+            panels.append(getattr(method, "panels"))  # noqa: B009 - set by use_gemm()
+    if panels:
+        cpu_kernels.ops.gather_in_huge_pages(panels)
+    return len(panels)
 
 
 def _pack_in_huge_pages(modules: list[Linear]) -> None:
