@@ -40,8 +40,11 @@ def packed_weight(scheme: str, n: int, k: int, group_size: int, gen: torch.Gener
     if scheme == "int4":
         return packing.quantize_int4(w, group_size)
     packed = packing.quantize_int8(w, None if group_size == k else group_size)
-    if scheme == "int8_f16":  # NOTE: scales f16 holds exactly (GGUF's Q8_0): packed as f16
+    if scheme.startswith("int8_f16"):  # NOTE: scales f16 holds exactly (GGUF's Q8_0): packed as f16
         q, d = packing.unpack_int8(packed, k, group_size)
+        if scheme == "int8_f16_min":  # NOTE: GGUF's Q8_0 allows codes of -128 (llama-quantize's never hold one)
+            q = q.contiguous()
+            q.view(-1)[::7] = -128
         packed = packing.pack_int8(q, d.half().float())
         assert packed.shape[1] == k + 2 * (k // group_size)
     return packed
@@ -58,6 +61,7 @@ CASES = [  # scheme, n, k, group size
     ("int8", 40, 640, 16),  # GGUF's Q6_K: groups of 16 (x as it is: no int8 rounding by 32)
     # f16 group scales (GGUF's Q8_0 and Q5_0): 20 groups a row (a tail of 4), 48, 3
     ("int8_f16", 100, 640, 32), ("int8_f16", 37, 1536, 32), ("int8_f16", 17, 96, 32),
+    ("int8_f16_min", 37, 640, 32),  # and codes of -128, which vpsignb cannot negate
 ]
 
 
@@ -139,9 +143,9 @@ def test_int8_records_with_offsets_outside(group_size: int, m: int, dtype: torch
     dense = method.dequantize(torch.float32)
     assert torch.equal(dense, (records.view(n, -1, group_size) + offsets[..., None]).view(n, k))
     assert method.native_weight() is None
-    # NOTE: where the GEMM takes fp32 group scales (the avx2 build) the panels hold the offsets
+    # NOTE: where the GEMM takes fp32 group scales (the avx2 and avx512bf16 builds) the panels hold the offsets
     # and multiply them by the group sums of x rounded to int8 codes by the same groups.
-    assert method.use_gemm() == ops.int8_narrow_tiles()
+    assert method.use_gemm() == ops.int8_f32_group_tiles()
     if method.use_gemm():
         assert method.offsets is None and method.native_weight() is method.panels and "offsets" in method.name
         assert torch.equal(method.dequantize(torch.float32), dense)
@@ -267,18 +271,18 @@ def test_int8_group_panels_refuse_what_they_cannot_hold(variant: str) -> None:  
     if variant == "portable":
         pytest.skip("the portable build holds no group scales")
     codes = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
-    if not ops.int8_narrow_tiles():
+    if not ops.int8_f32_group_tiles():
         with pytest.raises(ValueError, match="not all f16 values"):
             ops.Int8Panels(codes, torch.full((8, 2), 0.1))  # 0.1 is no f16
-        with pytest.raises(ValueError, match="need the avx2 kernels"):
+        with pytest.raises(ValueError, match="need the avx2 or avx512bf16 kernels"):
             ops.Int8Panels(codes, torch.ones(8, 4))  # groups of 16
     with pytest.raises(ValueError, match="expected int8 codes"):
         ops.Int8Panels(codes, torch.ones(8, 3))
     with pytest.raises(ValueError, match="offsets .* do not match"):
         ops.Int8Panels(codes, torch.ones(8, 2), torch.ones(8, 4))
-    with pytest.raises(ValueError, match="groups of 16 or 32|need the avx2 kernels"):
+    with pytest.raises(ValueError, match="groups of 16 or 32|need the avx2"):
         ops.Int8Panels(torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 2))  # groups of 24
-    if ops.int8_narrow_tiles():  # NOTE: narrow codes only (stored + 32, multiplied unsigned)
+    if ops.int8_f32_group_tiles():  # NOTE: narrow codes only (stored + 32, multiplied unsigned)
         with pytest.raises(ValueError, match=r"take codes in \[-32, 31\].*span \[-33, 31\]"):
             ops.Int8Panels(torch.full((8, 64), 31, dtype=torch.int8).index_fill_(1, torch.tensor([5]), -33),
                            torch.ones(8, 4))
@@ -291,13 +295,13 @@ def test_int8_panels_with_fp32_group_scales_and_offsets(variant: str, m: int, gr
                                                         n: int, k: int) -> None:
     """int8 panels with fp32 scales d (and offsets m) per row and group of 16 or 32 (GGUF's Q6_K;
     Q5_K, Q5_1 and mixed layers with offsets): w = q * d + m, x rounded to int8 codes by the
-    weight's groups, the offsets multiplying each group's sum of the rounded x. The avx2 build's;
-    others refuse them (and those layers keep their records)."""
+    weight's groups, the offsets multiplying each group's sum of the rounded x. The avx2 and
+    avx512bf16 builds'; the portable one refuses them (and those layers keep their records)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k + group)
     codes = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.randn(n, k // group, generator=gen) * 0.01  # NOTE: no f16 values
     zero = -torch.rand(n, k // group, generator=gen) * 0.05 if offsets else None
-    if variant == "portable" or not ops.int8_narrow_tiles():
+    if variant == "portable" or not ops.int8_f32_group_tiles():
         with pytest.raises(ValueError, match="need the avx|f16 on this build"):
             ops.Int8Panels(codes, scales, zero)
         return

@@ -35,11 +35,12 @@
 // its fp32 sums in L1 (`int8_rows_avx2`). With group scales (kPackedInt8Groups: GGUF's Q8_0 and
 // Q5_0, one f16 scale per column and group of 32 along K, per panel [G][32]) each group's sum
 // times x's step is multiplied by the column's scale before it adds in, as int4's d. y is W
-// times the rounded x, up to fp32 sums. The AVX2 build also takes fp32 group scales d by groups
+// times the rounded x, up to fp32 sums. The AVX2 and VNNI builds also take fp32 group scales d by groups
 // of 16 or 32 (GGUF's Q6_K; kPackedInt8F32Groups), or d and offsets m (w = q * d + m: Q5_K,
 // Q5_1, and layers mixing Q4_K and Q6_K; kPackedInt8F32GroupsOffsets): x is then rounded by the
 // weight's groups, and each group adds d * (dx * sum) + m * dx * sum xq; their codes, in
-// [-32, 31], are stored + 32 and multiplied as unsigned bytes (`narrow_quads`). On CPUs with AMX, steps from a row count measured at load
+// [-32, 31], are stored + 32 and multiplied as unsigned bytes (vpdpbusd; `narrow_quads` on AVX2). On CPUs
+// with AMX, steps from a row count measured at load
 // (`pagoda_gemm_set_amx_integer_rows`) widen each panel's codes to bf16 instead and multiply x as it
 // is on the tile units (`AmxInt8`). The portable build (format 0) keeps the bf16 layout with
 // one two's complement byte an element, decoded a chunk at a time into bf16 (exact) for the bf16
@@ -1322,7 +1323,7 @@ constexpr int kInt8Group = 32;  // x's rounding group along K (8 quads), but fp3
 // How an int8 panel's columns are scaled (a template argument of the tiles): per column after
 // the sums (`emit`), or per group along K: f16 scales d by groups of 32 (GGUF's Q8_0 and Q5_0),
 // or fp32 scales d by groups of 16 or 32, with fp32 offsets m (w = q * d + m) or without (the
-// AVX2 build only: GGUF's Q6_K, Q5_K, Q5_1 and the layers whose sources mix kinds). Per panel
+// AVX2 and VNNI builds: GGUF's Q6_K, Q5_K, Q5_1 and the layers whose sources mix kinds). Per panel
 // and group, fp32 d holds its 32 columns, then (with offsets) m its 32.
 // The AVX2 build also takes f16 groups of narrow codes (kF16GroupsNarrow: GGUF's Q5_0, codes in
 // [-16, 15]), stored + 32 like the fp32 kinds' (`narrow_quads`).
@@ -1335,9 +1336,12 @@ constexpr bool is_f16_groups(int S) { return S == kF16Groups || S == kF16GroupsN
 // Whether the codes are narrow, stored + 32 (else + 128).
 constexpr bool is_narrow(int S) { return is_f32_groups(S) || S == kF16GroupsNarrow; }
 
-// The scale kinds this build's tiles take (fp32 groups: the AVX2 build's).
+// The scale kinds this build's tiles take: fp32 groups on the AVX2 and VNNI builds, f16 groups of
+// narrow codes on the AVX2 build alone (vpdpbusd takes Q5_0's codes wide as Q8_0's).
 #if defined(PAGODA_AVX2)
 constexpr int kInt8ScaleKinds = 5;
+#elif defined(PAGODA_VNNI)
+constexpr int kInt8ScaleKinds = 4;
 #else
 constexpr int kInt8ScaleKinds = 2;
 #endif
@@ -1410,22 +1414,25 @@ void quantize_row_int8(const bf16* x, int64_t K, const Int8Rows& out) {
 #if defined(PAGODA_VNNI)
 // Rows [0, MR) x one int8 panel over quads [q0, q1) (q0 a group's first); adds into `sums`
 // (from zero when `first`). Each group: integer sums of (q + 128) * xq in registers, started at
-// -128 * sum xq, then sums += dx * that, or with the weight's group scales `d` (f16 [G][32], or
-// null) sums += d * (dx * that); per-column scales wait for `emit`.
+// -128 * sum xq (narrow codes: (q + 32) * xq from -32 * sum xq), then sums += dx * that, or with
+// the weight's group scales d (f16 [G][32]; fp32 by x's groups of 16 or 32, [G][d, m][32])
+// sums += d * (dx * that), after sums += m * sx where there are offsets: the AVX2 build's fp32
+// operations in its order; per-column scales wait for `emit`.
 template <int MR, bool PF, int S>
 void int8_tile(const Int8Rows& x, const uint8_t* w, const void* scales, int64_t q0, int64_t q1, bool first,
                Sums sums) {
-  static_assert(S == kColumnScales || S == kF16Groups, "fp32 group scales are the AVX2 build's alone");
-  const auto* d = S == kF16Groups ? static_cast<const uint16_t*>(scales) : nullptr;
+  static_assert(S != kF16GroupsNarrow, "vpdpbusd takes Q5_0's codes wide (kF16Groups)");
+  const int64_t group_quads = is_f32_groups(S) ? x.group / 4 : kGroupQuads;
   __m512 acc[MR][2];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < 2; ++b) acc[m][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kSumsRow + b * kBlock);
-  for (int64_t g0 = q0; g0 < q1; g0 += kGroupQuads) {
-    const int64_t g = g0 / kGroupQuads, end = std::min(q1, g0 + kGroupQuads);
+  for (int64_t g0 = q0; g0 < q1; g0 += group_quads) {
+    const int64_t g = g0 / group_quads, end = std::min(q1, g0 + group_quads);
     __m512i part[MR][2];
 #pragma GCC unroll 16
-    for (int m = 0; m < MR; ++m) part[m][0] = part[m][1] = _mm512_set1_epi32(x.offset[m * x.G + g]);
+    for (int m = 0; m < MR; ++m)
+      part[m][0] = part[m][1] = _mm512_set1_epi32(is_narrow(S) ? x.offset[m * x.G + g] / 4 : x.offset[m * x.G + g]);
     for (int64_t q = g0; q < end; ++q) {
       const uint8_t* src = w + q * kQuadBytes;
       if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kChunkQuads * kQuadBytes), _MM_HINT_T1);
@@ -1437,15 +1444,26 @@ void int8_tile(const Int8Rows& x, const uint8_t* w, const void* scales, int64_t 
         part[m][1] = _mm512_dpbusd_epi32(part[m][1], v1, xv);
       }
     }
-    if (d) {  // as int4_tile: t = sum * dx, then sums += d * t
-      __m512 dv[2];
-      for (int b = 0; b < 2; ++b)
-        dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + g * kPanel + b * kBlock)));
+    if constexpr (S != kColumnScales) {  // as int4_tile: t = sum * dx, then sums += d * t
+      __m512 dv[2], mv[2];
+      for (int b = 0; b < 2; ++b) {
+        if constexpr (is_f16_groups(S)) {
+          const uint16_t* d = static_cast<const uint16_t*>(scales) + g * kPanel + b * kBlock;
+          dv[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+        } else {
+          const float* d = static_cast<const float*>(scales) + g * group_floats(S) + b * kBlock;
+          dv[b] = _mm512_loadu_ps(d);
+          if constexpr (S == kF32GroupsOffsets) mv[b] = _mm512_loadu_ps(d + kPanel);
+        }
+      }
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
         const __m512 step = _mm512_set1_ps(x.dx[m * x.G + g]);
-        for (int b = 0; b < 2; ++b)
+        for (int b = 0; b < 2; ++b) {
+          if constexpr (S == kF32GroupsOffsets)
+            acc[m][b] = _mm512_fmadd_ps(mv[b], _mm512_set1_ps(x.sx[m * x.G + g]), acc[m][b]);
           acc[m][b] = _mm512_fmadd_ps(dv[b], _mm512_mul_ps(_mm512_cvtepi32_ps(part[m][b]), step), acc[m][b]);
+        }
       }
     } else {
 #pragma GCC unroll 16
@@ -1726,7 +1744,7 @@ struct AmxInt8 {
 #endif
 
 // int8 panels times x: `scales` fp32 per column, or (format 2 only) group scales (`groups`: f16
-// per panel, group of 32 along K and column; or, on the AVX2 build, fp32 by groups of 16 or 32,
+// per panel, group of 32 along K and column; or, on the AVX2 and VNNI builds, fp32 by groups of 16 or 32,
 // with offsets or without), K a multiple of the group; never on AMX tiles, which take x as it is
 // and so could not scale each group's sum.
 void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const Int8GroupScales& groups,
@@ -1770,9 +1788,13 @@ bool amx_dot_wins(int64_t rows) {
 
 extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }
 
-// Whether the int8 tiles take narrow codes (+ 32, in [-32, 31]): with fp32 group scales by
-// groups of 16 or 32, offsets or none, and with f16 groups of 32 (the AVX2 build).
+// Whether the int8 tiles take f16 groups of 32 of narrow codes (+ 32, in [-32, 31]: GGUF's Q5_0;
+// the AVX2 build).
 extern "C" int64_t pagoda_gemm_int8_narrow() { return pagoda::kInt8ScaleKinds > pagoda::kF16GroupsNarrow; }
+
+// Whether the int8 tiles take fp32 scales by groups of 16 or 32 along K, with offsets or none, of
+// narrow codes (GGUF's Q6_K, Q5_K, Q5_1; the AVX2 and VNNI builds).
+extern "C" int64_t pagoda_gemm_int8_f32_groups() { return pagoda::kInt8ScaleKinds > pagoda::kF32GroupsOffsets; }
 
 // Steps of at least `rows` rows multiply bf16 panels on the FMA tiles (the AVX-512 build) or on
 // widened chunks (the AVX2 build; see kAvx2WideRows); returns whether this build has them.
@@ -1855,8 +1877,8 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
       break;
     case pagoda::kPackedInt8F32Groups:
     case pagoda::kPackedInt8F32GroupsOffsets:
-      // NOTE: ops.py builds these only where pagoda_gemm_int8_narrow says the build has them.
-      if (!pagoda_gemm_int8_narrow()) std::abort();
+      // NOTE: ops.py builds these only where pagoda_gemm_int8_f32_groups says the build has them.
+      if (!pagoda_gemm_int8_f32_groups()) std::abort();
       pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
                          {w.kind == pagoda::kPackedInt8F32Groups ? pagoda::kF32Groups : pagoda::kF32GroupsOffsets,
                           w.scales, w.group_size},

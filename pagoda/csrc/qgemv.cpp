@@ -477,8 +477,10 @@ void int8_rows_avx2(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float
 }
 
 // int8 records times x as int8 codes by groups of 32 (`Acts::xq`, `Acts::dx`), as llama.cpp's
-// AVX2 Q8_0 dot products: per 32 k's, vpsignb moves x's signs onto the weight codes so that
-// vpmaddubsw multiplies |xq| (u8) by them (pairs at most 2 * 127 * 127, no saturation), vpmaddwd
+// AVX2 Q8_0 dot products but with the weight's sign moved onto x (as the GEMM's AVX2 tiles): per
+// 32 k's, vpmaddubsw multiplies |q| (u8, once for all rows; 128 for a code of -128, which
+// GGUF's Q8_0 allows and whose negation vpsignb could not hold) by x's codes with q's sign
+// (pairs at most 2 * 128 * 127, no saturation), vpmaddwd
 // sums the pairs into 8 int32 lanes, exact; then the lanes, in fp32, times dx * d add to the
 // row's sums. Three times fewer instructions a weight than widening both to fp32. Weight groups
 // of 16 (GGUF's Q6_K) take two scales a block: lanes 0-3 hold k's 0-15, lanes 4-7 k's 16-31.
@@ -497,12 +499,13 @@ void int8_rows_int(const QArgs& a, const Acts& x, int64_t n0, int64_t n1, float*
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int64_t j = 0; j < blocks; ++j) {
       const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + kXGroup * j));
+      const __m256i magnitude = _mm256_abs_epi8(w);
       const __m256 dj = halves ? _mm256_setr_m128(_mm_set1_ps(d[2 * j]), _mm_set1_ps(d[2 * j + 1]))
                                : _mm256_set1_ps(dg.next());
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.xq + m * a.K + kXGroup * j));
-        const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xv, xv), _mm256_sign_epi8(w, xv));
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, w));
         const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
         acc[m] = _mm256_fmadd_ps(sums, _mm256_mul_ps(_mm256_set1_ps(x.dx[m * blocks + j]), dj), acc[m]);
       }

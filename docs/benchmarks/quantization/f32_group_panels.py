@@ -1,6 +1,6 @@
 """int8 weights with fp32 scales by groups of 16 (GGUF's Q6_K) or 32 with offsets (Q5_K, and
 layers whose sources mix Q4_K and Q6_K), as records (`ops.qgemv`, what they ran on before) and
-as the GEMM's panels with fp32 group scales (`ops.Int8Panels`, the avx2 build), M rows.
+as the GEMM's panels with fp32 group scales (`ops.Int8Panels`, the avx2 and avx512bf16 builds), M rows.
 
 A pass over a model's layers of that kind, so that the weights stream from memory as in a step:
 the Llama-3.2-1B shape's Q4_K_M file (8 down projections 2048 x 8192 and the tied LM head
@@ -93,7 +93,7 @@ def main() -> None:
         wide_against_narrow(rows)
         return
     weights = layers(shape)
-    print(f"{shape}: {len(weights)} layers, avx2 fp32 group panels: {ops.int8_narrow_tiles()}")
+    print(f"{shape}: {len(weights)} layers, fp32 group panels: {ops.int8_f32_group_tiles()}")
     print("| rows | records ms | panels ms | records / panels |")
     print("|---|---|---|---|")
     for m in rows:

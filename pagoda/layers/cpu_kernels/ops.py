@@ -233,10 +233,17 @@ def panels_are_native() -> bool:
 
 
 def int8_narrow_tiles() -> bool:
-    """Whether this build's int8 tiles take narrow codes ([-32, 31], stored + 32 and multiplied
-    as unsigned bytes): with fp32 scales by groups of 16 or 32, offsets or none, and with f16
-    groups of 32 (`Int8Panels`): the avx2 build."""
+    """Whether this build's int8 tiles take f16 groups of 32 of narrow codes ([-32, 31], stored
+    + 32 and multiplied as unsigned bytes: GGUF's Q5_0; `Int8Panels`): the avx2 build (vpdpbusd
+    takes them wide as Q8_0's)."""
     return bool(_lib().fn("gemm_int8_narrow")())
+
+
+def int8_f32_group_tiles() -> bool:
+    """Whether this build's int8 tiles take narrow codes with fp32 scales by groups of 16 or 32,
+    offsets or none (GGUF's Q6_K, Q5_K, Q5_1 and layers mixing kinds; `Int8Panels`): the avx2
+    and avx512bf16 builds."""
+    return bool(_lib().fn("gemm_int8_f32_groups")())
 
 
 class Int8Panels:
@@ -246,7 +253,7 @@ class Int8Panels:
     - one f16 scale per row and group of 32 along k (scales [n, k / 32], values f16 holds
       exactly: GGUF's Q8_0 and Q5_0): w = q * scale (on the avx2 build, codes all in [-32, 31],
       Q5_0's, take the narrow kind: `int8_narrow_tiles`);
-    - (`int8_narrow_tiles`: the avx2 build) fp32 scales d per row and group of 16 or 32 (scales
+    - (`int8_f32_group_tiles`: the avx2 and avx512bf16 builds) fp32 scales d per row and group of 16 or 32 (scales
       [n, k / group]), with fp32 offsets m of the same shape or without: w = q * d + m (GGUF's
       Q6_K, Q5_K, Q5_1, and layers whose sources mix kinds), codes in [-32, 31] only.
     On the avx512bf16 and avx2 builds (`gemm_int8_format` 2) the codes are stored + 128 as
@@ -308,18 +315,18 @@ class Int8Panels:
             return -1, 0, "int8 panels take codes in [-127, 127] (symmetric quantization); -128 found"
         if not grouped:
             return INT8_PANELS, 0, None
-        narrow_tiles, narrow = int8_narrow_tiles(), -32 <= low and high <= 31
+        narrow = -32 <= low and high <= 31
         if int(_lib().fn("gemm_int8_format")()) != 2:
             return -1, 0, "int8 panels with group scales need the avx512bf16 or avx2 kernels (this build's format 0)"
         group = codes.shape[1] // scales.shape[1]
         if offsets is None and group == 32 and torch.equal(scales.to(torch.float16).float(), scales.float()):
-            return (INT8_GROUP_NARROW_PANELS if narrow_tiles and narrow else INT8_GROUP_PANELS), 32, None
+            return (INT8_GROUP_NARROW_PANELS if narrow and int8_narrow_tiles() else INT8_GROUP_PANELS), 32, None
         kind = INT8_F32_GROUP_PANELS if offsets is None else INT8_F32_GROUP_OFFSET_PANELS
-        if not narrow_tiles:
+        if not int8_f32_group_tiles():
             return kind, group, ("int8 panels keep group scales as f16 on this build: these are not all f16 values"
                                  if group == 32 and offsets is None else
-                                 "int8 panels with fp32 group scales (groups of 16, or offsets) need the avx2 "
-                                 "kernels; this build keeps such weights as records")
+                                 "int8 panels with fp32 group scales (groups of 16, or offsets) need the avx2 or "
+                                 "avx512bf16 kernels; this build keeps such weights as records")
         if group not in (16, 32):
             return kind, group, f"int8 panels take groups of 16 or 32 along k, not {group} (k {codes.shape[1]})"
         if not narrow:
@@ -540,12 +547,12 @@ GEMM_AMX_ROWS = 1 << 62
 
 def set_gemm_amx_rows(rows: int) -> bool:
     """Steps of at least `rows` rows multiply bf16 panels on AMX tiles (K a multiple of 32);
-    False (and nothing set) where this CPU or build has none."""
+    False (and never AMX: the mirror too, whatever an earlier library set) where this CPU or
+    build has none."""
     global GEMM_AMX_ROWS
-    if not _lib().fn("gemm_set_amx_rows")(rows):
-        return False
-    GEMM_AMX_ROWS = rows
-    return True
+    granted = bool(_lib().fn("gemm_set_amx_rows")(rows))
+    GEMM_AMX_ROWS = rows if granted else 1 << 62
+    return granted
 
 
 # NOTE: likewise for int8 (8) and int4 (4) panels, which AMX multiplies widened to bf16 (x as it is).
@@ -554,11 +561,11 @@ GEMM_AMX_INTEGER_ROWS = {8: 1 << 62, 4: 1 << 62}
 
 def set_gemm_amx_integer_rows(bits: int, rows: int) -> bool:
     """Steps of at least `rows` rows multiply int8 (`bits` 8) or int4 (4) panels on AMX tiles (K
-    a multiple of 32), x as it is; False (and nothing set) where this CPU or build has none."""
-    if not _lib().fn("gemm_set_amx_integer_rows")(bits, rows):
-        return False
-    GEMM_AMX_INTEGER_ROWS[bits] = rows
-    return True
+    a multiple of 32), x as it is; False (and never AMX: the mirror too, whatever an earlier
+    library set; e.g. the avx2 build on an AMX CPU) where this CPU or build has none."""
+    granted = bool(_lib().fn("gemm_set_amx_integer_rows")(bits, rows))
+    GEMM_AMX_INTEGER_ROWS[bits] = rows if granted else 1 << 62
+    return granted
 
 
 def set_num_threads(n: int) -> None:
