@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.layers import cpu_kernels
 from pagoda.pooling import PooledPart
 from pagoda.request import Request
 from pagoda.structured_output import apply_bitmask
@@ -56,8 +57,14 @@ def argmax_rows(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
 
     NOTE: torch's CPU argmax is not vectorized: 2.6 ms for 64 rows of SmolLM2's 49,152 logits
     on one thread, against 0.34 ms here: every chunk's maximum (amax is vectorized), the first
-    chunk holding the row's maximum, then argmax within that chunk alone.
+    chunk holding the row's maximum, then argmax within that chunk alone. With the CPU kernels
+    the rows go to their argmax kernel as they are (bf16 logits not widened to fp32 first:
+    docs/performance.md, "Greedy sampling without the fp32 copy").
     """
+    if cpu_kernels.takes(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.stride(-1) == 1:
+        return cpu_kernels.ops.argmax_rows(x)
+    if x.dtype != torch.float32:
+        x = x.float()
     rows, vocab = x.shape
     n = vocab // chunk
     if n < 2:
@@ -100,10 +107,10 @@ class Sampler:
         """`logits` (any float dtype) stay as they are: log-probabilities are of these."""
         constrained = any(r.sampling_params.constrains_tokens for r in requests)
         full = _needs_full_path(requests)
-        work = logits.float()
         if not constrained and not full:
-            tokens = argmax_rows(work).tolist()
+            tokens = argmax_rows(logits).tolist()
             return SamplerOutput(tokens, compute_logprobs(logits, requests, tokens))
+        work = logits.float()
         if work is logits:
             work = logits.clone()
         if constrained:

@@ -43,6 +43,29 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
     assert err.max().item() <= TOL[dtype], f"max scaled error {err.max().item():.3g}"
 
 
+# ---------------------------------------------------------------- greedy sampling
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 262144])
+def test_argmax_rows_equals_torch(dtype: torch.dtype, n: int) -> None:
+    """Each row's first maximum; a NaN counts as the maximum (torch's rule): ties, -inf rows,
+    NaN before and after the largest value and in a row's tail, rows strided."""
+    gen = torch.Generator().manual_seed(n)
+    base = torch.randn(9, n + 7, generator=gen).to(dtype)
+    x = base[:, :n]
+    x[1] = x[1].round()
+    x[2] = float("-inf")
+    x[3, n // 2] = float("nan")
+    x[4, -1] = float("nan")
+    x[5, 0] = 100.0
+    x[5, n // 3] = float("nan")
+    x[6] = 1.0
+    x[7, -1] = 100.0
+    x[8, n // 2:] = float("nan")
+    base[:, n:] = 1000.0  # NOTE: past each row's end: never read
+    assert torch.equal(ops.argmax_rows(x), x.float().argmax(dim=-1))
+
+
 # ---------------------------------------------------------------- paged attention
 
 def make_pool(lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

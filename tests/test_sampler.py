@@ -61,7 +61,7 @@ def test_min_tokens_masks_each_rows_own_stops_in_one_batch():
 
 @pytest.mark.parametrize("vocab", [5, 1024, 3000, 49152, 151936])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_rows_equals_torch_argmax(vocab: int, dtype: torch.dtype):
+def test_argmax_rows_equals_torch_argmax(vocab: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch):
     gen = torch.Generator().manual_seed(vocab)
     x = torch.randn(6, vocab, generator=gen).to(dtype)
     x[1] = x[1].round()  # many ties: the first maximum wins
@@ -69,7 +69,12 @@ def test_argmax_rows_equals_torch_argmax(vocab: int, dtype: torch.dtype):
     x[3, vocab // 2] = float("nan")  # NaN counts as the maximum
     x[4, -1] = 100.0  # the maximum in the last (shorter) chunk
     x[5, :] = 1.0
-    assert torch.equal(argmax_rows(x.float()), x.float().argmax(dim=-1))
+    want = x.float().argmax(dim=-1)
+    assert torch.equal(argmax_rows(x.float()), want)
+    assert torch.equal(argmax_rows(x), want)  # the kernel's dtype as it is, else widened first
+    with monkeypatch.context() as patch:  # NOTE: the torch path, as without the CPU kernels
+        patch.setattr("pagoda.layers.cpu_kernels.takes", lambda t: False)
+        assert torch.equal(argmax_rows(x), want)
 
 
 def test_top_k_top_p_min_p_restrict_support():

@@ -140,6 +140,9 @@ inline float reduce_add(Vf a) { return _mm512_reduce_add_ps(a.v); }
 inline float reduce_max(Vf a) { return _mm512_reduce_max_ps(a.v); }
 // Lanes not in `keep` become `fill`.
 inline Vf select(Mask keep, Vf a, float fill) { return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), keep, a.v)}; }
+// The lanes where a == b (ordered), and where a is NaN.
+inline Mask equal(Vf a, Vf b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
+inline Mask is_nan(Vf a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
 
 inline Vf load(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline Vf load(const float* p, Mask m) { return {_mm512_maskz_loadu_ps(m, p)}; }
@@ -236,6 +239,13 @@ inline Vf select(Mask keep, Vf a, float fill) {
   const __m256 f = _mm256_set1_ps(fill);
   return {_mm256_blendv_ps(f, a.lo, lane_mask(keep, 0)), _mm256_blendv_ps(f, a.hi, lane_mask(keep, 8))};
 }
+inline Mask lanes_of(__m256 lo, __m256 hi) {
+  return static_cast<Mask>(_mm256_movemask_ps(lo)) | static_cast<Mask>(_mm256_movemask_ps(hi)) << 8;
+}
+inline Mask equal(Vf a, Vf b) {
+  return lanes_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ));
+}
+inline Mask is_nan(Vf a) { return lanes_of(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q), _mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q)); }
 
 inline Vf widen_bf16(__m128i lo, __m128i hi) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
@@ -353,6 +363,13 @@ inline float reduce_add(Vf a) {
 }
 inline float reduce_max(Vf a) { return *std::max_element(a.v, a.v + kLanes); }
 inline Vf select(Mask keep, Vf a, float fill) { return vmap([&](int i) { return (keep >> i) & 1u ? a.v[i] : fill; }); }
+inline Mask lanes_where(Vf a, Vf b, bool (*pred)(float, float)) {
+  Mask m = 0;
+  for (int i = 0; i < kLanes; ++i) m |= static_cast<Mask>(pred(a.v[i], b.v[i])) << i;
+  return m;
+}
+inline Mask equal(Vf a, Vf b) { return lanes_where(a, b, [](float x, float y) { return x == y; }); }
+inline Mask is_nan(Vf a) { return lanes_where(a, a, [](float x, float) { return std::isnan(x); }); }
 template <typename T>
 inline Vf load(const T* p, Mask m = 0xFFFF) {
   return vmap([&](int i) { return (m >> i) & 1u ? to_float(p[i]) : 0.f; });

@@ -22,7 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-SOURCES = ("attention.cpp", "cache.cpp", "decoder.cpp", "elementwise.cpp", "gemm.cpp", "gemv.cpp", "moe.cpp", "pool.cpp", "qgemv.cpp")
+SOURCES = ("attention.cpp", "cache.cpp", "decoder.cpp", "elementwise.cpp", "gemm.cpp", "gemv.cpp", "moe.cpp", "pool.cpp",
+           "qgemv.cpp", "sampling.cpp")
 HEADERS = ("gemm.h", "moe.h", "vec.h", "parallel.h")
 COMMON_FLAGS = ("-O3", "-std=c++20", "-pthread", "-shared", "-fPIC", "-ffp-contract=off")
 IS_X86 = platform.machine().lower() in ("x86_64", "amd64")

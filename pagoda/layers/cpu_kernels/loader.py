@@ -35,6 +35,7 @@ _DTYPED: dict[str, ArgTypes] = {
     "gelu_tanh_and_mul": [_P] * 2 + [_L, _I],
     "qgemv": [_I, _P, _L, _P, _L, _L, _P, _P, _L, _L, _L, _L, _I],
     "dequantize": [_I, _P, _L, _L, _P, _L, _L],
+    "argmax_rows": [_P, _P, _L, _L, _L],
 }
 # Bound per (activation dtype, KV cache dtype): the cache may hold one-byte fp8.
 _CACHE_TYPED: dict[str, ArgTypes] = {

@@ -105,6 +105,15 @@ def hadamard_inplace(x: torch.Tensor) -> None:
     _lib().fn("hadamard", x.dtype)(x.data_ptr(), num_tokens, num_heads, head_dim, x.stride(0), x.stride(1))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a 2-D fp32, bf16 or fp16 x (rows may be strided): the first maximum of
+    each row, a NaN counting as the maximum (torch's rule), as int64 [rows]."""
+    _check_rows(x, x.shape[-1])
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    _lib().fn("argmax_rows", x.dtype)(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], x.stride(0))
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's RMSNorm over the last dimension of a 2-D x (rows may be strided)."""
     return _norm("rms_norm", x, weight, eps)
@@ -375,7 +384,9 @@ class Int8Panels:
         k = torch.arange(self.k)
         index = ((ids // 32) * 32 * self.width * steps + (ids % 32) * self.width)[:, None] + (
             (k // self.width) * 32 * self.width + k % self.width)[None, :]
-        picked = self.data[index]
+        # NOTE: index_select on the flat index: advanced indexing of this 1-D tensor by a 2-D index
+        # took 7.7 ms for 16 rows of Gemma 3's 262144 x 640 embedding (0.4 ms so).
+        picked = self.data.index_select(0, index.reshape(-1)).view(index.shape)
         if self.format == 2:
             picked = (picked.view(torch.uint8).to(torch.int16) - self.code_bias).to(torch.int8)
         return picked
@@ -421,7 +432,12 @@ class Int4Panels:
         """(q uint8 [rows, k], d f16 [rows, G], m f16 [rows, G]) of every row or of `rows`."""
         ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
         groups = self.k // self.group_size
-        blocks = self.data.view(-1, self.k // 4, 16, 2, 2)[ids // 32, :, ids % 16].transpose(-1, -2)
+        # NOTE: byte (panel, j, c, h, e) of the [panel][k / 4][16][2][2] layout, row c's codes at k-pair
+        # 2j + h, element e, gathered as [row, j, e, h] through index_select (as `Int8Panels.codes`).
+        j, e, h = (torch.arange(n).view(shape) for n, shape in ((self.k // 4, (1, -1, 1, 1)), (2, (1, 1, -1, 1)),
+                                                                (2, (1, 1, 1, -1))))
+        index = ((ids // 32) * (self.k // 4) * 64 + (ids % 16) * 4).view(-1, 1, 1, 1) + j * 64 + h * 2 + e
+        blocks = self.data.index_select(0, index.reshape(-1)).view(index.shape)
         q = torch.where((ids % 32 < 16)[:, None, None, None], blocks & 15, blocks >> 4).reshape(len(ids), self.k)
         dm = self.scales.view(-1, groups, 2, 32)[ids // 32, :, :, ids % 32]
         return q, dm[:, :, 0], dm[:, :, 1]
