@@ -145,6 +145,7 @@ def iter_gguf_weights(path: str, packed: Mapping[str, RecordFormat] | None = Non
         for part, t in parts.items():
             if t is not None:
                 yield part, _unpermuted(t, name, arch, n_head, n_kv).contiguous()
+    reader.release_pages()
 
 
 def _unpermuted(array: torch.Tensor, name: str, arch: str, n_head: int, n_kv: int) -> torch.Tensor:

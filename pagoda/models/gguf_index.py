@@ -12,6 +12,7 @@ Invariant: nothing is copied; the file stays mapped while a view of it lives.
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +40,14 @@ class GGUFTensor:
 
 class GGUFIndex:
     """The scalar fields (`fields`: key -> value; arrays are skipped) and `tensors` of a file."""
+
+    def release_pages(self) -> None:
+        """Drops the file's pages from this process's resident memory (the loaded model holds
+        its own copies; a later read faults them back in from the page cache): Gemma 3's
+        240 MiB file otherwise stayed in a served model's RSS for as long as the index lived."""
+        mapped = getattr(self._map, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
     def __init__(self, path: str) -> None:
         self._map = np.memmap(path, mode="r")
