@@ -3,7 +3,7 @@
 // NaN), then the first element equal to it (a row of Gemma 3's 262144 bf16 logits is 512 KB, in
 // L2 for the second pass). Rows split over the threads. torch's CPU argmax is not vectorized,
 // and widening bf16 logits to fp32 first costs a write and a read of twice their bytes.
-#include <cmath>
+#include <algorithm>
 #include <limits>
 
 #include "parallel.h"

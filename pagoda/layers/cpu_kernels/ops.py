@@ -434,8 +434,9 @@ class Int4Panels:
         groups = self.k // self.group_size
         # NOTE: byte (panel, j, c, h, e) of the [panel][k / 4][16][2][2] layout, row c's codes at k-pair
         # 2j + h, element e, gathered as [row, j, e, h] through index_select (as `Int8Panels.codes`).
-        j, e, h = (torch.arange(n).view(shape) for n, shape in ((self.k // 4, (1, -1, 1, 1)), (2, (1, 1, -1, 1)),
-                                                                (2, (1, 1, 1, -1))))
+        j = torch.arange(self.k // 4).view(1, -1, 1, 1)
+        e = torch.arange(2).view(1, 1, -1, 1)
+        h = torch.arange(2).view(1, 1, 1, -1)
         index = ((ids // 32) * (self.k // 4) * 64 + (ids % 16) * 4).view(-1, 1, 1, 1) + j * 64 + h * 2 + e
         blocks = self.data.index_select(0, index.reshape(-1)).view(index.shape)
         q = torch.where((ids % 32 < 16)[:, None, None, None], blocks & 15, blocks >> 4).reshape(len(ids), self.k)
