@@ -442,17 +442,17 @@ void pair_values(BlockScratch& w, const bf16* v, int64_t kv_stride, int d, int n
     pair_rows(v + j * kv_stride, j + 1 < n ? v + (j + 1) * kv_stride : nullptr, &w.vp[size_t(j) * d], d);
 }
 
-// 2^t for t in [-150, 0] (-inf clamped): 2^n times a degree-5 polynomial in the remainder
-// (|rem| <= 0.5, relative error < 3e-6: far below the bf16 rounding the probabilities get next).
+// 2^t for t in [-150, 0] (-inf clamped): 2^n times a degree-4 polynomial in the remainder
+// (|rem| <= 0.5; coefficients fitted for least relative error, at most 2.9e-6 in fp32: far below
+// the bf16 rounding the probabilities get next).
 inline __m512 exp2_for_pairs(__m512 t) {
   t = _mm512_max_ps(t, _mm512_set1_ps(-150.f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln2^k / k!
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.9314718e-1f));
+  __m512 p = _mm512_set1_ps(9.582744911e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.590614304e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(2.402409911e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(6.931242347e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
@@ -483,15 +483,19 @@ void softmax_pairs(BlockScratch& w, int n, float scale, float* corr) {
     const __m512 mx = _mm512_max_ps(m_old, _mm512_mul_ps(top, f));
     const __m512 off = _mm512_mul_ps(mx, _mm512_set1_ps(-kLog2e));
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
-    for (j = 0; j < n; j += 2) {
-      const __m512 a = exp2_for_pairs(_mm512_fmadd_ps(_mm512_loadu_ps(&st[j * r16 + c]), f2, off));
-      const __m512 b = j + 1 < n ? exp2_for_pairs(_mm512_fmadd_ps(_mm512_loadu_ps(&st[(j + 1) * r16 + c]), f2, off))
-                                 : _mm512_setzero_ps();
+    const auto pair = [&](int j, __m512 a, __m512 b) {
       sum0 = _mm512_add_ps(sum0, a);
       sum1 = _mm512_add_ps(sum1, b);
       const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in the low half
       _mm512_storeu_si512(&pp[j * r16 + 2 * c], _mm512_permutexvar_epi16(order, both));
+    };
+    const auto p = [&](int j) { return exp2_for_pairs(_mm512_fmadd_ps(_mm512_loadu_ps(&st[j * r16 + c]), f2, off)); };
+    for (j = 0; j + 4 <= n; j += 4) {  // NOTE: four exponentials in flight
+      const __m512 a = p(j), b = p(j + 1), a2 = p(j + 2), b2 = p(j + 3);
+      pair(j, a, b);
+      pair(j + 2, a2, b2);
     }
+    for (; j < n; j += 2) pair(j, p(j), j + 1 < n ? p(j + 1) : _mm512_setzero_ps());
     const __m512 g = vexp(Vf{_mm512_sub_ps(m_old, mx)}).v;
     _mm512_storeu_ps(&corr[c], g);
     _mm512_storeu_ps(&l[c], _mm512_fmadd_ps(_mm512_loadu_ps(&l[c]), g, _mm512_add_ps(sum0, sum1)));
@@ -625,11 +629,9 @@ void score_span_amx(BlockScratch& w, const bf16* const* kt, int tiles, int64_t s
   }
 }
 
-// dst row e (stride ds int32) = column e of the 16 x 16 int32 block at src (stride ss).
-inline void transpose16(const int32_t* src, int64_t ss, int32_t* dst, int64_t ds) {
-  __m512i r[16], t[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ss);
+// dst row e (stride ds int32) = lane e of the 16 rows r (r is overwritten).
+inline void transpose16_rows(__m512i* r, int32_t* dst, int64_t ds) {
+  __m512i t[16];
 #pragma GCC unroll 8
   for (int i = 0; i < 16; i += 2) {
     t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
@@ -652,6 +654,31 @@ inline void transpose16(const int32_t* src, int64_t ss, int32_t* dst, int64_t ds
     _mm512_storeu_si512(dst + (8 + m) * ds, _mm512_shuffle_i32x4(a, c, 0xDD));
     _mm512_storeu_si512(dst + (12 + m) * ds, _mm512_shuffle_i32x4(b, e, 0xDD));
   }
+}
+
+// dst row e (stride ds int32) = column e of the 16 x 16 int32 block at src (stride ss).
+inline void transpose16(const int32_t* src, int64_t ss, int32_t* dst, int64_t ds) {
+  __m512i r[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ss);
+  transpose16_rows(r, dst, ds);
+}
+
+// The query vectors as bf16 pairs (qp, see BlockScratch), d a multiple of 32: vector r is
+// q_rows' row r / group, head r % group; 16 vectors at a time, each row's pairs (int32)
+// transposed into qp's columns; vectors past the last stay zero.
+void query_pairs(BlockScratch& w, const bf16* q_rows, int64_t q_stride, int group, int vectors, int d) {
+  auto* qp = reinterpret_cast<int32_t*>(w.qp.data());
+  for (int r0 = 0; r0 < vectors; r0 += kLanes)
+    for (int p0 = 0; p0 < d / 2; p0 += kLanes) {
+      __m512i r[kLanes];
+      for (int k = 0; k < kLanes; ++k) {
+        const int v = r0 + k;
+        r[k] = v < vectors ? _mm512_loadu_si512(q_rows + (v / group) * q_stride + (v % group) * d + 2 * p0)
+                           : _mm512_setzero_si512();
+      }
+      transpose16_rows(r, qp + int64_t(p0) * w.r16 + r0, w.r16);
+    }
 }
 
 // Output dims [i, i + 32) of the query chunk at o (acc rows, d apart) += P (pa0: steps x 16 key
@@ -811,6 +838,7 @@ void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache,
 void score_tile_bf16(BlockScratch&, const bf16*, int64_t, int, int, float) { std::abort(); }
 void pair_values(BlockScratch&, const bf16*, int64_t, int, int) { std::abort(); }
 void softmax_pairs(BlockScratch&, int, float, float*) { std::abort(); }
+void query_pairs(BlockScratch&, const bf16*, int64_t, int, int, int) { std::abort(); }
 void accumulate_block_bf16(BlockScratch&, const float*, int, int, int) { std::abort(); }
 struct AmxTiles {
   void configure() { std::abort(); }
@@ -983,6 +1011,26 @@ void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_strid
   }
 }
 
+// An item's query vectors (vector r: q_rows' row r / group, head r % group) into the scratch: as
+// bf16 pairs (qp) for the pair and AMX products, else in fp32 times `scale` (qt).
+template <typename T>
+void load_queries(BlockScratch& w, const T* q_rows, int64_t q_stride, int group, int vectors, int d, bool pairs,
+                  float scale) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (pairs && d % 32 == 0) return query_pairs(w, q_rows, q_stride, group, vectors, d);
+  }
+  for (int r = 0; r < vectors; ++r) {
+    const T* src = q_rows + (r / group) * q_stride + (r % group) * d;
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (pairs) {
+        for (int i = 0; i < d; ++i) w.qp[size_t(i / 2) * 2 * w.r16 + 2 * r + (i & 1)] = src[i];
+        continue;
+      }
+    }
+    for (int i = 0; i < d; ++i) w.qt[size_t(i) * w.r16 + r] = to_float(src[i]) * scale;
+  }
+}
+
 // One prefill work item (see attend_item), head by head.
 template <typename T, typename C>
 void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, const AttnArgs& a,
@@ -1010,16 +1058,7 @@ void attend_block_item(const T* q, const C* k_cache, const C* v_cache, T* out, c
     w.reset(vectors, d, pairs);
     corr.resize(w.r16);
     const T* q_rows = q + (q_begin + row0) * a.q_stride + int64_t(h) * group * d;
-    for (int r = 0; r < vectors; ++r) {
-      const T* src = q_rows + (r / group) * a.q_stride + (r % group) * d;
-      if constexpr (std::is_same_v<T, bf16>) {
-        if (pairs) {
-          for (int i = 0; i < d; ++i) w.qp[size_t(i / 2) * 2 * w.r16 + 2 * r + (i & 1)] = src[i];
-          continue;
-        }
-      }
-      for (int i = 0; i < d; ++i) w.qt[size_t(i) * w.r16 + r] = to_float(src[i]) * a.scale;
-    }
+    load_queries(w, q_rows, a.q_stride, group, vectors, d, pairs, a.scale);
     if (products == Products::kAmx) {  // a bf16 pool (bf16_pool above)
       if constexpr (std::is_same_v<C, bf16>)
         attend_spans_amx(w, k_cache, v_cache, paired.head(h), kv_stride, a, rows, group, tiles, h, pos0,

@@ -55,17 +55,20 @@ void reshape_and_cache(const T* k, const T* v, C* k_cache, C* v_cache, const int
   }
 }
 
+// Token t's heads rotated by one position's cos/sin: each 16-lane chunk of cos/sin rounded to T
+// once, then applied to every head.
 template <typename T>
-void rotate_head(T* x, const float* cos, const float* sin, int half) {
+void rotate_token(T* x, const float* cos, const float* sin, int num_heads, int half, int64_t head_stride) {
   for (int i = 0; i < half; i += kLanes) {
     const Mask m = tail_mask(half - i);
-    const Vf x1 = load(x + i, m), x2 = load(x + half + i, m);
     const Vf c1 = round_as<T>(load(cos + i, m)), s1 = round_as<T>(load(sin + i, m));
     const Vf c2 = round_as<T>(load(cos + half + i, m)), s2 = round_as<T>(load(sin + half + i, m));
-    const Vf o1 = round_as<T>(x1 * c1) - round_as<T>(x2 * s1);
-    const Vf o2 = round_as<T>(x2 * c2) + round_as<T>(x1 * s2);
-    store(x + i, o1, m);
-    store(x + half + i, o2, m);
+    for (int h = 0; h < num_heads; ++h) {
+      T* xh = x + h * head_stride;
+      const Vf x1 = load(xh + i, m), x2 = load(xh + half + i, m);
+      store(xh + i, round_as<T>(x1 * c1) - round_as<T>(x2 * s1), m);
+      store(xh + half + i, round_as<T>(x2 * c2) + round_as<T>(x1 * s2), m);
+    }
   }
 }
 
@@ -73,11 +76,9 @@ template <typename T>
 void rotary_inplace(T* x, const int64_t* positions, const float* cos, const float* sin, int64_t num_tokens,
                     int num_heads, int head_dim, int64_t token_stride, int64_t head_stride) {
   auto rotate = [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* c = cos + positions[t] * head_dim;
-      const float* s = sin + positions[t] * head_dim;
-      for (int h = 0; h < num_heads; ++h) rotate_head(x + t * token_stride + h * head_stride, c, s, head_dim / 2);
-    }
+    for (int64_t t = begin; t < end; ++t)
+      rotate_token(x + t * token_stride, cos + positions[t] * head_dim, sin + positions[t] * head_dim, num_heads,
+                   head_dim / 2, head_stride);
   };
   if (num_tokens < kParallelTokens) {
     rotate(0, num_tokens);

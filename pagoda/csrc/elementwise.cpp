@@ -73,7 +73,7 @@ void silu_mul_row(const T* x, T* out, int n) {
   for (int i = 0; i < n; i += kLanes) {
     const Mask m = tail_mask(n - i);
     const Vf g = load(x + i, m);
-    const Vf silu = round_as<T>(vdiv(g, vset1(1.f) + vexp(vzero() - g)));
+    const Vf silu = round_as<T>(vdiv_near(g, vset1(1.f) + vexp(vzero() - g)));
     store(out + i, silu * load(x + n + i, m), m);
   }
 }
@@ -84,7 +84,7 @@ void gelu_tanh_mul_row(const T* x, T* out, int n) {
   for (int i = 0; i < n; i += kLanes) {
     const Mask m = tail_mask(n - i);
     const Vf g = load(x + i, m);
-    const Vf gelu = round_as<T>(vdiv(g, one + vexp(c * (g + k * (g * (g * g))))));
+    const Vf gelu = round_as<T>(vdiv_near(g, one + vexp(c * (g + k * (g * (g * g))))));
     store(out + i, gelu * load(x + n + i, m), m);
   }
 }
