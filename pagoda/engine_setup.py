@@ -168,6 +168,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
                                           runner.attention_backend.zeroed_pool))
     log_capacity(specs, num_blocks, config.cache.block_size, max_model_len)
     log_decoder(runner)
+    heap.freeze_objects()
     # NOTE: loading's temporaries (dequantized and repacked copies) are freed by now but sit in
     # malloc's arenas: handed back, Gemma 3's served RSS drops by ~340 MiB (docs/performance.md).
     heap.trim()

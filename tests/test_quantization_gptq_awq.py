@@ -18,6 +18,7 @@ plain float checkpoint. Then:
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,9 @@ def checkpoints(root: Path, name: str) -> tuple[Path, Path, dict[str, tuple[torc
             w = torch.randn(rows, cols, generator=gen) * 0.15
             gs = config["group_size"]
             # NOTE: act order quantizes the columns in `order`, group by group; identity otherwise
-            order = (torch.randperm(cols, generator=torch.Generator().manual_seed(hash((layer, INPUTS[linear])) % 2**31))
+            # (seeded by crc32, not hash(): str hashes differ between processes, and so did the model)
+            seed = zlib.crc32(f"{layer}.{INPUTS[linear]}".encode())
+            order = (torch.randperm(cols, generator=torch.Generator().manual_seed(seed))
                      if config.get("desc_act") else torch.arange(cols))
             q_in_order, z, s = quantize_groups(w[:, order], gs, sym, min_zero=1 if name.startswith("gptq") else 0)
             q = torch.empty_like(q_in_order)
