@@ -143,6 +143,17 @@ def test_several_query_rows_causal_and_window(dtype: torch.dtype, window: int) -
     run_attention([9, 30, 17, 100], [1, 4, 17, 40], 16, 6, 2, 64, dtype, window)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 100, 300])
+def test_decode_across_score_chunks(dtype: torch.dtype, window: int) -> None:
+    # NOTE: a decode item scores up to 256 keys (whole tiles) before their softmax: contexts
+    # just under, at and over one and several chunks, blocks of 16 and 24 keys (tiles short of
+    # 16 inside a chunk), windows that end inside a chunk or span two.
+    lens = [255, 256, 257, 520, 700]
+    run_attention(lens, [1, 1, 3, 2, 1], 16, 9, 3, 64, dtype, window)
+    run_attention(lens, [1, 2, 1, 1, 4], 24, 8, 2, 128, dtype, window, seed=window + 1)
+
+
 @pytest.fixture(params=["dpbf16", "fma", "amx"])
 def tile_kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """The GEMM's measured tile choice, which bf16 prefill attention follows: vdpbf16ps on bf16

@@ -32,6 +32,12 @@ constexpr int kAmxQueryTile = 32;  // query rows of a prefill item on AMX (amx_q
 constexpr int kKeyTile = 16;
 constexpr int kSpanKeys = 128;  // keys a step of the AMX prefill path (several key tiles)
 constexpr int kPrefetchTiles = 4;
+// Keys a decode item scores before their softmax and P.V (a chunk of whole key tiles): the max,
+// sums and rescaling run once a chunk, not once a 16-key tile, so that no tile's products wait
+// on the previous tile's horizontal reductions. A row's scores sit kScoreStride apart (a tile's
+// 16 lanes stored past the chunk's last key stay inside the row).
+constexpr int kChunkKeys = 256;
+constexpr int kScoreStride = kChunkKeys + 16;
 constexpr int kItemsPerThread = 8;
 constexpr int64_t kMinParallelKeyRows = 4096;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -63,7 +69,7 @@ struct Scratch {
     l.assign(rows, 0.f);
     kf.resize(size_t(kKeyTile) * d);
     vf.resize(size_t(kKeyTile) * d);
-    s.resize(size_t(rows) * kKeyTile);
+    s.resize(size_t(rows) * kScoreStride);
   }
 };
 
@@ -75,6 +81,13 @@ template <typename T>
 inline void touch_rows(const T* p, int rows, int64_t stride, int bytes) {
   for (int r = 0; r < rows; ++r)
     for (int b = 0; b < bytes; b += 64) (void)*(reinterpret_cast<const volatile char*>(p + r * stride) + b);
+}
+
+// Prefetches every cache line of those rows into L2 (prefetcht1): no load waits on them.
+template <typename T>
+inline void prefetch_rows(const T* p, int rows, int64_t stride, int bytes) {
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(p + r * stride) + b, 0, 2);
 }
 
 template <typename T>
@@ -147,40 +160,53 @@ struct Tile {
   int rows, group, n;  // query rows x heads in the group; keys in the tile
 };
 
-// Scores of every (row, key) of the tile into s[row * kKeyTile + t].
+// Scores of every (row, key) of the tile into s[row * kScoreStride + j0 + j] (j0: the tile's
+// first key in its chunk; the bf16 path writes 16 lanes, the next tile's keys overwriting those
+// past this tile's).
 template <typename T, typename C>
-void score_tile(const Tile<T, C>& t, const AttnArgs& a, Scratch& w) {
+void score_tile(const Tile<T, C>& t, const AttnArgs& a, Scratch& w, int j0) {
   const int d = a.head_dim;
   if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16> && kNativeBf16Dot) {
     static_assert(kKeyTile == 16);
     for (int r = 0; r < t.rows * t.group; ++r) {
       const bf16* qr = t.q + (r / t.group) * a.q_stride + (r % t.group) * d;
-      score_keys_bf16_row(qr, t.k, t.kv_stride, t.n, d, a.scale, &w.s[r * kKeyTile]);
+      score_keys_bf16_row(qr, t.k, t.kv_stride, t.n, d, a.scale, &w.s[r * kScoreStride + j0]);
     }
   } else {
     for (int j = 0; j < t.n; ++j) widen_row(t.k + j * t.kv_stride, &w.kf[j * d], d);
     for (int r = 0; r < t.rows * t.group; ++r)
-      for (int j = 0; j < t.n; ++j) w.s[r * kKeyTile + j] = dot(&w.qf[r * d], &w.kf[j * d], d);
+      for (int j = 0; j < t.n; ++j) w.s[r * kScoreStride + j0 + j] = dot(&w.qf[r * d], &w.kf[j * d], d);
   }
 }
 
-// Row r's share of one key tile: running max and sum updated, the accumulator rescaled, and
-// the tile's probabilities left in s[r * kKeyTile + j] (0 where the row may not look).
-inline void softmax_step(Scratch& w, int r, int d, int lo, int hi) {
-  const Mask keep = lo < hi ? Mask(tail_mask(hi) & ~tail_mask(lo)) : Mask(0);
-  float* srow = &w.s[r * kKeyTile];
-  if (!keep) {
-    store(srow, vzero());
+// Lanes i of a 16-key vector starting at key j with lo <= j + i < hi.
+inline Mask key_range_mask(int j, int lo, int hi) {
+  return Mask(tail_mask(std::clamp(hi - j, 0, kLanes)) & ~tail_mask(std::clamp(lo - j, 0, kLanes)));
+}
+
+// Row r's share of a chunk of n keys: running max and sum updated, the accumulator rescaled,
+// and the chunk's probabilities left in s[r * kScoreStride + j] (0 where the row may not look:
+// outside keys [lo, hi)).
+inline void softmax_chunk(Scratch& w, int r, int d, int n, int lo, int hi) {
+  float* srow = &w.s[r * kScoreStride];
+  if (lo >= hi) {
+    for (int j = 0; j < n; j += kLanes) store(srow + j, vzero());
     return;
   }
-  const Vf sv = select(keep, load(srow), kNegInf);
-  const float m_new = std::max(w.m[r], reduce_max(sv));
-  const Vf p = select(keep, vexp(sv - vset1(m_new)), 0.f);
-  // NOTE: the max seldom moves after the first tiles; exp(0) skipped (a libm call a row and tile).
+  Vf top = vset1(kNegInf);
+  for (int j = lo / kLanes * kLanes; j < hi; j += kLanes) top = vmax(top, select(key_range_mask(j, lo, hi), load(srow + j), kNegInf));
+  const float m_new = std::max(w.m[r], reduce_max(top));
+  const Vf m = vset1(m_new);
+  Vf sum = vzero();
+  for (int j = 0; j < n; j += kLanes) {
+    const Vf p = select(key_range_mask(j, lo, hi), vexp(load(srow + j) - m), 0.f);
+    store(srow + j, p);
+    sum = sum + p;
+  }
+  // NOTE: the max seldom moves after the first chunk; exp(0) skipped (a libm call a row).
   const float corr = m_new == w.m[r] ? 1.f : std::exp(w.m[r] - m_new);
-  w.l[r] = w.l[r] * corr + reduce_add(p);
+  w.l[r] = w.l[r] * corr + reduce_add(sum);
   w.m[r] = m_new;
-  store(srow, p);
   if (corr != 1.f) {
     float* acc = &w.acc[r * d];
     for (int i = 0; i < d; i += kLanes) store(acc + i, load(acc + i, tail_mask(d - i)) * vset1(corr), tail_mask(d - i));
@@ -194,7 +220,7 @@ inline void softmax_step(Scratch& w, int r, int d, int lo, int hi) {
 // NOTE: ROWS (<= RB) is a template argument: with a run-time row count the compiler kept x
 // on the stack, a store and a reload around every FMA (1.6x a warm decode call on Zen 4).
 template <int DC, int ROWS, typename V>
-void accumulate_exact_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int n, int d) {
+void accumulate_exact_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int n, int d, int j0) {
   constexpr int kMax = DC > 0 ? DC : kMaxHeadDim / kLanes;
   const int dc = DC > 0 ? DC : (d + kLanes - 1) / kLanes;
   Vf x[ROWS][kMax];
@@ -204,7 +230,7 @@ void accumulate_exact_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int
     const V* vj = v + j * v_stride;
     for (int c = 0; c < dc; ++c) {
       const Vf vv = load(vj + c * kLanes, tail_mask(d - c * kLanes));
-      for (int r = 0; r < ROWS; ++r) x[r][c] = vfma(vset1(w.s[(r0 + r) * kKeyTile + j]), vv, x[r][c]);
+      for (int r = 0; r < ROWS; ++r) x[r][c] = vfma(vset1(w.s[(r0 + r) * kScoreStride + j0 + j]), vv, x[r][c]);
     }
   }
   for (int r = 0; r < ROWS; ++r)
@@ -212,13 +238,13 @@ void accumulate_exact_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int
 }
 
 template <int DC, int RB, typename V>
-void accumulate_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int rows, int n, int d) {
+void accumulate_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int rows, int n, int d, int j0) {
   static_assert(RB >= 1 && RB <= 4);
   switch (rows) {
-    case 1: accumulate_exact_rows<DC, 1>(w, v, v_stride, r0, n, d); break;
-    case 2: if constexpr (RB >= 2) accumulate_exact_rows<DC, 2>(w, v, v_stride, r0, n, d); break;
-    case 3: if constexpr (RB >= 3) accumulate_exact_rows<DC, 3>(w, v, v_stride, r0, n, d); break;
-    case 4: if constexpr (RB >= 4) accumulate_exact_rows<DC, 4>(w, v, v_stride, r0, n, d); break;
+    case 1: accumulate_exact_rows<DC, 1>(w, v, v_stride, r0, n, d, j0); break;
+    case 2: if constexpr (RB >= 2) accumulate_exact_rows<DC, 2>(w, v, v_stride, r0, n, d, j0); break;
+    case 3: if constexpr (RB >= 3) accumulate_exact_rows<DC, 3>(w, v, v_stride, r0, n, d, j0); break;
+    case 4: if constexpr (RB >= 4) accumulate_exact_rows<DC, 4>(w, v, v_stride, r0, n, d, j0); break;
     default: std::abort();
   }
 }
@@ -230,29 +256,44 @@ constexpr int kRowBlock = DC > 0 && DC <= 4 ? 4 : (DC > 0 && DC <= 8 ? 2 : 1);
 // from the pool: widening it into w.vf first cost a store and a reload per value, ~20% of a
 // warm decode call.
 template <int DC, typename T, typename C>
-void accumulate(const Tile<T, C>& t, Scratch& w, int rows, int d) {
+void accumulate(const Tile<T, C>& t, Scratch& w, int rows, int d, int j0) {
   constexpr int RB = kRowBlock<DC>;
   if (rows <= RB) {
-    accumulate_rows<DC, RB>(w, t.v, t.kv_stride, 0, rows, t.n, d);
+    accumulate_rows<DC, RB>(w, t.v, t.kv_stride, 0, rows, t.n, d, j0);
     return;
   }
   for (int j = 0; j < t.n; ++j) widen_row(t.v + j * t.kv_stride, &w.vf[j * d], d);
   for (int r0 = 0; r0 < rows; r0 += RB)
-    accumulate_rows<DC, RB>(w, w.vf.data(), int64_t(d), r0, std::min(RB, rows - r0), t.n, d);
+    accumulate_rows<DC, RB>(w, w.vf.data(), int64_t(d), r0, std::min(RB, rows - r0), t.n, d, j0);
 }
 
-template <int DC, typename T, typename C>
-void attend_keys(const Tile<T, C>& t, const AttnArgs& a, Scratch& w, int64_t key0, int64_t pos0) {
-  score_tile(t, a, w);
-  const int d = a.head_dim;
-  for (int r = 0; r < t.rows * t.group; ++r) {
-    const int64_t pos = pos0 + r / t.group;
-    const int64_t first = a.window > 0 ? pos - a.window + 1 : 0;
-    const int lo = static_cast<int>(std::clamp<int64_t>(first - key0, 0, t.n));
-    const int hi = static_cast<int>(std::clamp<int64_t>(pos + 1 - key0, 0, t.n));
-    softmax_step(w, r, d, lo, hi);
+// One head's query rows over the key tiles [t0, t1) (a chunk of n keys from key0): every tile
+// scored, one softmax step a row, then P.V tile by tile (`touch` called with each tile index
+// scored, to read ahead).
+template <int DC, typename T, typename C, typename Touch>
+void attend_chunk(const Tile<T, C>& head, const std::vector<KeyTile>& tiles, int t0, int t1, const AttnArgs& a,
+                  Scratch& w, int64_t pos0, Touch&& touch) {
+  const int d = a.head_dim, vectors = head.rows * head.group;
+  const int64_t key0 = tiles[t0].key0;
+  int n = 0;
+  for (int i = t0; i < t1; n += tiles[i].n, ++i) {
+    touch(i);
+    Tile<T, C> t = head;
+    t.k += tiles[i].offset, t.n = tiles[i].n;
+    score_tile(t, a, w, n);
   }
-  accumulate<DC>(t, w, t.rows * t.group, d);
+  for (int r = 0; r < vectors; ++r) {
+    const int64_t pos = pos0 + r / head.group;
+    const int64_t first = a.window > 0 ? pos - a.window + 1 : 0;
+    const int lo = static_cast<int>(std::clamp<int64_t>(first - key0, 0, n));
+    const int hi = static_cast<int>(std::clamp<int64_t>(pos + 1 - key0, 0, n));
+    softmax_chunk(w, r, d, n, lo, hi);
+  }
+  for (int i = t0, j0 = 0; i < t1; j0 += tiles[i].n, ++i) {
+    Tile<T, C> t = head;
+    t.v += tiles[i].offset, t.n = tiles[i].n;
+    accumulate<DC>(t, w, vectors, d, j0);
+  }
 }
 
 // Loads query rows of head `kvh` (scaled, fp32) into w.qf and clears its running state.
@@ -316,16 +357,26 @@ void attend_item(const T* q, const C* k_cache, const C* v_cache, T* out, const A
     const int64_t offset = tiles[i].offset + int64_t(h0) * d;
     touch_rows(k_cache + offset, tiles[i].n, kv_stride, row_bytes);
     touch_rows(v_cache + offset, tiles[i].n, kv_stride, row_bytes);
+    if (i + kPrefetchTiles < num_tiles) {  // and the tile after that into L2 (prefetcht1)
+      const int64_t ahead = tiles[i + kPrefetchTiles].offset + int64_t(h0) * d;
+      prefetch_rows(k_cache + ahead, tiles[i + kPrefetchTiles].n, kv_stride, row_bytes);
+      prefetch_rows(v_cache + ahead, tiles[i + kPrefetchTiles].n, kv_stride, row_bytes);
+    }
   };
   for (int i = 0; i < kPrefetchTiles; ++i) touch(i);
-  for (int i = 0; i < num_tiles; ++i) {
-    touch(i + kPrefetchTiles);
+  for (int t0 = 0; t0 < num_tiles;) {
+    int t1 = t0, n = 0;
+    for (; t1 < num_tiles && n + tiles[t1].n <= kChunkKeys; ++t1) n += tiles[t1].n;
     for (int h = 0; h < nh; ++h) {
-      const int64_t offset = tiles[i].offset + int64_t(h0 + h) * d;
-      const Tile<T, C> t{q_rows + int64_t(h0 + h) * group * d, k_cache + offset, v_cache + offset,
-                      kv_stride, rows, group, tiles[i].n};
-      attend_keys<DC>(t, a, heads[h], tiles[i].key0, pos0);
+      const int64_t offset = int64_t(h0 + h) * d;
+      const Tile<T, C> head{q_rows + int64_t(h0 + h) * group * d, k_cache + offset, v_cache + offset,
+                            kv_stride, rows, group, 0};
+      // NOTE: the first head's scores read ahead for every head (the rows hold all nh heads)
+      attend_chunk<DC>(head, tiles, t0, t1, a, heads[h], pos0, [&](int i) {
+        if (h == 0) touch(i + kPrefetchTiles);
+      });
     }
+    t0 = t1;
   }
   T* out_rows = out + (q_begin + row0) * a.out_stride;
   for (int h = 0; h < nh; ++h) finish_head(out_rows + int64_t(h0 + h) * group * d, a, heads[h], rows, group);
