@@ -400,7 +400,7 @@ constexpr int kAccRows = 4;
 constexpr float kFloor = -1e30f;
 
 struct BlockScratch {
-  std::vector<float> qt, kf, vf, st, m, l, acc;
+  std::vector<float> qt, kf, vf, st, m, l, acc, top;  // top: a span's raw score maxima (AMX spans)
   // bf16 pairs for vdpbf16ps: query vectors qp[(i / 2) * 2 r16 + 2 r + i % 2]; a tile's values
   // vp[(j / 2) * 2 d + 2 i + j % 2] and probabilities pp[(j / 2) * 2 r16 + 2 r + j % 2].
   std::vector<bf16> qp, vp, pp, kspan;  // kspan: a span's keys copied into whole tiles (AMX)
@@ -420,6 +420,7 @@ struct BlockScratch {
     st.resize(size_t(kSpanKeys + kKeyTile) * r16);  // a span's scores and a tile's stored past it
     m.assign(r16, kFloor);
     l.assign(r16, 0.f);
+    top.resize(r16);
     acc.assign(size_t(r16) * d, 0.f);  // r16 rows: the AMX tiles take 16 at a time
   }
 };
@@ -512,7 +513,7 @@ inline __m512 exp2_for_pairs(__m512 t) {
 // alike), its probabilities written as they are made straight into bf16 key pairs (pp), the
 // layout the pair products read (rounded as torch's CPU flash attention rounds P for its bf16
 // product with V); st is only read. The sums take the fp32 probabilities.
-void softmax_pairs(BlockScratch& w, int n, float scale, float* corr) {
+void softmax_pairs(BlockScratch& w, int n, float scale, float* corr, const float* known_top) {
   alignas(64) static constexpr uint16_t kPairs[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
   constexpr float kLog2e = 1.44269504088896341f;
@@ -524,13 +525,18 @@ void softmax_pairs(BlockScratch& w, int n, float scale, float* corr) {
   const __m512 f = _mm512_set1_ps(scale), f2 = _mm512_set1_ps(scale * kLog2e);
   for (int c = 0; c < r16; c += kLanes) {
     const __m512 m_old = _mm512_loadu_ps(&m[c]);
-    __m512 raw[4];  // NOTE: four running maxima, so that the loads do not wait on one chain
-    for (auto& x : raw) x = _mm512_set1_ps(kNegInf);
     int j = 0;
-    for (; j + 4 <= n; j += 4)
-      for (int u = 0; u < 4; ++u) raw[u] = _mm512_max_ps(raw[u], _mm512_loadu_ps(&st[(j + u) * r16 + c]));
-    for (; j < n; ++j) raw[0] = _mm512_max_ps(raw[0], _mm512_loadu_ps(&st[j * r16 + c]));
-    const __m512 top = _mm512_max_ps(_mm512_max_ps(raw[0], raw[1]), _mm512_max_ps(raw[2], raw[3]));
+    __m512 top;
+    if (known_top != nullptr) {
+      top = _mm512_loadu_ps(&known_top[c]);
+    } else {
+      __m512 raw[4];  // NOTE: four running maxima, so that the loads do not wait on one chain
+      for (auto& x : raw) x = _mm512_set1_ps(kNegInf);
+      for (; j + 4 <= n; j += 4)
+        for (int u = 0; u < 4; ++u) raw[u] = _mm512_max_ps(raw[u], _mm512_loadu_ps(&st[(j + u) * r16 + c]));
+      for (; j < n; ++j) raw[0] = _mm512_max_ps(raw[0], _mm512_loadu_ps(&st[j * r16 + c]));
+      top = _mm512_max_ps(_mm512_max_ps(raw[0], raw[1]), _mm512_max_ps(raw[2], raw[3]));
+    }
     const __m512 mx = _mm512_max_ps(m_old, _mm512_mul_ps(top, f));
     const __m512 off = _mm512_mul_ps(mx, _mm512_set1_ps(-kLog2e));
     __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
@@ -664,19 +670,38 @@ __attribute__((target("amx-tile,amx-bf16"))) void score_block_amx(const bf16* k0
 // Raw scores of a span's key tiles (kt[t]: 16 rows `stride` elements apart) into st, two key
 // tiles by two query chunks at a time (an odd last tile paired with `zeros`, whose scores land
 // past the span's).
-void score_span_amx(BlockScratch& w, const bf16* const* kt, int tiles, int64_t stride, const bf16* zeros, int d) {
+void score_span_amx(BlockScratch& w, const bf16* const* kt, int tiles, int64_t stride, const bf16* zeros, int d,
+                    int n) {
   tile_sources_written();  // qp, the copied keys
   const int64_t r16 = w.r16;
   const bf16* qp = w.qp.data();
   float* st = w.st.data();  // NOTE: w is thread_local: its fields read once, not per store
+  float* top = w.top.data();
+  for (int c = 0; c < r16; c += kLanes) _mm512_storeu_ps(&top[c], _mm512_set1_ps(kNegInf));
   for (int t = 0; t < tiles; t += 2) {
     const bf16* k1 = t + 1 < tiles ? kt[t + 1] : zeros;
     const int64_t s1 = t + 1 < tiles ? stride : d;
     float* d0 = st + int64_t(t) * kKeyTile * r16;
+    const int keys = std::min(2 * kKeyTile, n - t * kKeyTile);  // the block's rows that are keys
+    // NOTE: each block's maxima read back while its rows are in L1 (the softmax's own pass read
+    // the whole span's scores back from L2)
+    auto track = [&](int c, int chunks) {
+      tile_sources_written();  // NOTE: a barrier: the block's tile stores before these loads
+      for (int h = 0; h < chunks; ++h) {
+        __m512 mx = _mm512_loadu_ps(&top[c + h * kLanes]);
+        for (int j = 0; j < keys; ++j) mx = _mm512_max_ps(mx, _mm512_loadu_ps(&d0[int64_t(j) * r16 + c + h * kLanes]));
+        _mm512_storeu_ps(&top[c + h * kLanes], mx);
+      }
+    };
     int c = 0;
-    for (; c + 2 * kLanes <= r16; c += 2 * kLanes)
+    for (; c + 2 * kLanes <= r16; c += 2 * kLanes) {
       score_block_amx<true>(kt[t], stride, k1, s1, qp + 2 * c, r16, d, d0 + c);
-    if (c < r16) score_block_amx<false>(kt[t], stride, k1, s1, qp + 2 * c, r16, d, d0 + c);
+      track(c, 2);
+    }
+    if (c < r16) {
+      score_block_amx<false>(kt[t], stride, k1, s1, qp + 2 * c, r16, d, d0 + c);
+      track(c, 1);
+    }
   }
 }
 
@@ -801,7 +826,7 @@ void accumulate_span_amx(BlockScratch& w, const float* corr, const bf16* vp, int
   }
 }
 
-void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64_t pos0, int64_t window);
+bool mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64_t pos0, int64_t window);
 void softmax_block(BlockScratch& w, int n, float scale, float* corr);
 
 // Prefetches the K rows of head h of the span that starts at tiles[t0], and its values (the
@@ -869,9 +894,9 @@ void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache,
     }
     prefetch_span(k_cache, v_cache, paired, kv_stride, tiles, t1, h, d);
     const int64_t stride = span_key_tiles(w, k_cache + int64_t(h) * d, kv_stride, tiles, t0, t1, d, kt);
-    score_span_amx(w, kt, (n + kKeyTile - 1) / kKeyTile, stride, zeros, d);
-    mask_block(w, rows, group, n, tiles[t0].key0, pos0, a.window);
-    softmax_pairs(w, n, a.scale, corr);
+    score_span_amx(w, kt, (n + kKeyTile - 1) / kKeyTile, stride, zeros, d, n);
+    const bool masked = mask_block(w, rows, group, n, tiles[t0].key0, pos0, a.window);
+    softmax_pairs(w, n, a.scale, corr, masked ? nullptr : w.top.data());
     const int pairs = (n + 1) / 2, padded = (pairs + kPairStep - 1) / kPairStep * kPairStep;
     const bf16* vp = w.vp.data();
     if (paired != nullptr && tiles[t0].key0 % 2 == 0) {
@@ -888,7 +913,7 @@ void attend_spans_amx(BlockScratch& w, const bf16* k_cache, const bf16* v_cache,
 #else
 void score_tile_bf16(BlockScratch&, const bf16*, int64_t, int, int, float) { std::abort(); }
 void pair_values(BlockScratch&, const bf16*, int64_t, int, int) { std::abort(); }
-void softmax_pairs(BlockScratch&, int, float, float*) { std::abort(); }
+void softmax_pairs(BlockScratch&, int, float, float*, const float*) { std::abort(); }
 void query_pairs(BlockScratch&, const bf16*, int64_t, int, int, int) { std::abort(); }
 void accumulate_block_bf16(BlockScratch&, const float*, int, int, int) { std::abort(); }
 struct AmxTiles {
@@ -962,11 +987,11 @@ void pair_sequence_values(const bf16*, const AttnArgs&, int, std::vector<bf16>&,
 #endif
 
 // Masks (to -inf) the scores a row may not see: only tiles on the causal diagonal or the
-// window's edge have any.
-void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64_t pos0, int64_t window) {
+// window's edge have any. Whether it masked anything.
+bool mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64_t pos0, int64_t window) {
   const int64_t last = pos0 + rows - 1;
   const bool all_seen = key0 + n - 1 <= pos0 && (window <= 0 || key0 >= last - window + 1);
-  if (all_seen) return;
+  if (all_seen) return false;
   float* st = w.st.data();  // NOTE: w is thread_local: its fields read once, not per store
   const int64_t r16 = w.r16;
   auto hide = [&](int64_t j, int q) {
@@ -979,6 +1004,7 @@ void mask_block(BlockScratch& w, int rows, int group, int n, int64_t key0, int64
     for (int64_t j = 0; j < left; ++j) hide(j, q);
     for (int64_t j = after; j < n; ++j) hide(j, q);
   }
+  return true;
 }
 
 // Online softmax down the lanes over n scores, times `scale` (1 where the scores are scaled
@@ -1042,7 +1068,7 @@ void attend_block_tile(BlockScratch& w, const C* k, const C* v, int64_t kv_strid
     if (products == Products::kPairs) {
       score_tile_bf16(w, k, kv_stride, d, n, a.scale);
       mask_block(w, rows, group, n, key0, pos0, a.window);
-      softmax_pairs(w, n, 1.f, corr);
+      softmax_pairs(w, n, 1.f, corr, nullptr);
       pair_values(w, v, kv_stride, d, n);
       accumulate_block_bf16(w, corr, rows * group, n, d);
       return;
