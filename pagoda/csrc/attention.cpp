@@ -33,9 +33,10 @@ constexpr int kKeyTile = 16;
 constexpr int kSpanKeys = 128;  // keys a step of the AMX prefill path (several key tiles)
 constexpr int kPrefetchTiles = 4;
 // Keys a decode item scores before their softmax and P.V (a chunk of whole key tiles): the max,
-// sums and rescaling run once a chunk, not once a 16-key tile, so that no tile's products wait
-// on the previous tile's horizontal reductions. A row's scores sit kScoreStride apart (a tile's
-// 16 lanes stored past the chunk's last key stay inside the row).
+// sums and rescaling run once a chunk, not once a 16-key tile (fewer horizontal reductions; no
+// faster warm on the AMX Xeon of docs/performance.md, where decode attention waits on memory).
+// A row's scores sit kScoreStride apart (a tile's 16 lanes stored past the chunk's last key
+// stay inside the row).
 constexpr int kChunkKeys = 256;
 constexpr int kScoreStride = kChunkKeys + 16;
 constexpr int kItemsPerThread = 8;
