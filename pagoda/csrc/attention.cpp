@@ -409,7 +409,7 @@ struct BlockScratch {
   void reset(int vectors, int d, bool pairs) {
     r16 = (vectors + kLanes - 1) / kLanes * kLanes;
     if (pairs) {
-      qp.assign(size_t(d) * r16, bf16{0});
+      qp.resize(size_t(d) * r16);  // NOTE: filled whole by load_queries, padding vectors included
       vp.resize(size_t(kSpanKeys) * d);  // NOTE: sized for AMX's spans, the pairs path uses a tile's
       pp.resize(size_t(kSpanKeys) * r16);
       kspan.resize(size_t(kSpanKeys + kKeyTile) * d);
@@ -1097,6 +1097,7 @@ void load_queries(BlockScratch& w, const T* q_rows, int64_t q_stride, int group,
   if constexpr (std::is_same_v<T, bf16>) {
     if (pairs && d % 32 == 0) return query_pairs(w, q_rows, q_stride, group, vectors, d);
   }
+  if (pairs) std::fill(w.qp.begin(), w.qp.end(), bf16{0});  // the vectors past the last stay zero
   for (int r = 0; r < vectors; ++r) {
     const T* src = q_rows + (r / group) * q_stride + (r % group) * d;
     if constexpr (std::is_same_v<T, bf16>) {
