@@ -10,7 +10,7 @@
 //   rotate q and k in place (rotary, then over an fp8 pool the Hadamard
 //   rotation of PagedAttention); write k, v to their slots; attn = paged
 //   attention; h = attn . Wo^T; residual += h, h = rms_norm(residual); gate_up = h . Wgu^T;
-//   act = silu(gate) * up; h = act . Wdown^T
+//   act = silu(gate) * up (on AMX tiles, in that product's epilogue); h = act . Wdown^T
 // Gemma 3 (kGemma3; pagoda/models/gemma3.py) differs per layer: its norms are Gemma's (fp32
 // scales 1 + w), q and k heads are normalized before the rotary (each layer with its own table
 // and window, local or global), attention and MLP outputs are normalized before the residual
@@ -226,6 +226,26 @@ void project(const LinearWeight& l, const DecodeStep& t, int64_t layer, int whic
   if (t.num_lora_runs) adapt(t, layer, which, x, l.weight.k, y, l.weight.n);
 }
 
+// Whether any row of the step adapts projection `which` of layer `layer`.
+bool adapted(const DecodeStep& t, int64_t layer, int which) {
+  for (int64_t i = 0; i < t.num_lora_runs; ++i)
+    if (t.lora_runs[i].updates[layer * 4 + which].r) return true;
+  return false;
+}
+
+// act = act(gate) * up of layer `layer`: in the gate/up product's epilogue where the GEMM can
+// (gemm.h; the same bits), else the product into gate_up and then the elementwise kernel.
+void gated(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, int64_t layer, GatedAct act) {
+  const int64_t T = t.num_tokens;
+  if (!l.gate_up.perm && l.gate_up.weight.n == 2 * s.intermediate && !adapted(t, layer, kGateUp) &&
+      pagoda_gemm_packed_gated(&l.gate_up.weight, t.h, l.gate_up.weight.k, l.gate_up.bias, t.act, s.intermediate,
+                               T, act))
+    return;
+  project(l.gate_up, t, layer, kGateUp, t.h, t.gate_up);
+  const auto elementwise = act == kSiluGate ? pagoda_silu_and_mul_bf16 : pagoda_gelu_tanh_and_mul_bf16;
+  elementwise(t.gate_up, t.act, T, static_cast<int>(s.intermediate));
+}
+
 void attend(const DecoderStack& s, const DecoderLayer& l, const DecodeStep& t, char* qkv, int64_t row) {
   const int64_t T = t.num_tokens, q_size = s.num_heads * s.head_dim, kv_size = s.num_kv_heads * s.head_dim;
   char* q = qkv;  // bf16 rows of `row` elements: q, then k, then v
@@ -277,8 +297,7 @@ void decode_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep
     pagoda_fused_moe_bf16(l.moe, t.h, t.h, T);
     return;
   }
-  project(l.gate_up, t, i, kGateUp, t.h, t.gate_up);
-  pagoda_silu_and_mul_bf16(t.gate_up, t.act, T, static_cast<int>(s.intermediate));
+  gated(s, l, t, i, kSiluGate);
   project(l.down, t, i, kDown, t.act, t.h);
 }
 
@@ -300,8 +319,7 @@ void gemma3_layer(const DecoderStack& s, const DecoderLayer& l, const DecodeStep
   project(l.o, t, i, kO, t.attn, t.h);
   norm_in_place(l.post_norm);
   pagoda_fused_add_gemma_rms_norm_bf16(t.h, t.residual, l.pre_ff_norm, T, n, s.eps);
-  project(l.gate_up, t, i, kGateUp, t.h, t.gate_up);
-  pagoda_gelu_tanh_and_mul_bf16(t.gate_up, t.act, T, static_cast<int>(s.intermediate));
+  gated(s, l, t, i, kGeluTanhGate);
   project(l.down, t, i, kDown, t.act, t.h);
   norm_in_place(l.post_ff_norm);
 }

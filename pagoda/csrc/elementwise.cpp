@@ -72,20 +72,15 @@ template <typename T>
 void silu_mul_row(const T* x, T* out, int n) {
   for (int i = 0; i < n; i += kLanes) {
     const Mask m = tail_mask(n - i);
-    const Vf g = load(x + i, m);
-    const Vf silu = round_as<T>(vdiv_near(g, vset1(1.f) + vexp(vzero() - g)));
-    store(out + i, silu * load(x + n + i, m), m);
+    store(out + i, silu_as<T>(load(x + i, m)) * load(x + n + i, m), m);
   }
 }
 
 template <typename T>
 void gelu_tanh_mul_row(const T* x, T* out, int n) {
-  const Vf c = vset1(-2.f * 0.7978845608028654f), k = vset1(0.044715f), one = vset1(1.f);
   for (int i = 0; i < n; i += kLanes) {
     const Mask m = tail_mask(n - i);
-    const Vf g = load(x + i, m);
-    const Vf gelu = round_as<T>(vdiv_near(g, one + vexp(c * (g + k * (g * (g * g))))));
-    store(out + i, gelu * load(x + n + i, m), m);
+    store(out + i, gelu_tanh_as<T>(load(x + i, m)) * load(x + n + i, m), m);
   }
 }
 

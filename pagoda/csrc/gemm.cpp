@@ -494,6 +494,9 @@ struct Problem {
   const float* xf = nullptr;  // see Rows
   int64_t xf_stride = 0;
   bool fma = false;  // the FMA tiles (`Tiles`), over xf; on AVX2 the widened chunks (`avx2_wide_panel`)
+  // A gated MLP's epilogue (`emit_gated`; AMX passes only): 0, or a GatedAct over N / 2 gate
+  // columns, y then [M, N / 2].
+  int64_t gated = 0;
 
   Rows rows(int64_t m0) const { return {x + m0 * xs, xs, K, xf ? xf + m0 * xf_stride : nullptr, xf_stride}; }
 };
@@ -526,6 +529,29 @@ void emit(const Problem& P, const float* sums, int64_t m0, int rows, int64_t c0,
       if (P.scales) v = v * load(P.scales + c, mask);
       if (P.bias) v = v + load(P.bias + c, mask);
       store(out + c, v, mask);
+    }
+  }
+}
+
+// The gated epilogue of gate panel `c0 / kPanel` and its up panel (P.N / 2 columns on): each
+// factor as `emit` would store it (scaled, biased, rounded to bf16), then act(gate) * up as the
+// elementwise kernels compute it (vec.h), rounded once more.
+template <int64_t kAct>
+void emit_gated(const Problem& P, const float* gate, const float* up, int64_t m0, int rows, int64_t c0) {
+  const int64_t half = P.N / 2;
+  const auto factor = [&](const float* sums, int64_t c) {
+    Vf v = load(sums);
+    if (P.scales) v = v * load(P.scales + c);
+    if (P.bias) v = v + load(P.bias + c);
+    return round_as<bf16>(v);
+  };
+  for (int m = 0; m < rows; ++m) {
+    bf16* out = P.y + (m0 + m) * P.ys;
+    for (int64_t c = c0; c < c0 + kPanel; c += kBlock) {
+      const int64_t at = m * kSumsRow + (c - c0);
+      const Vf g = factor(gate + at, c);
+      const Vf a = kAct == kSiluGate ? silu_as<bf16>(g) : gelu_tanh_as<bf16>(g);
+      store(out + c, a * factor(up + at, half + c));
     }
   }
 }
@@ -1076,11 +1102,38 @@ void configure_tiles(int rows0, int rows1) {
   load_tile_config(c);
 }
 
+// A finished block's epilogue (`emit`, or `emit_gated` of its gate and up sums), run a few rows
+// at a time while the next block's tiles multiply: the vector units idle while tdpbf16ps runs
+// (16 cycles each), and the epilogue was ~10% of a prefill run after its block.
+struct Epilogue {
+  const Problem* P = nullptr;
+  const float* sums = nullptr;  // [rows, kSumsRow]; gated: the gate panel's
+  const float* up = nullptr;    // gated: the up panel's
+  int64_t m0 = 0, c0 = 0;
+  int rows = 0, done = 0, per_step = 0;
+
+  void run(int count) {
+    const int end = std::min(rows, done + count);
+    if (end <= done) return;
+    const int64_t at = int64_t{done} * kSumsRow;
+    if (P->gated == kSiluGate)
+      emit_gated<kSiluGate>(*P, sums + at, up + at, m0 + done, end - done, c0);
+    else if (P->gated == kGeluTanhGate)
+      emit_gated<kGeluTanhGate>(*P, sums + at, up + at, m0 + done, end - done, c0);
+    else
+      emit(*P, sums + at, m0 + done, end - done, c0, kPanel);
+    done = end;
+  }
+  void step() { run(per_step); }
+  void finish() { run(rows); }
+};
+
 // x's rows [0, 16 or 32) (stride xs elements) x one panel over all k-pairs, `step_at(p)` giving
 // its k-pairs [p, p + 16) (rows kPanelPair elements apart); the sums at sums[m * kSumsRow + c].
+// Each k-step also runs a step of the previous block's epilogue (`pending`, other sums).
 template <bool kTwoRowTiles, class StepAt>
 __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64_t xs, StepAt step_at, int64_t pairs,
-                                                            float* sums) {
+                                                            float* sums, Epilogue& pending) {
   constexpr int64_t kPairBytes = kPanelPair * 2;
   const int64_t x_bytes = xs * 2;
   tile_sources_written();  // x
@@ -1103,6 +1156,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
+    pending.step();
   }
   constexpr int64_t kSumsBytes = kSumsRow * 4;
   _tile_stored(0, sums, kSumsBytes);
@@ -1113,39 +1167,59 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64
   }
 }
 
-// Where the AMX blocks read panels in the bf16 layout: `panel(i)` all of panel i, `step(i, p)`
-// its k-pairs [p, p + 16); each valid until the thread's next call. bf16 panels in place.
+// Where the AMX blocks read panels in the bf16 layout: `panel(i, slot)` all of panel i (valid
+// until the thread's next call with that slot, 0 or 1), `step(i, p)` its k-pairs [p, p + 16)
+// (until the next call). bf16 panels in place.
 struct AmxBf16 {
   const bf16* packed;
   int64_t panel_size;
-  const bf16* panel(int64_t i) const { return packed + i * panel_size; }
-  const bf16* step(int64_t i, int64_t p) const { return panel(i) + p * kPanelPair; }
+  const bf16* panel(int64_t i, int /*slot*/) const { return packed + i * panel_size; }
+  const bf16* step(int64_t i, int64_t p) const { return panel(i, 0) + p * kPanelPair; }
 };
 
 // Rows [0, P.M) (at most kAmxPassRows) x every panel of `source`: one block of rows reads each
 // panel a step at a time (a source that widens integer codes widens just that step, into L1),
 // more blocks read it whole (widened once into L2 for all of them).
+// A gated problem (P.gated) pairs gate panel i with up panel i + N / 2 / kPanel: both blocks'
+// sums, then `emit_gated`.
 template <class Source>
 void amx_pass(const Problem& P, const Source& source) {
-  const int64_t pairs = num_pairs(P.K), panels = padded_cols(P.N) / kPanel;
+  const int64_t pairs = num_pairs(P.K);
+  const int parts = P.gated ? 2 : 1;
+  const int64_t panels = P.gated ? P.N / 2 / kPanel : padded_cols(P.N) / kPanel;
   const bool stepwise = P.M <= kAmxBlockRows;
+  const int64_t steps = parts * (pairs / kAmxPairs);  // k-steps a block (all its parts)
   parallel_ranges(panels, 1, [&](int64_t i0, int64_t i1) {
-    alignas(64) static thread_local float sums[kAmxBlockRows * kSumsRow];
+    // NOTE: [buffer][part]: a block's sums, and the previous block's, whose epilogue is pending.
+    alignas(64) static thread_local float sums[2][2][kAmxBlockRows * kSumsRow];
     int configured = 0;  // rows the tiles are configured for (ldtilecfg per call: other code shares the thread)
+    int buffer = 0;
+    Epilogue pending;
     for (int64_t i = i0; i < i1; ++i) {
-      const bf16* w = stepwise ? nullptr : source.panel(i);
-      const auto step_at = [&](int64_t p) { return stepwise ? source.step(i, p) : w + p * kPanelPair; };
+      const int64_t index[2] = {i, i + panels};
+      const bf16* w[2] = {};
+      for (int part = 0; part < parts && !stepwise; ++part) w[part] = source.panel(index[part], part);
       for (int64_t m0 = 0; m0 < P.M; m0 += kAmxBlockRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kAmxBlockRows, P.M - m0));
         if (rows != configured) configure_tiles(std::min(rows, 16), std::max(rows - 16, 0));
         configured = rows;
-        if (rows > 16)
-          amx_block<true>(P.x + m0 * P.xs, P.xs, step_at, pairs, sums);
-        else
-          amx_block<false>(P.x + m0 * P.xs, P.xs, step_at, pairs, sums);
-        emit(P, sums, m0, rows, i * kPanel, kPanel);
+        float* block[2] = {sums[buffer][0], sums[buffer][1]};
+        for (int part = 0; part < parts; ++part) {
+          const auto step_at = [&](int64_t p) {
+            return stepwise ? source.step(index[part], p) : w[part] + p * kPanelPair;
+          };
+          if (rows > 16)
+            amx_block<true>(P.x + m0 * P.xs, P.xs, step_at, pairs, block[part], pending);
+          else
+            amx_block<false>(P.x + m0 * P.xs, P.xs, step_at, pairs, block[part], pending);
+        }
+        pending.finish();
+        const int per_step = static_cast<int>((rows + steps - 1) / steps);
+        pending = Epilogue{&P, block[0], block[1], m0, i * kPanel, rows, 0, per_step};
+        buffer ^= 1;
       }
     }
+    pending.finish();
     release_tiles();
   });
 }
@@ -1176,11 +1250,11 @@ LowByteIndex low_byte_index(ByteOf byte_of) {
   return t;
 }
 
-// A thread's widened bf16 panel, or step (16 k-pairs).
-inline bf16* widened_panel(int64_t pairs) {
-  static thread_local std::vector<bf16> panel;
-  panel.resize(pairs * kPanelPair);
-  return panel.data();
+// A thread's widened bf16 panel (two: a gated product's gate and up panels), or step (16 k-pairs).
+inline bf16* widened_panel(int64_t pairs, int slot) {
+  static thread_local std::vector<bf16> panel[2];
+  panel[slot].resize(pairs * kPanelPair);
+  return panel[slot].data();
 }
 
 inline bf16* widened_step() {
@@ -1279,8 +1353,8 @@ struct AmxInt4 {
   int64_t pairs, group_pairs;
   const uint8_t* codes_of(int64_t i) const { return codes + i * kInt4PairBytes * pairs; }
   const uint16_t* scales_of(int64_t i) const { return scales + i * (pairs / group_pairs) * 2 * kPanel; }
-  const bf16* panel(int64_t i) const {
-    bf16* out = widened_panel(pairs);
+  const bf16* panel(int64_t i, int slot) const {
+    bf16* out = widened_panel(pairs, slot);
     widen_int4_pairs(codes_of(i), scales_of(i), 0, pairs, group_pairs, out);
     return out;
   }
@@ -1729,8 +1803,8 @@ struct AmxInt8 {
   const uint8_t* codes;
   int64_t quads;
   const uint8_t* codes_of(int64_t i) const { return codes + i * kQuadBytes * quads; }
-  const bf16* panel(int64_t i) const {
-    bf16* out = widened_panel(2 * quads);
+  const bf16* panel(int64_t i, int slot) const {
+    bf16* out = widened_panel(2 * quads, slot);
     widen_int8_quads(codes_of(i), quads, out);
     return out;
   }
@@ -1764,6 +1838,34 @@ void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* sca
 #endif
   });
 }
+
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
+// `pagoda_gemm_packed_gated` (gemm.h): bf16, int8 (column scales) and int4 panels, where every
+// pass of `all_passes` would take AMX tiles (the last pass is the smallest), else nothing.
+bool gemm_gated(const GemmWeight& w, const bf16* x, int64_t xs, const bf16* bias, bf16* y, int64_t ys, int64_t M,
+                int64_t act) {
+  if ((act != kSiluGate && act != kGeluTanhGate) || w.n % (2 * kPanel) != 0 || M <= 0) return false;
+  const std::atomic<int64_t>* from_rows = nullptr;
+  if (w.kind == kPackedBf16) from_rows = &g_amx_rows;
+  if (w.kind == kPackedInt8) from_rows = &g_amx_int8_rows;
+  if (w.kind == kPackedInt4) from_rows = &g_amx_int4_rows;
+  const int64_t last = M - (M - 1) / kMaxRowsPerPass * kMaxRowsPerPass;
+  if (!from_rows || !takes_amx(Problem{x, xs, nullptr, bias, y, ys, last, w.n, w.k}, *from_rows)) return false;
+  const auto* codes = static_cast<const uint8_t*>(w.data);
+  const auto* scales = w.kind == kPackedInt8 ? static_cast<const float*>(w.scales) : nullptr;
+  all_passes(x, xs, scales, bias, y, ys, M, w.n, w.k, [&](const Problem& pass) {
+    Problem P = pass;
+    P.gated = act;
+    if (w.kind == kPackedInt8)
+      amx_passes(P, AmxInt8{codes, num_quads(P.K)});
+    else if (w.kind == kPackedInt4)
+      amx_passes(P, AmxInt4{codes, static_cast<const uint16_t*>(w.scales), P.K / 2, w.group_size / 2});
+    else
+      amx_passes(P, AmxBf16{static_cast<const bf16*>(w.data), kPanel * 2 * num_pairs(P.K)});
+  });
+  return true;
+}
+#endif
 
 void gemm_pack(const bf16* w, int64_t w_stride, bf16* packed, int64_t N, int64_t K) {
   const int64_t pairs = num_pairs(K);
@@ -1903,4 +2005,16 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
     default:
       pagoda::gemm(xb, x_stride, static_cast<const bf16*>(w.data), b, yb, y_stride, M, w.n, w.k);
   }
+}
+
+extern "C" int64_t pagoda_gemm_packed_gated(const void* weight, const void* x, int64_t x_stride, const void* bias,
+                                           void* y, int64_t y_stride, int64_t M, int64_t act) {
+#if defined(PAGODA_VNNI) && defined(__x86_64__)
+  using pagoda::bf16;
+  return pagoda::gemm_gated(*static_cast<const pagoda::GemmWeight*>(weight), static_cast<const bf16*>(x), x_stride,
+                            static_cast<const bf16*>(bias), static_cast<bf16*>(y), y_stride, M, act);
+#else
+  (void)weight, (void)x, (void)x_stride, (void)bias, (void)y, (void)y_stride, (void)M, (void)act;
+  return 0;
+#endif
 }

@@ -24,6 +24,9 @@ struct GemmWeight {
   int64_t n, k;
 };
 
+// A gated MLP's activation, which `pagoda_gemm_packed_gated` applies in the product's epilogue.
+enum GatedAct : int64_t { kSiluGate = 1, kGeluTanhGate = 2 };
+
 // Whether vdpbf16ps tiles beat fp32 FMAs on this CPU for a product of `rows` rows: the GEMM's
 // measured choice (`pagoda_gemm_set_fma_rows`), which prefill attention follows too.
 bool bf16_dot_wins(int64_t rows);
@@ -43,3 +46,12 @@ extern "C" void pagoda_qgemv_bf16(int format, const void* x, int64_t x_stride, c
 // `pagoda::GemmWeight`.
 extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_stride, const void* bias, void* y,
                                    int64_t y_stride, int64_t M);
+
+// A gated MLP's input in one product: y[M, n / 2] (row stride y_stride) = act(x . Wg^T + bg) *
+// (x . Wu^T + bu), W = [Wg; Wu] a `pagoda::GemmWeight` [n, k] (bias likewise [n] or null), each
+// factor rounded to bf16 first as `pagoda_gemm_packed` and then the elementwise kernels would
+// round them: the same bits without the [M, n] intermediate. Returns 0, having done nothing,
+// where it cannot (not on AMX tiles at these rows, n / 2 not a multiple of 32, a kind with group
+// scales or records): the caller then takes the product and the elementwise kernel.
+extern "C" int64_t pagoda_gemm_packed_gated(const void* weight, const void* x, int64_t x_stride, const void* bias,
+                                           void* y, int64_t y_stride, int64_t M, int64_t act);

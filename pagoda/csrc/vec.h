@@ -410,6 +410,20 @@ inline Vf round_as(Vf a) {
   }
 }
 
+// The gated MLPs' first factor as their kernels store it (rounded to T): SiLU, g / (1 + e^-g),
+// and GELU's tanh form, g / (1 + e^(-2 sqrt(2 / pi) (g + 0.044715 g^3))) (= g (1 + tanh(...)) / 2).
+// One definition for the elementwise kernels and the GEMM's fused epilogue (gemm.cpp), so that
+// both round alike.
+template <typename T>
+inline Vf silu_as(Vf g) {
+  return round_as<T>(vdiv_near(g, vset1(1.f) + vexp(vzero() - g)));
+}
+template <typename T>
+inline Vf gelu_tanh_as(Vf g) {
+  const Vf c = vset1(-2.f * 0.7978845608028654f), k = vset1(0.044715f);
+  return round_as<T>(vdiv_near(g, vset1(1.f) + vexp(c * (g + k * (g * (g * g))))));
+}
+
 // A compiler barrier for the AMX intrinsics: GCC's tileloadd (and ldtilecfg's argument) is an
 // asm statement that declares no memory read, so stores just made to what a tile loads (a
 // buffer filled a line before) may be sunk past the load or dropped as dead. Call it between

@@ -68,6 +68,7 @@ _RETURNING: dict[str, tuple[ArgTypes, type]] = {
     "gemm_set_prefetch_rows": ([_L], _L),
     "gemm_set_amx_integer_rows": ([_L, _L], _L),
     "qgemv_x_group": ([_L, _L], _L),
+    "gemm_packed_gated": ([_P, _P, _L, _P, _P, _L, _L, _L], _L),
 }
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 CACHE_SUFFIXES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}

@@ -475,6 +475,27 @@ def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels | Recor
     return out
 
 
+# A gated MLP's activations (pagoda/csrc/gemm.h's `GatedAct`).
+GATED_ACTS = {"silu": 1, "gelu_tanh": 2}
+
+
+def gemm_gated(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels, act: str,
+               bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """act(x . Wg^T) * (x . Wu^T) for a gate/up weight [Wg; Wu] in one product, the same bits as
+    `gemm` followed by `silu_and_mul` / `gelu_tanh_and_mul` (`act` 'silu' or 'gelu_tanh');
+    None where the GEMM cannot fuse them (only its AMX passes do; the decoder stack then runs
+    the two kernels)."""
+    _check_rows(x, x.shape[-1])
+    m, k = x.shape
+    if k != weight.k or x.dtype != torch.bfloat16 or weight.n % 2:
+        raise ValueError(f"x {x.dtype} {tuple(x.shape)} against a packed gate/up weight [{weight.n}, {weight.k}]")
+    out = torch.empty(m, weight.n // 2, dtype=x.dtype)
+    done = _lib().fn("gemm_packed_gated")(weight.desc_ptr, x.data_ptr(), x.stride(0),
+                                          bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                                          weight.n // 2, m, GATED_ACTS[act])
+    return out if done else None
+
+
 # Packed weight formats of `qgemv` / `dequantize` (csrc/qgemv.cpp describes the records).
 INT4, INT8 = 0, 1
 INT8_RECORDS, INT4_RECORDS, INT8_F16_RECORDS = 3, 4, 5  # their GemmWeight kinds (gemm.h)

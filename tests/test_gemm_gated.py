@@ -1,0 +1,79 @@
+"""The gate/up product with the gated activation in its epilogue (`ops.gemm_gated`) against the
+product and then the elementwise kernel: bit for bit (each factor is rounded to bf16 as the
+product stores it, then act(gate) * up as the elementwise kernels compute it), on bf16, int8
+and int4 panels, over one and two row tiles, several blocks, passes of 256 and of 768 rows.
+Only AMX passes fuse: elsewhere (another CPU or build, rows under the AMX choice, a gate width
+that is no multiple of a panel) `gemm_gated` declines and the decoder stack runs both kernels.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from test_cpu_kernels import variant  # noqa: F401 - autouse: every test under each variant
+from test_quantization_kernels import packed_weight
+
+from pagoda.layers.cpu_kernels import ops
+from pagoda.layers.quantization import packing
+
+pytestmark = pytest.mark.skipif(bool(os.environ.get("PAGODA_DISABLE_CPU_KERNELS")),
+                                reason="PAGODA_DISABLE_CPU_KERNELS is set")
+
+ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": ops.silu_and_mul, "gelu_tanh": ops.gelu_tanh_and_mul}
+
+
+def make_weight(kind: str, n: int, k: int, gen: torch.Generator) -> ops.PackedWeight | ops.Int8Panels | ops.Int4Panels:
+    if kind == "bf16":
+        return ops.PackedWeight((torch.randn(n, k, generator=gen) * 0.08).to(torch.bfloat16))
+    if kind == "int8":
+        return ops.Int8Panels(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+                              torch.rand(n, generator=gen) * 0.002)
+    return ops.Int4Panels(*packing.unpack_int4(packed_weight("int4", n, k, 32, gen), k, 32), 32)
+
+
+def set_amx_rows(kind: str, rows: int) -> bool:
+    if kind == "bf16":
+        return ops.set_gemm_amx_rows(rows)
+    return ops.set_gemm_amx_integer_rows(8 if kind == "int8" else 4, rows)
+
+
+@pytest.fixture(params=["bf16", "int8", "int4"])
+def kind(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A panel kind, its AMX row choice restored after."""
+    before = ops.GEMM_AMX_ROWS, dict(ops.GEMM_AMX_INTEGER_ROWS)
+    yield request.param
+    ops.set_gemm_amx_rows(before[0])
+    for bits, rows in before[1].items():
+        ops.set_gemm_amx_integer_rows(bits, rows)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_product_equals_product_then_elementwise(kind: str, act: str) -> None:
+    gen = torch.Generator().manual_seed(7)
+    if not set_amx_rows(kind, 1):
+        weight = make_weight(kind, 64, 64, gen)
+        assert ops.gemm_gated(torch.randn(40, 64).to(torch.bfloat16), weight, act) is None
+        pytest.skip("no AMX tiles here (CPU or build): the product declines, as checked")
+    for m, half, k, bias in [(1, 32, 64, False), (16, 64, 128, True), (17, 96, 576, False), (33, 32, 64, True),
+                             (300, 64, 128, True), (800, 32, 64, False)]:
+        weight = make_weight(kind, 2 * half, k, gen)
+        x = (torch.randn(m, k, generator=gen) * 2).to(torch.bfloat16)
+        b = torch.randn(2 * half, generator=gen).to(torch.bfloat16) if bias else None
+        got = ops.gemm_gated(x, weight, act, b)
+        assert got is not None
+        assert torch.equal(got, ELEMENTWISE[act](ops.gemm(x, weight, b))), (m, half, k, bias)
+
+
+def test_gated_product_declines_what_it_cannot_fuse(kind: str) -> None:
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(40, 64).to(torch.bfloat16)
+    if not set_amx_rows(kind, 41):
+        pytest.skip("no AMX tiles here (CPU or build)")
+    assert ops.gemm_gated(x, make_weight(kind, 64, 64, gen), "silu") is None  # 40 rows, AMX from 41
+    set_amx_rows(kind, 1)
+    assert ops.gemm_gated(x, make_weight(kind, 96, 64, gen), "silu") is None  # 48 gate columns: no panels
+    assert ops.gemm_gated(x, make_weight(kind, 64, 64, gen), "silu") is not None
