@@ -342,9 +342,10 @@ def test_vllms_tls_and_h11_flags_reach_uvicorn():
                                       "--ssl-ciphers", "ECDHE+AESGCM", "--h11-max-incomplete-event-size", "65536"])
     kwargs = uvicorn_tls_kwargs(args)
     assert kwargs == {"ssl_cert_reqs": int(ssl.CERT_REQUIRED), "ssl_ca_certs": "ca.pem",
-                      "ssl_ciphers": "ECDHE+AESGCM", "h11_max_incomplete_event_size": 65536}
+                      "ssl_ciphers": "ECDHE+AESGCM", "h11_max_incomplete_event_size": 65536, "http": "h11"}
     config = uvicorn.Config(app=None, **kwargs)  # type: ignore[arg-type]
     assert config.ssl_cert_reqs == ssl.CERT_REQUIRED and config.h11_max_incomplete_event_size == 65536
+    assert config.http == "h11"  # NOTE: the limit is h11's; httptools (uvicorn's pick otherwise) would drop it
     assert uvicorn_tls_kwargs(serve_parser().parse_args(["serve", "m"])) == {"ssl_cert_reqs": 0}
 
 
@@ -391,7 +392,7 @@ def test_log_level_sets_pagodas_logger(monkeypatch):
     assert args.log_level == "warning"
     monkeypatch.setattr(logging.getLogger("pagoda"), "level", logging.NOTSET)
     monkeypatch.setattr(serve, "_serve", lambda *a: None)
-    monkeypatch.setattr(serve.asyncio, "run", lambda coro: 0)
+    monkeypatch.setattr(serve, "run_event_loop", lambda coro: 0)
     assert serve.run_serve(args) == 0
     assert logging.getLogger("pagoda").level == logging.WARNING
 
