@@ -242,8 +242,10 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
             group = (method.panels.x_group(m) if method.panels is not None
                      else cpu_kernels.ops.qgemv_x_group(layer.in_features, method.group_size))
             xr = packing.round_to_int8_groups(x, group) if group else x.float()
-            # NOTE: on AMX tiles int4 panels are widened to a bf16 weight
-            widened = isinstance(method.panels, cpu_kernels.ops.Int4Panels) and method.panels.amx_at(m)
+            # NOTE: on AMX tiles int4 panels and grouped int8 ones are widened to a bf16 weight
+            panels = method.panels
+            widened = panels is not None and panels.amx_at(m) and (
+                isinstance(panels, cpu_kernels.ops.Int4Panels) or bool(panels.group_size))
             want = F.linear(xr, w.to(torch.bfloat16).float() if widened else w,
                             layer.bias.float() if layer.bias is not None else None)
             got = layer(x).float()

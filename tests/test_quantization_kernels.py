@@ -150,11 +150,24 @@ def test_int8_records_with_offsets_outside(group_size: int, m: int, dtype: torch
         assert method.offsets is None and method.native_weight() is method.panels and "offsets" in method.name
         assert torch.equal(method.dequantize(torch.float32), dense)
         if dtype == torch.bfloat16:
-            xg = packing.round_to_int8_groups(x, group_size)
-            want = F.linear(xg, dense, bias.float())
+            panels = method.panels
+            exact = (panels.codes().double().view(n, -1, group_size) * panels.row_scales().double()[..., None]
+                     + panels.row_offsets().double()[..., None]).view(n, k)
+            xg, w = grouped_reference(x, panels, exact, m)
+            want = F.linear(xg, w, bias.float())
             excess = (method.apply(SimpleNamespace(native=True), x, bias).float() - want).abs() - (
-                out_rounding * want.abs() + 1e-5 * (xg.abs() @ dense.abs().t()) + 1e-6)
+                out_rounding * want.abs() + 1e-5 * (xg.abs() @ w.abs().t()) + 1e-6)
             assert excess.max().item() <= 0, f"{m} rows on panels: max excess {excess.max().item():.3g}"
+
+
+def grouped_reference(x: torch.Tensor, weight: ops.Int8Panels, w: torch.Tensor, rows: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, w) as grouped int8 panels multiply them at `rows` rows: on AMX tiles x as it is and
+    each weight (w exact, in float64) rounded once to fp32 and then to bf16; else x rounded to
+    int8 codes by the weight's groups and w exact."""
+    if weight.amx_at(rows):
+        return x.float(), w.float().to(torch.bfloat16).float()
+    return packing.round_to_int8_groups(x, weight.x_group(rows)), w.float()
 
 
 def test_qgemv_splits_rows_over_threads() -> None:
@@ -233,15 +246,15 @@ def test_qgemm_int8_random_shapes() -> None:
 
 
 @pytest.mark.usefixtures("int8_tiles")
-@pytest.mark.parametrize("m", [1, 3, 6, 13, 64, 101])
+@pytest.mark.parametrize("m", [1, 3, 6, 13, 16, 64, 101])
 @pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 64, True), (77, 96, False)])
 @pytest.mark.parametrize("narrow", [False, True])
 def test_qgemm_int8_group_scales_match_dequantize_then_matmul(variant: str, m: int, n: int, k: int,  # noqa: F811
                                                               bias: bool, narrow: bool) -> None:
     """int8 panels with an f16 scale per row and group of 32 (GGUF's Q8_0; `narrow`: codes in
     [-16, 15], Q5_0's, which the avx2 build multiplies unsigned + 32): each group's integer sum
-    scaled by its own scale, x rounded to int8 codes by the same groups, never on AMX tiles
-    (the fixture's "amx" case turns them on for every row count)."""
+    scaled by its own scale, x rounded to int8 codes by the same groups; on AMX tiles (the
+    fixture's "amx" case, from one row) the weights widened to bf16 as they are scaled."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     codes = (torch.randint(-16, 16, (n, k), generator=gen, dtype=torch.int8) if narrow
              else torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8))
@@ -252,7 +265,8 @@ def test_qgemm_int8_group_scales_match_dequantize_then_matmul(variant: str, m: i
         return
     weight = ops.Int8Panels(codes, scales)
     kind = ops.INT8_GROUP_NARROW_PANELS if narrow and ops.int8_narrow_tiles() else ops.INT8_GROUP_PANELS
-    assert weight.kind == kind and not weight.amx_at(m) and weight.x_group(m) == 32
+    assert weight.kind == kind and weight.x_group(m) == (0 if weight.amx_at(m) else 32)
+    assert weight.amx_at(m) == (ops.GEMM_AMX_INTEGER_ROWS[8] <= m)
     rows = torch.tensor([n - 1, 0, n // 2])
     assert torch.equal(weight.codes(rows), codes[rows]) and torch.equal(weight.row_scales(rows), scales[rows])
     base = torch.full((m, k + 3), float("nan")).to(torch.bfloat16)
@@ -260,8 +274,7 @@ def test_qgemm_int8_group_scales_match_dequantize_then_matmul(variant: str, m: i
     x = base[:, :k]
     b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
     got = ops.gemm(x, weight, b).float()
-    w = (codes.float().view(n, -1, 32) * scales[..., None]).view(n, k)
-    xr = packing.round_to_int8_groups(x, 32)
+    xr, w = grouped_reference(x, weight, (codes.double().view(n, -1, 32) * scales.double()[..., None]).view(n, k), m)
     want = F.linear(xr, w, b.float() if b is not None else None)
     excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * (xr.abs() @ w.abs().t()) + 1e-6)
     assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"
@@ -288,15 +301,17 @@ def test_int8_group_panels_refuse_what_they_cannot_hold(variant: str) -> None:  
                            torch.ones(8, 4))
 
 
-@pytest.mark.parametrize("m", [1, 2, 4, 6, 13, 64])
+@pytest.mark.usefixtures("int8_tiles")
+@pytest.mark.parametrize("m", [1, 2, 4, 6, 13, 16, 64])
 @pytest.mark.parametrize("group,offsets", [(16, False), (16, True), (32, True), (32, False)])
 @pytest.mark.parametrize("n,k", [(96, 256), (40, 512), (77, 96)])
 def test_int8_panels_with_fp32_group_scales_and_offsets(variant: str, m: int, group: int, offsets: bool,  # noqa: F811
                                                         n: int, k: int) -> None:
     """int8 panels with fp32 scales d (and offsets m) per row and group of 16 or 32 (GGUF's Q6_K;
     Q5_K, Q5_1 and mixed layers with offsets): w = q * d + m, x rounded to int8 codes by the
-    weight's groups, the offsets multiplying each group's sum of the rounded x. The avx2 and
-    avx512bf16 builds'; the portable one refuses them (and those layers keep their records)."""
+    weight's groups, the offsets multiplying each group's sum of the rounded x; on AMX tiles
+    each weight computed in fp32 and widened to bf16, x as it is. The avx2 and avx512bf16
+    builds'; the portable one refuses them (and those layers keep their records)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k + group)
     codes = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.randn(n, k // group, generator=gen) * 0.01  # NOTE: no f16 values
@@ -306,16 +321,17 @@ def test_int8_panels_with_fp32_group_scales_and_offsets(variant: str, m: int, gr
             ops.Int8Panels(codes, scales, zero)
         return
     weight = ops.Int8Panels(codes, scales, zero)
-    assert weight.group_size == group and weight.has_offsets == offsets and weight.x_group(m) == group
-    assert not weight.amx_at(m)
+    assert weight.group_size == group and weight.has_offsets == offsets
+    assert weight.amx_at(m) == (ops.GEMM_AMX_INTEGER_ROWS[8] <= m)
+    assert weight.x_group(m) == (0 if weight.amx_at(m) else group)
     rows = torch.tensor([n - 1, 0, n // 2])
     assert torch.equal(weight.codes(rows), codes[rows]) and torch.equal(weight.row_scales(rows), scales[rows])
     assert weight.row_offsets(rows) is None if zero is None else torch.equal(weight.row_offsets(rows), zero[rows])
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     got = ops.gemm(x, weight).float()
-    w = codes.float().view(n, -1, group) * scales[..., None]
-    w = (w if zero is None else w + zero[..., None]).view(n, k)
-    xr = packing.round_to_int8_groups(x, group)
+    w = codes.double().view(n, -1, group) * scales.double()[..., None]
+    w = (w if zero is None else w + zero.double()[..., None]).view(n, k)
+    xr, w = grouped_reference(x, weight, w, m)
     want = F.linear(xr, w)
     excess = (got - want).abs() - (2**-8 * want.abs() + 1e-5 * (xr.abs() @ w.abs().t()) + 1e-6)
     assert excess.max().item() <= 0, f"max excess {excess.max().item():.3g}"

@@ -1294,6 +1294,19 @@ void gemm(const bf16* x, int64_t xs, const bf16* packed, const bf16* bias, bf16*
 }
 
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
+// Index vectors of a vpermps that give dword j of half `half` of a widened block (column
+// 8 * half + j / 2, element j % 2) its column's value from a vector of the block's 16 columns.
+using ColumnSpread = std::array<std::array<int32_t, 16>, 2>;
+inline const ColumnSpread& column_spread() {
+  alignas(64) static const ColumnSpread spread = [] {
+    ColumnSpread t{};
+    for (int half = 0; half < 2; ++half)
+      for (int j = 0; j < 16; ++j) t[half][j] = 8 * half + j / 2;
+    return t;
+  }();
+  return spread;
+}
+
 // int4 panels on AMX, as int8's (`AmxInt8`): a panel widened to bf16, w = q * d + m per
 // group in fp32 (one FMA) rounded to bf16, and the bf16 tile blocks multiply x as it is (not
 // rounded to int8 codes). Source: two k-pairs p, p + 1 (p even) in 64 bytes, 32-bit lane c
@@ -1306,12 +1319,7 @@ __attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes
   // 4 (j / 2) + 2 (j % 2) + h + 32 half; `spread` repeats a column's d or m for its two elements.
   alignas(64) static const LowByteIndex idx =
       low_byte_index([](int h, int half, int j) { return 4 * (j / 2) + 2 * (j % 2) + h + 32 * half; });
-  alignas(64) static const std::array<std::array<int32_t, 16>, 2> spread = [] {
-    std::array<std::array<int32_t, 16>, 2> t{};
-    for (int half = 0; half < 2; ++half)
-      for (int j = 0; j < 16; ++j) t[half][j] = 8 * half + j / 2;
-    return t;
-  }();
+  const ColumnSpread& spread = column_spread();
   const __m512i low = _mm512_set1_epi8(0x0F);
   // NOTE: groups hold an even count of k-pairs (gs a multiple of 16), so pairs of k-pairs never straddle two.
   for (int64_t g0 = p0; g0 < p1;) {
@@ -1814,20 +1822,105 @@ struct AmxInt8 {
     return out;
   }
 };
+
+// int8 panels with group scales (S: kF16Groups, GGUF's Q8_0 and Q5_0; kF32Groups and
+// kF32GroupsOffsets, its k-quants, codes stored + 32) widened as `widen_int8_quads` does, each
+// weight w = q * d (+ m) in fp32 (one multiply or FMA) rounded once to bf16, as the int4 panels'
+// (`widen_int4_pairs`): x is then multiplied as it is, where `vpdpbusd` rounds it to int8 codes
+// by groups. Quads [q0, q1) of the panel at `codes` (its group values at `values`, `group_quads`
+// quads a group) to out[(2 (q - q0) + h) * kPanelPair ...].
+template <int S>
+__attribute__((target("avx512vbmi"))) void widen_int8_group_quads(const uint8_t* codes, const void* values, int64_t q0,
+                                                                 int64_t q1, int64_t group_quads, bf16* out) {
+  alignas(64) static const LowByteIndex idx =
+      low_byte_index([](int h, int half, int j) { return 4 * (j / 2) + j % 2 + 2 * h + 32 * half; });
+  const ColumnSpread& spread = column_spread();
+  const __m512i bias = _mm512_set1_epi32(is_narrow(S) ? 32 : 128);
+  for (int64_t g0 = q0; g0 < q1;) {
+    const int64_t g = g0 / group_quads, g1 = std::min(q1, (g + 1) * group_quads);
+    __m512 d[2][2], m[2][2] = {};  // [block][half]
+    for (int b = 0; b < 2; ++b) {
+      __m512 db, mb = _mm512_setzero_ps();
+      if constexpr (is_f16_groups(S)) {
+        const uint16_t* v = static_cast<const uint16_t*>(values) + g * kPanel + b * kBlock;
+        db = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+      } else {
+        const float* v = static_cast<const float*>(values) + g * group_floats(S) + b * kBlock;
+        db = _mm512_loadu_ps(v);
+        if constexpr (S == kF32GroupsOffsets) mb = _mm512_loadu_ps(v + kPanel);
+      }
+      for (int half = 0; half < 2; ++half) {
+        const __m512i at = _mm512_load_si512(spread[half].data());
+        d[b][half] = _mm512_permutexvar_ps(at, db);
+        m[b][half] = _mm512_permutexvar_ps(at, mb);
+      }
+    }
+    for (int64_t q = g0; q < g1; ++q) {
+      for (int b = 0; b < 2; ++b) {
+        const __m512i v = _mm512_loadu_si512(codes + q * kQuadBytes + b * 4 * kBlock);
+        for (int h = 0; h < 2; ++h) {
+          __m512 w[2];
+          for (int half = 0; half < 2; ++half) {
+            const __m512i index = _mm512_load_si512(idx[h][half].data());
+            const __m512 code =
+                _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_maskz_permutexvar_epi8(kLowBytes, index, v), bias));
+            w[half] = S == kF32GroupsOffsets ? _mm512_fmadd_ps(code, d[b][half], m[b][half])
+                                             : _mm512_mul_ps(code, d[b][half]);
+          }
+          const __m512bh pair = _mm512_cvtne2ps_pbh(w[1], w[0]);
+          _mm512_storeu_si512(out + (2 * (q - q0) + h) * kPanelPair + b * 2 * kBlock,
+                              reinterpret_cast<const __m512i&>(pair));
+        }
+      }
+    }
+    g0 = g1;
+  }
+}
+
+// Grouped int8 panels for the AMX blocks.
+template <int S>
+struct AmxInt8Groups {
+  const uint8_t* codes;
+  Int8GroupScales scales;
+  int64_t quads, G;
+  const uint8_t* codes_of(int64_t i) const { return codes + i * kQuadBytes * quads; }
+  int64_t group_quads() const { return scales.group / 4; }
+  const bf16* panel(int64_t i, int slot) const {
+    bf16* out = widened_panel(2 * quads, slot);
+    widen_int8_group_quads<S>(codes_of(i), scales.of(i, G), 0, quads, group_quads(), out);
+    return out;
+  }
+  const bf16* step(int64_t i, int64_t p) const {
+    bf16* out = widened_step();
+    widen_int8_group_quads<S>(codes_of(i), scales.of(i, G), p / 2, p / 2 + kAmxPairs / 2, group_quads(), out);
+    return out;
+  }
+};
+
+// The AMX passes of int8 panels of any scale kind this build takes.
+void amx_int8_passes(const Problem& P, const uint8_t* codes, const Int8GroupScales& groups) {
+  const int64_t quads = num_quads(P.K), G = P.K / groups.group;
+  switch (groups.kind) {
+    case kF16Groups: amx_passes(P, AmxInt8Groups<kF16Groups>{codes, groups, quads, G}); break;
+    case kF32Groups: amx_passes(P, AmxInt8Groups<kF32Groups>{codes, groups, quads, G}); break;
+    case kF32GroupsOffsets: amx_passes(P, AmxInt8Groups<kF32GroupsOffsets>{codes, groups, quads, G}); break;
+    default: amx_passes(P, AmxInt8{codes, quads});
+  }
+}
 #endif
 #endif
 
 // int8 panels times x: `scales` fp32 per column, or (format 2 only) group scales (`groups`: f16
 // per panel, group of 32 along K and column; or, on the AVX2 and VNNI builds, fp32 by groups of 16 or 32,
-// with offsets or without), K a multiple of the group; never on AMX tiles, which take x as it is
-// and so could not scale each group's sum.
+// with offsets or without), K a multiple of the group; on AMX tiles (VNNI build, the measured
+// rows) the codes widened to bf16, group scales (and offsets) applied as they widen.
 void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* scales, const Int8GroupScales& groups,
                 const bf16* bias, bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
   const bool grouped = groups.kind != kColumnScales;
   all_passes(x, xs, grouped ? nullptr : scales, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI)
-    if (!grouped && takes_amx(P, g_amx_int8_rows))
-      amx_passes(P, AmxInt8{reinterpret_cast<const uint8_t*>(codes), num_quads(P.K)});
+    if (takes_amx(P, g_amx_int8_rows))
+      amx_int8_passes(P, reinterpret_cast<const uint8_t*>(codes), groups);
     else
       int8_pass(P, reinterpret_cast<const uint8_t*>(codes), groups);
 #elif defined(PAGODA_INT8_QUADS)

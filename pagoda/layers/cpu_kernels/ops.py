@@ -272,7 +272,7 @@ class Int8Panels:
     panels' layout (k-pairs), per-row scales only.
     `x_group(rows)`: the groups along k in which the GEMM rounds x of that many rows to int8
     codes (`packing.round_to_int8_groups`; the weight's own groups where it has them), 0 where it
-    multiplies x as it is (the portable build; AMX tiles, `amx_at(rows)`, never for groups)."""
+    multiplies x as it is (the portable build; AMX tiles, `amx_at(rows)`)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None) -> None:
         self.kind, self.group_size, refused = Int8Panels._classify(codes, scales, offsets)
@@ -344,9 +344,10 @@ class Int8Panels:
         return kind, group, None
 
     def amx_at(self, rows: int) -> bool:
-        """Whether a product of `rows` rows runs on AMX tiles (the codes widened to bf16, exact)."""
-        return (self.format == 2 and not self.group_size and rows >= GEMM_AMX_INTEGER_ROWS[8]
-                and self.k % 32 == 0)
+        """Whether a product of `rows` rows runs on AMX tiles: the codes widened to bf16 (exact with
+        per-row scales; with group scales each weight q * d (+ m) computed in fp32 and rounded once
+        to bf16), x as it is."""
+        return self.format == 2 and rows >= GEMM_AMX_INTEGER_ROWS[8] and self.k % 32 == 0
 
     def x_group(self, rows: int) -> int:
         return 0 if self.format != 2 or self.amx_at(rows) else (self.group_size or 32)

@@ -13,13 +13,13 @@ records whose per-group offsets m are added outside the kernel (`PackedLinearMet
 | Q4_K | int4, groups of 32, scale d * sc and offset -dmin * m | near: both rounded to f16 |
 
 On the avx512bf16 and avx2 kernels the int4 records and Q8_0/Q5_0's int8 records (f16 scales,
-no offsets) are repacked into the GEMM's panels at load (`PackedLinearMethod.use_gemm`); on the
-avx2 build the other int8 records too (fp32 scales by groups of 16 or 32, their offsets inside
-the panels: Q6_K, Q5_K, Q5_1 and mixed layers), so that every layer of a Q4_K_M or Q5_K_M file
-runs the native decoder stack; there every layer whose codes lie in [-32, 31] (the k-quants',
-Q5_0's) is multiplied as unsigned bytes (`ops.Int8Panels.code_bias`). On the avx512bf16 build those keep their records (the GEMV, up
-to 256 rows), and a layer with offsets (added outside the kernel) keeps its model on the layer
-path.
+no offsets) are repacked into the GEMM's panels at load (`PackedLinearMethod.use_gemm`), and so
+are the other int8 records (fp32 scales by groups of 16 or 32, their offsets inside the panels:
+Q6_K, Q5_K, Q5_1 and mixed layers), so that every layer of a Q4_K_M or Q5_K_M file runs the
+native decoder stack; every layer whose codes lie in [-32, 31] (the k-quants', and Q5_0's on the
+avx2 build) is multiplied as unsigned bytes (`ops.Int8Panels.code_bias`). On AMX tiles (the
+avx512bf16 build, from the measured row count) every panel kind is widened to bf16 with its
+group scales and offsets applied (each weight rounded once to bf16) and multiplies x as it is.
 
 NOTE: Q4_K's d * sc (f16 d times a 6-bit sc: up to 17 significant bits) and dmin * m do not
 always fit the int4 records' f16 (11 bits): each is rounded to nearest, by at most 2^-11 of
