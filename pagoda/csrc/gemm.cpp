@@ -1933,14 +1933,20 @@ void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* sca
 }
 
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
-// `pagoda_gemm_packed_gated` (gemm.h): bf16, int8 (column scales) and int4 panels, where every
-// pass of `all_passes` would take AMX tiles (the last pass is the smallest), else nothing.
+// `pagoda_gemm_packed_gated` (gemm.h): bf16, int8 (column or group scales) and int4 panels, where
+// every pass of `all_passes` would take AMX tiles (the last pass is the smallest), else nothing.
 bool gemm_gated(const GemmWeight& w, const bf16* x, int64_t xs, const bf16* bias, bf16* y, int64_t ys, int64_t M,
                 int64_t act) {
   if ((act != kSiluGate && act != kGeluTanhGate) || w.n % (2 * kPanel) != 0 || M <= 0) return false;
+  // NOTE: int8 panels' scale kinds as pagoda_gemm_packed maps them (the narrow f16 kind is the avx2 build's)
+  Int8GroupScales groups{kColumnScales, nullptr, kInt8Group};
+  if (w.kind == kPackedInt8Groups) groups = {kF16Groups, w.scales, kInt8Group};
+  if (w.kind == kPackedInt8F32Groups) groups = {kF32Groups, w.scales, w.group_size};
+  if (w.kind == kPackedInt8F32GroupsOffsets) groups = {kF32GroupsOffsets, w.scales, w.group_size};
+  const bool int8 = w.kind == kPackedInt8 || groups.kind != kColumnScales;
   const std::atomic<int64_t>* from_rows = nullptr;
   if (w.kind == kPackedBf16) from_rows = &g_amx_rows;
-  if (w.kind == kPackedInt8) from_rows = &g_amx_int8_rows;
+  if (int8) from_rows = &g_amx_int8_rows;
   if (w.kind == kPackedInt4) from_rows = &g_amx_int4_rows;
   const int64_t last = M - (M - 1) / kMaxRowsPerPass * kMaxRowsPerPass;
   if (!from_rows || !takes_amx(Problem{x, xs, nullptr, bias, y, ys, last, w.n, w.k}, *from_rows)) return false;
@@ -1949,8 +1955,8 @@ bool gemm_gated(const GemmWeight& w, const bf16* x, int64_t xs, const bf16* bias
   all_passes(x, xs, scales, bias, y, ys, M, w.n, w.k, [&](const Problem& pass) {
     Problem P = pass;
     P.gated = act;
-    if (w.kind == kPackedInt8)
-      amx_passes(P, AmxInt8{codes, num_quads(P.K)});
+    if (int8)
+      amx_int8_passes(P, codes, groups);
     else if (w.kind == kPackedInt4)
       amx_passes(P, AmxInt4{codes, static_cast<const uint16_t*>(w.scales), P.K / 2, w.group_size / 2});
     else

@@ -51,7 +51,7 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
 // (x . Wu^T + bu), W = [Wg; Wu] a `pagoda::GemmWeight` [n, k] (bias likewise [n] or null), each
 // factor rounded to bf16 first as `pagoda_gemm_packed` and then the elementwise kernels would
 // round them: the same bits without the [M, n] intermediate. Returns 0, having done nothing,
-// where it cannot (not on AMX tiles at these rows, n / 2 not a multiple of 32, a kind with group
-// scales or records): the caller then takes the product and the elementwise kernel.
+// where it cannot (not on AMX tiles at these rows, n / 2 not a multiple of 32, records): the
+// caller then takes the product and the elementwise kernel.
 extern "C" int64_t pagoda_gemm_packed_gated(const void* weight, const void* x, int64_t x_stride, const void* bias,
                                            void* y, int64_t y_stride, int64_t M, int64_t act);
