@@ -103,8 +103,11 @@ extern "C" void pagoda_fused_moe_bf16(const void* layer, const void* x, void* ou
     bf16* gu = &s.gate_up[first * 2 * I];
     bf16* act = &s.act[first * I];
     bf16* y = &s.y[first * H];
-    pagoda_gemm_packed(&m.w13[e], &s.rows[first * H], H, nullptr, gu, 2 * I, count);
-    pagoda_silu_and_mul_bf16(gu, act, count, static_cast<int>(I));
+    // NOTE: the SiLU in the gate/up product's epilogue where the GEMM takes it (AMX rows), the same bits
+    if (!pagoda_gemm_packed_gated(&m.w13[e], &s.rows[first * H], H, nullptr, act, I, count, kSiluGate)) {
+      pagoda_gemm_packed(&m.w13[e], &s.rows[first * H], H, nullptr, gu, 2 * I, count);
+      pagoda_silu_and_mul_bf16(gu, act, count, static_cast<int>(I));
+    }
     pagoda_gemm_packed(&m.w2[e], act, I, nullptr, y, H, count);
     // NOTE: an expert's tokens are distinct, so its rows add in parallel; experts in id order.
     parallel_items(count, [&](int64_t i) {
