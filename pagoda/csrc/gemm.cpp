@@ -1442,6 +1442,18 @@ struct Int8GroupScales {
   }
 };
 
+// An int8 panel weight's scales as qgemm_int8 takes them (`GemmWeight::kind`): per column
+// (values null; the fp32 column scales are passed apart) or by groups.
+Int8GroupScales int8_scales(const GemmWeight& w) {
+  switch (w.kind) {
+    case kPackedInt8Groups: return {kF16Groups, w.scales, kInt8Group};
+    case kPackedInt8GroupsNarrow: return {kF16GroupsNarrow, w.scales, kInt8Group};
+    case kPackedInt8F32Groups: return {kF32Groups, w.scales, w.group_size};
+    case kPackedInt8F32GroupsOffsets: return {kF32GroupsOffsets, w.scales, w.group_size};
+    default: return {kColumnScales, nullptr, kInt8Group};
+  }
+}
+
 #if defined(PAGODA_INT8_QUADS)
 // ---------------------------------------------------------------- int8 by quads of k (format 2)
 
@@ -1777,82 +1789,47 @@ void int8_pass(const Problem& P, const uint8_t* codes, const Int8GroupScales& sc
   });
 }
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
-// int8 panels on AMX: the codes widened to the bf16 panel layout (exact: every code is a bf16),
-// a panel at a time into L2 or a step at a time into L1 (`amx_pass`), and the bf16 blocks
-// multiply x as it is on it (no rounding of x to int8 codes: tdpbf16ps does 8x the
-// multiply-adds of vpdpbusd a cycle, and the groups' rescaling would cost more than the
-// products; so these rows' outputs are W times x itself, up to fp32 sums). Writes `quads` quads
-// from `codes`. Source quad q, block b: 16 columns x 4 codes + 128 at 4c + i; destination k-pair
-// 2q + h, block b: 16 columns x 2 at 2c + e, code i = 2h + e.
-__attribute__((target("avx512vbmi"))) void widen_int8_quads(const uint8_t* codes, int64_t quads, bf16* out) {
+// int8 panels on AMX: the codes widened to the bf16 panel layout, a panel at a time into L2 or a
+// step at a time into L1 (`amx_pass`), and the bf16 blocks multiply x as it is on it (no
+// rounding of x to int8 codes: tdpbf16ps does 8x the multiply-adds of vpdpbusd a cycle, and the
+// groups' rescaling would cost more than the products; so these rows' outputs are W times x
+// itself, up to fp32 sums). Per-column scales (S kColumnScales) wait for `emit`: the codes widen
+// exactly (every code is a bf16). Group scales (kF16Groups, GGUF's Q8_0 and Q5_0; kF32Groups and
+// kF32GroupsOffsets, its k-quants, codes stored + 32) apply as they widen: w = q * d (+ m) in
+// fp32 (one multiply or FMA) rounded once to bf16, as the int4 panels' (`widen_int4_pairs`).
+// Writes quads [q0, q1) of the panel at `codes` (its group values at `values`, `group_quads`
+// quads a group) to out[(2 (q - q0) + h) * kPanelPair ...]. Source quad q, block b: 16 columns
+// x 4 codes + 128 (or + 32) at 4c + i; destination k-pair 2q + h, block b: 16 columns x 2 at
+// 2c + e, code i = 2h + e.
+template <int S>
+__attribute__((target("avx512vbmi"))) void widen_int8_quads(const uint8_t* codes, const void* values, int64_t q0,
+                                                           int64_t q1, int64_t group_quads, bf16* out) {
   // NOTE: dword j of a half (column 8 * half + j / 2, element j % 2) of k-pair 2q + h takes byte
   // 4 (j / 2) + j % 2 + 2h + 32 half.
-  alignas(64) static const LowByteIndex idx =
-      low_byte_index([](int h, int half, int j) { return 4 * (j / 2) + j % 2 + 2 * h + 32 * half; });
-  const __m512i offset = _mm512_set1_epi32(128);
-  for (int64_t q = 0; q < quads; ++q) {
-    for (int b = 0; b < 2; ++b) {
-      const __m512i v = _mm512_loadu_si512(codes + q * kQuadBytes + b * 4 * kBlock);
-      for (int h = 0; h < 2; ++h) {
-        __m512 half[2];
-        for (int i = 0; i < 2; ++i) {
-          const __m512i index = _mm512_load_si512(idx[h][i].data());
-          half[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_maskz_permutexvar_epi8(kLowBytes, index, v), offset));
-        }
-        const __m512bh pair = _mm512_cvtne2ps_pbh(half[1], half[0]);
-        _mm512_storeu_si512(out + (2 * q + h) * kPanelPair + b * 2 * kBlock, reinterpret_cast<const __m512i&>(pair));
-      }
-    }
-  }
-}
-
-// int8 panels for the AMX blocks.
-struct AmxInt8 {
-  const uint8_t* codes;
-  int64_t quads;
-  const uint8_t* codes_of(int64_t i) const { return codes + i * kQuadBytes * quads; }
-  const bf16* panel(int64_t i, int slot) const {
-    bf16* out = widened_panel(2 * quads, slot);
-    widen_int8_quads(codes_of(i), quads, out);
-    return out;
-  }
-  const bf16* step(int64_t i, int64_t p) const {
-    bf16* out = widened_step();
-    widen_int8_quads(codes_of(i) + p / 2 * kQuadBytes, kAmxPairs / 2, out);
-    return out;
-  }
-};
-
-// int8 panels with group scales (S: kF16Groups, GGUF's Q8_0 and Q5_0; kF32Groups and
-// kF32GroupsOffsets, its k-quants, codes stored + 32) widened as `widen_int8_quads` does, each
-// weight w = q * d (+ m) in fp32 (one multiply or FMA) rounded once to bf16, as the int4 panels'
-// (`widen_int4_pairs`): x is then multiplied as it is, where `vpdpbusd` rounds it to int8 codes
-// by groups. Quads [q0, q1) of the panel at `codes` (its group values at `values`, `group_quads`
-// quads a group) to out[(2 (q - q0) + h) * kPanelPair ...].
-template <int S>
-__attribute__((target("avx512vbmi"))) void widen_int8_group_quads(const uint8_t* codes, const void* values, int64_t q0,
-                                                                 int64_t q1, int64_t group_quads, bf16* out) {
   alignas(64) static const LowByteIndex idx =
       low_byte_index([](int h, int half, int j) { return 4 * (j / 2) + j % 2 + 2 * h + 32 * half; });
   const ColumnSpread& spread = column_spread();
   const __m512i bias = _mm512_set1_epi32(is_narrow(S) ? 32 : 128);
   for (int64_t g0 = q0; g0 < q1;) {
-    const int64_t g = g0 / group_quads, g1 = std::min(q1, (g + 1) * group_quads);
-    __m512 d[2][2], m[2][2] = {};  // [block][half]
-    for (int b = 0; b < 2; ++b) {
-      __m512 db, mb = _mm512_setzero_ps();
-      if constexpr (is_f16_groups(S)) {
-        const uint16_t* v = static_cast<const uint16_t*>(values) + g * kPanel + b * kBlock;
-        db = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
-      } else {
-        const float* v = static_cast<const float*>(values) + g * group_floats(S) + b * kBlock;
-        db = _mm512_loadu_ps(v);
-        if constexpr (S == kF32GroupsOffsets) mb = _mm512_loadu_ps(v + kPanel);
-      }
-      for (int half = 0; half < 2; ++half) {
-        const __m512i at = _mm512_load_si512(spread[half].data());
-        d[b][half] = _mm512_permutexvar_ps(at, db);
-        m[b][half] = _mm512_permutexvar_ps(at, mb);
+    const int64_t g = S == kColumnScales ? 0 : g0 / group_quads;
+    const int64_t g1 = S == kColumnScales ? q1 : std::min(q1, (g + 1) * group_quads);
+    __m512 d[2][2] = {}, m[2][2] = {};  // [block][half]
+    if constexpr (S != kColumnScales) {
+      for (int b = 0; b < 2; ++b) {
+        __m512 db, mb = _mm512_setzero_ps();
+        if constexpr (is_f16_groups(S)) {
+          const uint16_t* v = static_cast<const uint16_t*>(values) + g * kPanel + b * kBlock;
+          db = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v)));
+        } else {
+          const float* v = static_cast<const float*>(values) + g * group_floats(S) + b * kBlock;
+          db = _mm512_loadu_ps(v);
+          if constexpr (S == kF32GroupsOffsets) mb = _mm512_loadu_ps(v + kPanel);
+        }
+        for (int half = 0; half < 2; ++half) {
+          const __m512i at = _mm512_load_si512(spread[half].data());
+          d[b][half] = _mm512_permutexvar_ps(at, db);
+          m[b][half] = _mm512_permutexvar_ps(at, mb);
+        }
       }
     }
     for (int64_t q = g0; q < g1; ++q) {
@@ -1864,8 +1841,12 @@ __attribute__((target("avx512vbmi"))) void widen_int8_group_quads(const uint8_t*
             const __m512i index = _mm512_load_si512(idx[h][half].data());
             const __m512 code =
                 _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_maskz_permutexvar_epi8(kLowBytes, index, v), bias));
-            w[half] = S == kF32GroupsOffsets ? _mm512_fmadd_ps(code, d[b][half], m[b][half])
-                                             : _mm512_mul_ps(code, d[b][half]);
+            if constexpr (S == kColumnScales)
+              w[half] = code;
+            else if constexpr (S == kF32GroupsOffsets)
+              w[half] = _mm512_fmadd_ps(code, d[b][half], m[b][half]);
+            else
+              w[half] = _mm512_mul_ps(code, d[b][half]);
           }
           const __m512bh pair = _mm512_cvtne2ps_pbh(w[1], w[0]);
           _mm512_storeu_si512(out + (2 * (q - q0) + h) * kPanelPair + b * 2 * kBlock,
@@ -1877,9 +1858,9 @@ __attribute__((target("avx512vbmi"))) void widen_int8_group_quads(const uint8_t*
   }
 }
 
-// Grouped int8 panels for the AMX blocks.
+// int8 panels of scale kind S for the AMX blocks.
 template <int S>
-struct AmxInt8Groups {
+struct AmxInt8 {
   const uint8_t* codes;
   Int8GroupScales scales;
   int64_t quads, G;
@@ -1887,12 +1868,12 @@ struct AmxInt8Groups {
   int64_t group_quads() const { return scales.group / 4; }
   const bf16* panel(int64_t i, int slot) const {
     bf16* out = widened_panel(2 * quads, slot);
-    widen_int8_group_quads<S>(codes_of(i), scales.of(i, G), 0, quads, group_quads(), out);
+    widen_int8_quads<S>(codes_of(i), scales.of(i, G), 0, quads, group_quads(), out);
     return out;
   }
   const bf16* step(int64_t i, int64_t p) const {
     bf16* out = widened_step();
-    widen_int8_group_quads<S>(codes_of(i), scales.of(i, G), p / 2, p / 2 + kAmxPairs / 2, group_quads(), out);
+    widen_int8_quads<S>(codes_of(i), scales.of(i, G), p / 2, p / 2 + kAmxPairs / 2, group_quads(), out);
     return out;
   }
 };
@@ -1901,10 +1882,10 @@ struct AmxInt8Groups {
 void amx_int8_passes(const Problem& P, const uint8_t* codes, const Int8GroupScales& groups) {
   const int64_t quads = num_quads(P.K), G = P.K / groups.group;
   switch (groups.kind) {
-    case kF16Groups: amx_passes(P, AmxInt8Groups<kF16Groups>{codes, groups, quads, G}); break;
-    case kF32Groups: amx_passes(P, AmxInt8Groups<kF32Groups>{codes, groups, quads, G}); break;
-    case kF32GroupsOffsets: amx_passes(P, AmxInt8Groups<kF32GroupsOffsets>{codes, groups, quads, G}); break;
-    default: amx_passes(P, AmxInt8{codes, quads});
+    case kF16Groups: amx_passes(P, AmxInt8<kF16Groups>{codes, groups, quads, G}); break;
+    case kF32Groups: amx_passes(P, AmxInt8<kF32Groups>{codes, groups, quads, G}); break;
+    case kF32GroupsOffsets: amx_passes(P, AmxInt8<kF32GroupsOffsets>{codes, groups, quads, G}); break;
+    default: amx_passes(P, AmxInt8<kColumnScales>{codes, groups, quads, G});
   }
 }
 #endif
@@ -1938,11 +1919,8 @@ void qgemm_int8(const bf16* x, int64_t xs, const int8_t* codes, const float* sca
 bool gemm_gated(const GemmWeight& w, const bf16* x, int64_t xs, const bf16* bias, bf16* y, int64_t ys, int64_t M,
                 int64_t act) {
   if ((act != kSiluGate && act != kGeluTanhGate) || w.n % (2 * kPanel) != 0 || M <= 0) return false;
-  // NOTE: int8 panels' scale kinds as pagoda_gemm_packed maps them (the narrow f16 kind is the avx2 build's)
-  Int8GroupScales groups{kColumnScales, nullptr, kInt8Group};
-  if (w.kind == kPackedInt8Groups) groups = {kF16Groups, w.scales, kInt8Group};
-  if (w.kind == kPackedInt8F32Groups) groups = {kF32Groups, w.scales, w.group_size};
-  if (w.kind == kPackedInt8F32GroupsOffsets) groups = {kF32GroupsOffsets, w.scales, w.group_size};
+  const Int8GroupScales groups = int8_scales(w);
+  if (groups.kind == kF16GroupsNarrow) return false;  // NOTE: the avx2 build's kind, never on AMX
   const bool int8 = w.kind == kPackedInt8 || groups.kind != kColumnScales;
   const std::atomic<int64_t>* from_rows = nullptr;
   if (w.kind == kPackedBf16) from_rows = &g_amx_rows;
@@ -2064,27 +2042,20 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
   auto* yb = static_cast<bf16*>(y);
   switch (w.kind) {
     case pagoda::kPackedInt8:
-      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), static_cast<const float*>(w.scales),
-                         {pagoda::kColumnScales, nullptr, pagoda::kInt8Group}, b, yb, y_stride, M, w.n, w.k);
-      break;
     case pagoda::kPackedInt8Groups:
-      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
-                         {pagoda::kF16Groups, w.scales, pagoda::kInt8Group}, b, yb, y_stride, M, w.n, w.k);
-      break;
     case pagoda::kPackedInt8GroupsNarrow:
-      if (!pagoda_gemm_int8_narrow()) std::abort();  // NOTE: as below
-      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
-                         {pagoda::kF16GroupsNarrow, w.scales, pagoda::kInt8Group}, b, yb, y_stride, M, w.n, w.k);
-      break;
     case pagoda::kPackedInt8F32Groups:
-    case pagoda::kPackedInt8F32GroupsOffsets:
-      // NOTE: ops.py builds these only where pagoda_gemm_int8_f32_groups says the build has them.
-      if (!pagoda_gemm_int8_f32_groups()) std::abort();
-      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), nullptr,
-                         {w.kind == pagoda::kPackedInt8F32Groups ? pagoda::kF32Groups : pagoda::kF32GroupsOffsets,
-                          w.scales, w.group_size},
-                         b, yb, y_stride, M, w.n, w.k);
+    case pagoda::kPackedInt8F32GroupsOffsets: {
+      // NOTE: ops.py builds the narrow and fp32-group kinds only where this build says it has them.
+      const auto groups = pagoda::int8_scales(w);
+      if ((groups.kind == pagoda::kF16GroupsNarrow && !pagoda_gemm_int8_narrow()) ||
+          (pagoda::is_f32_groups(groups.kind) && !pagoda_gemm_int8_f32_groups()))
+        std::abort();
+      const auto* column = w.kind == pagoda::kPackedInt8 ? static_cast<const float*>(w.scales) : nullptr;
+      pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), column, groups, b, yb, y_stride, M, w.n,
+                         w.k);
       break;
+    }
     case pagoda::kPackedInt4:
       pagoda::qgemm_int4(xb, x_stride, static_cast<const uint8_t*>(w.data), static_cast<const uint16_t*>(w.scales),
                          w.group_size, b, yb, y_stride, M, w.n, w.k);
