@@ -6,7 +6,8 @@ Measured here, two threads:
 - stream rate: `torch.amax` over a 512 MiB fp32 buffer (best of 5), what one pass of the
   weights can hope for;
 - matrix peak: the fastest of the own GEMM (bf16 weights packed, 512 rows, SmolLM2's
-  gate/up shape) and torch's fp32 matmul (MKL, 512 x 576 x 3072), best of 5.
+  gate/up shape) and torch's fp32 matmul (MKL, 512 x 576 x 3072), best of 20 (of 5, a busy
+  host's neighbours sometimes halved it).
 Workloads (`LLM("smollm2")`, prefix caching off, one token a step per sequence):
 - decode, 1 and 16 streams: (time of 65 tokens - time of 1) / 64, a step's time;
 - prefill, one 2,000-token prompt at a 512-token budget (4 steps): time to the first token.
@@ -14,9 +15,8 @@ A step reads every linear's weights once (the LM head included, for the rows tha
 FLOPs are 2 x weights x rows, plus attention's 4 x heads x head_dim x keys per query row.
 Usage: python docs/benchmarks/kernels/roofline.py
 """
-import time
-
 import torch
+from best_time import best
 
 from pagoda import LLM, SamplingParams
 from pagoda.layers import cpu_kernels
@@ -27,23 +27,13 @@ cpu_kernels.library()
 ops.set_num_threads(2)
 
 
-def best(f, n=5):  # noqa: ANN001, ANN201
-    f()
-    t = float("inf")
-    for _ in range(n):
-        start = time.perf_counter()
-        f()
-        t = min(t, time.perf_counter() - start)
-    return t
-
-
 flat = torch.randn(128 * 2**20)
 stream = flat.numel() * 4 / best(lambda: torch.amax(flat)) / 1e9
 w = ops.PackedWeight((torch.randn(3072, 576) * 0.05).to(torch.bfloat16))
 x = torch.randn(512, 576).to(torch.bfloat16)
-gemm = 2 * 512 * 576 * 3072 / best(lambda: ops.gemm(x, w)) / 1e9
+gemm = 2 * 512 * 576 * 3072 / best(lambda: ops.gemm(x, w), n=20) / 1e9
 a, b = torch.randn(512, 576), torch.randn(576, 3072)
-mkl = 2 * 512 * 576 * 3072 / best(lambda: a @ b) / 1e9
+mkl = 2 * 512 * 576 * 3072 / best(lambda: a @ b, n=20) / 1e9
 peak = max(gemm, mkl)
 print(f"stream {stream:.1f} GB/s; matrix peak {peak:.0f} GFLOP/s (own GEMM {gemm:.0f}, MKL fp32 {mkl:.0f})")
 

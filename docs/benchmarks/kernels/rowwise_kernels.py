@@ -6,9 +6,9 @@ compare commits.
 Usage: python docs/benchmarks/kernels/rowwise_kernels.py [LABEL]
 """
 import sys
-import time
 
 import torch
+from best_time import best
 
 from pagoda.layers import cpu_kernels
 from pagoda.layers.cpu_kernels import ops
@@ -18,16 +18,6 @@ ops.set_num_threads(2)
 torch.set_num_threads(2)
 gen = torch.Generator().manual_seed(0)
 rows, hidden, inter, heads, kv_heads, d = 512, 576, 1536, 9, 3, 64
-
-
-def best(f, n=30) -> float:  # noqa: ANN001
-    f()
-    t = float("inf")
-    for _ in range(n):
-        start = time.perf_counter()
-        f()
-        t = min(t, time.perf_counter() - start)
-    return t * 1e3
 
 
 gate_up = torch.randn(rows, 2 * inter, generator=gen).to(torch.bfloat16)
@@ -40,6 +30,6 @@ inv_freq = 1.0 / (100000 ** (torch.arange(0, d, 2).float() / d))
 angles = torch.outer(torch.arange(4096).float(), inv_freq)
 cos, sin = torch.cat([angles.cos()] * 2, -1).contiguous(), torch.cat([angles.sin()] * 2, -1).contiguous()
 label = sys.argv[1] if len(sys.argv) > 1 else ""
-print(f"{label:6s} silu_and_mul {best(lambda: ops.silu_and_mul(gate_up)):.3f} ms  "
-      f"fused_add_rms_norm {best(lambda: ops.fused_add_rms_norm(x, residual, weight, 1e-5)):.3f} ms  "
-      f"rotary {best(lambda: ops.rotary_inplace(qk, positions, cos, sin)):.3f} ms")
+print(f"{label:6s} silu_and_mul {best(lambda: ops.silu_and_mul(gate_up), n=30) * 1e3:.3f} ms  "
+      f"fused_add_rms_norm {best(lambda: ops.fused_add_rms_norm(x, residual, weight, 1e-5), n=30) * 1e3:.3f} ms  "
+      f"rotary {best(lambda: ops.rotary_inplace(qk, positions, cos, sin), n=30) * 1e3:.3f} ms")
