@@ -1082,10 +1082,11 @@ void all_passes(const bf16* x, int64_t xs, const float* scales, const bf16* bias
 
 constexpr int kAmxPairs = 16;      // k-pairs per tile step: a B tile's 16 rows
 constexpr int kAmxBlockRows = 32;  // rows per block: two A tiles
-// NOTE: rows a pass, so that x's rows (up to 256 x K bf16) stay in L2 while every panel reads
-// them: SmolLM2's linears at 512 rows took 330 ms as one pass against 2 x 114 ms for two of 256
-// (docs/performance.md, "A fifth CPU").
-constexpr int64_t kAmxPassRows = 256;
+// NOTE: rows a pass: each pass reads every panel once. 256 when a 512-row pass lost 1.6x to two
+// of 256 (an earlier kernel, docs/performance.md "A fifth CPU"); since panels stay in L1 for a
+// pass's blocks and the next one is prefetched, 512 rows read the weights half as often and win
+// even where x's rows outgrow L2 ("Prefill: the softmax's exp2 ...").
+constexpr int64_t kAmxPassRows = 512;
 std::atomic<int64_t> g_amx_rows{int64_t{1} << 62};
 std::atomic<int64_t> g_amx_int8_rows{int64_t{1} << 62};  // likewise for int8 panels (`AmxInt8`)
 std::atomic<int64_t> g_amx_int4_rows{int64_t{1} << 62};  // and int4 panels (`AmxInt4`)
@@ -1128,12 +1129,48 @@ struct Epilogue {
   void finish() { run(rows); }
 };
 
+// The memory the next panel(s) read, prefetched into L2 a few lines at each k-step of this
+// panel's blocks: a pass's first block reads a panel from memory once and the rest from cache,
+// a burst that the hardware's prefetchers do not run ahead of (SmolLM2's 30 layers of linears at
+// 512 rows: 8.7 ms a pass slower than one layer's weights kept in cache, gemm_layers.py).
+// NOTE: from 4 blocks a pass; with 2 (64 rows) the panels stream without a pause and the
+// prefetches only took issue slots (5% slower).
+constexpr int64_t kPrefetchBlocks = 4;
+struct PanelPrefetch {
+  static constexpr int kMaxRanges = 2;
+  const char* at[kMaxRanges] = {};
+  int64_t lines[kMaxRanges] = {};
+  int ranges = 0, per_step = 0;
+
+  void add(const void* p, int64_t bytes) {
+    at[ranges] = static_cast<const char*>(p);
+    lines[ranges++] = (bytes + 63) / 64;
+  }
+  // Spreads the ranges' lines over `steps` calls of step().
+  void spread(int64_t steps) {
+    int64_t total = 0;
+    for (int r = 0; r < ranges; ++r) total += lines[r];
+    per_step = static_cast<int>((total + steps - 1) / std::max<int64_t>(steps, 1));
+  }
+  void step() {
+    for (int k = 0, r = 0; k < per_step && r < ranges; ++k) {
+      while (r < ranges && lines[r] == 0) ++r;
+      if (r == ranges) return;
+      _mm_prefetch(at[r], _MM_HINT_T1);
+      at[r] += 64;
+      --lines[r];
+    }
+  }
+};
+
 // x's rows [0, 16 or 32) (stride xs elements) x one panel over all k-pairs, `step_at(p)` giving
 // its k-pairs [p, p + 16) (rows kPanelPair elements apart); the sums at sums[m * kSumsRow + c].
-// Each k-step also runs a step of the previous block's epilogue (`pending`, other sums).
+// Each k-step also runs a step of the previous block's epilogue (`pending`, other sums) and of
+// the next panel's prefetch (`ahead`).
 template <bool kTwoRowTiles, class StepAt>
-__attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64_t xs, StepAt step_at, int64_t pairs,
-                                                            float* sums, Epilogue& pending) {
+__attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64_t xs, const StepAt& step_at,
+                                                            int64_t pairs, float* sums, Epilogue& pending,
+                                                            PanelPrefetch& ahead) {
   constexpr int64_t kPairBytes = kPanelPair * 2;
   const int64_t x_bytes = xs * 2;
   tile_sources_written();  // x
@@ -1157,6 +1194,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* x, int64
       _tile_dpbf16ps(3, 5, 7);
     }
     pending.step();
+    ahead.step();
   }
   constexpr int64_t kSumsBytes = kSumsRow * 4;
   _tile_stored(0, sums, kSumsBytes);
@@ -1175,6 +1213,8 @@ struct AmxBf16 {
   int64_t panel_size;
   const bf16* panel(int64_t i, int /*slot*/) const { return packed + i * panel_size; }
   const bf16* step(int64_t i, int64_t p) const { return panel(i, 0) + p * kPanelPair; }
+  // What panel i reads from memory (PanelPrefetch).
+  void source_of(int64_t i, PanelPrefetch& ahead) const { ahead.add(panel(i, 0), panel_size * 2); }
 };
 
 // Rows [0, P.M) (at most kAmxPassRows) x every panel of `source`: one block of rows reads each
@@ -1189,6 +1229,7 @@ void amx_pass(const Problem& P, const Source& source) {
   const int64_t panels = P.gated ? P.N / 2 / kPanel : padded_cols(P.N) / kPanel;
   const bool stepwise = P.M <= kAmxBlockRows;
   const int64_t steps = parts * (pairs / kAmxPairs);  // k-steps a block (all its parts)
+  const int64_t blocks = (P.M + kAmxBlockRows - 1) / kAmxBlockRows;
   parallel_ranges(panels, 1, [&](int64_t i0, int64_t i1) {
     // NOTE: [buffer][part]: a block's sums, and the previous block's, whose epilogue is pending.
     alignas(64) static thread_local float sums[2][2][kAmxBlockRows * kSumsRow];
@@ -1199,6 +1240,11 @@ void amx_pass(const Problem& P, const Source& source) {
       const int64_t index[2] = {i, i + panels};
       const bf16* w[2] = {};
       for (int part = 0; part < parts && !stepwise; ++part) w[part] = source.panel(index[part], part);
+      PanelPrefetch ahead;
+      if (blocks >= kPrefetchBlocks && i + 1 < i1) {
+        for (int part = 0; part < parts; ++part) source.source_of(index[part] + 1, ahead);
+        ahead.spread(blocks * steps);
+      }
       for (int64_t m0 = 0; m0 < P.M; m0 += kAmxBlockRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kAmxBlockRows, P.M - m0));
         if (rows != configured) configure_tiles(std::min(rows, 16), std::max(rows - 16, 0));
@@ -1209,9 +1255,9 @@ void amx_pass(const Problem& P, const Source& source) {
             return stepwise ? source.step(index[part], p) : w[part] + p * kPanelPair;
           };
           if (rows > 16)
-            amx_block<true>(P.x + m0 * P.xs, P.xs, step_at, pairs, block[part], pending);
+            amx_block<true>(P.x + m0 * P.xs, P.xs, step_at, pairs, block[part], pending, ahead);
           else
-            amx_block<false>(P.x + m0 * P.xs, P.xs, step_at, pairs, block[part], pending);
+            amx_block<false>(P.x + m0 * P.xs, P.xs, step_at, pairs, block[part], pending, ahead);
         }
         pending.finish();
         const int per_step = static_cast<int>((rows + steps - 1) / steps);
@@ -1360,6 +1406,7 @@ struct AmxInt4 {
   const uint16_t* scales;
   int64_t pairs, group_pairs;
   const uint8_t* codes_of(int64_t i) const { return codes + i * kInt4PairBytes * pairs; }
+  void source_of(int64_t i, PanelPrefetch& ahead) const { ahead.add(codes_of(i), kInt4PairBytes * pairs); }
   const uint16_t* scales_of(int64_t i) const { return scales + i * (pairs / group_pairs) * 2 * kPanel; }
   const bf16* panel(int64_t i, int slot) const {
     bf16* out = widened_panel(pairs, slot);
@@ -1865,6 +1912,7 @@ struct AmxInt8 {
   Int8GroupScales scales;
   int64_t quads, G;
   const uint8_t* codes_of(int64_t i) const { return codes + i * kQuadBytes * quads; }
+  void source_of(int64_t i, PanelPrefetch& ahead) const { ahead.add(codes_of(i), kQuadBytes * quads); }
   int64_t group_quads() const { return scales.group / 4; }
   const bf16* panel(int64_t i, int slot) const {
     bf16* out = widened_panel(2 * quads, slot);

@@ -10,7 +10,8 @@ Measured here, two threads:
   host's neighbours sometimes halved it).
 Workloads (`LLM("smollm2")`, prefix caching off, one token a step per sequence):
 - decode, 1 and 16 streams: (time of 65 tokens - time of 1) / 64, a step's time;
-- prefill, one 2,000-token prompt at a 512-token budget (4 steps): time to the first token.
+- prefill, one 2,000-token prompt at a 512-token budget (4 steps; the server's default): time to
+  the first token; and at a 2,048-token budget (one step; vLLM's CPU server default).
 A step reads every linear's weights once (the LM head included, for the rows that sample);
 FLOPs are 2 x weights x rows, plus attention's 4 x heads x head_dim x keys per query row.
 Usage: python docs/benchmarks/kernels/roofline.py
@@ -38,6 +39,7 @@ peak = max(gemm, mkl)
 print(f"stream {stream:.1f} GB/s; matrix peak {peak:.0f} GFLOP/s (own GEMM {gemm:.0f}, MKL fp32 {mkl:.0f})")
 
 llm = LLM("smollm2", max_num_batched_tokens=512, max_model_len=4096, enable_prefix_caching=False)
+one_step = LLM("smollm2", max_num_batched_tokens=2048, max_model_len=4096, enable_prefix_caching=False)
 model = llm.engine.runner.model
 d = model.dims
 heads, head_dim, layers, hidden = d.num_heads, d.head_dim, d.num_layers, d.hidden_size
@@ -49,9 +51,9 @@ gen = torch.Generator().manual_seed(0)
 prompt = torch.randint(100, 40000, (2000,), generator=gen).tolist()
 
 
-def timed(prompts, max_tokens):  # noqa: ANN001, ANN201
+def timed(prompts, max_tokens, engine=llm):  # noqa: ANN001, ANN201
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return best(lambda: llm.generate(prompts, params, use_tqdm=False), n=2)
+    return best(lambda: engine.generate(prompts, params, use_tqdm=False), n=2)
 
 
 def row(name, seconds, steps, rows, attn_keys, sampled):  # noqa: ANN001, ANN201
@@ -72,3 +74,5 @@ for streams in (1, 16):
     row(f"decode step, {streams} stream(s), ~130-token contexts", step, 1, streams, streams * 130, streams)
 ttft = timed([prompt], 1)
 row("prefill, 2,000 tokens (4 steps of 512)", ttft, 4, 2000, 2000 * 2000 // 2, 1)
+ttft = timed([prompt], 1, one_step)
+row("prefill, 2,000 tokens (1 step of 2,048)", ttft, 1, 2000, 2000 * 2000 // 2, 1)
