@@ -667,6 +667,35 @@ __attribute__((target("amx-tile,amx-bf16"))) void score_block_amx(const bf16* k0
   }
 }
 
+// The same for head_dim 64, a pair of key tiles against every query chunk: both tiles' two
+// 32-dim halves stay loaded (tiles 0-3) while each chunk's query halves (4-5) multiply them into
+// two sums (6-7), so that a product loads two thirds of a tile where the 2 x 2 block loads one.
+// `track(c)` reads chunk c's maxima back after its sums are stored.
+template <class Track>
+__attribute__((target("amx-tile,amx-bf16"))) void score_pair_d64_amx(const bf16* k0, int64_t s0, const bf16* k1,
+                                                                    int64_t s1, const bf16* q, int64_t r16,
+                                                                    float* dst, const Track& track) {
+  _tile_loadd(0, k0, s0 * 2);
+  _tile_loadd(1, k0 + 32, s0 * 2);
+  _tile_loadd(2, k1, s1 * 2);
+  _tile_loadd(3, k1 + 32, s1 * 2);
+  const bf16* q_hi = q + 32 * r16;  // query pairs of dims 32-63
+  float* second = dst + kKeyTile * r16;
+  for (int64_t c = 0; c < r16; c += kLanes) {
+    _tile_loadd(4, q + 2 * c, 4 * r16);
+    _tile_loadd(5, q_hi + 2 * c, 4 * r16);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_dpbf16ps(6, 0, 4);
+    _tile_dpbf16ps(7, 2, 4);
+    _tile_dpbf16ps(6, 1, 5);
+    _tile_dpbf16ps(7, 3, 5);
+    _tile_stored(6, dst + c, 4 * r16);
+    _tile_stored(7, second + c, 4 * r16);
+    track(c);
+  }
+}
+
 // Raw scores of a span's key tiles (kt[t]: 16 rows `stride` elements apart) into st, two key
 // tiles by two query chunks at a time (an odd last tile paired with `zeros`, whose scores land
 // past the span's).
@@ -693,6 +722,10 @@ void score_span_amx(BlockScratch& w, const bf16* const* kt, int tiles, int64_t s
         _mm512_storeu_ps(&top[c + h * kLanes], mx);
       }
     };
+    if (d == 64) {
+      score_pair_d64_amx(kt[t], stride, k1, s1, qp, r16, d0, [&](int64_t c) { track(int(c), 1); });
+      continue;
+    }
     int c = 0;
     for (; c + 2 * kLanes <= r16; c += 2 * kLanes) {
       score_block_amx<true>(kt[t], stride, k1, s1, qp + 2 * c, r16, d, d0 + c);
