@@ -412,12 +412,13 @@ def gemm_tile_kind(request: pytest.FixtureRequest) -> Iterator[str]:
 def test_gemm_on_each_tile_kind_matches_fp32_linear(gemm_tile_kind: str) -> None:
     # NOTE: one tile (1-12 rows, with and without prefetch), several tiles over K chunks, wide
     # tiles (96+), odd K, partial panels, NaN past each row's K (gemm_case), strided rows. AMX:
-    # one row tile (1-16 rows), two (17-32), several blocks with a short last one (33, 101),
-    # passes of 768 rows (800); K not a multiple of 32 keeps the vector tiles.
+    # one row tile (1-16 rows), two (17-32), several blocks with a short last one (33, 101), the
+    # next panel prefetched (4+ blocks, 2+ panels a thread: 101 x 160, 600 x 96), passes of 512
+    # rows (600, 800); K not a multiple of 32 keeps the vector tiles.
     for m, n, k, bias in [(1, 960, 576, False), (5, 77, 129, True), (6, 576, 1536, True), (12, 40, 70, False),
                           (13, 33, 1, True), (16, 64, 64, False), (17, 100, 96, True), (32, 33, 32, False),
                           (33, 960, 576, True), (64, 960, 576, True), (101, 77, 129, False), (101, 77, 160, True),
-                          (800, 48, 40, True), (800, 40, 64, False)]:
+                          (600, 200, 96, True), (800, 48, 40, True), (800, 40, 64, False)]:
         x, w, b, want = gemm_case(m, n, k, bias, seed=m * 7 + n + k)
         assert_close(ops.gemm(x, ops.PackedWeight(w), b), want, torch.bfloat16)
 
