@@ -2,6 +2,7 @@
 is-greedy flag) of each task in both output folders, matched by document and request.
 Usage: python docs/benchmarks/lm_eval/compare.py OUT_A OUT_B   (e.g. pagoda's run, transformers')
 """
+
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,9 @@ def samples(out: str) -> dict[str, dict[int, list]]:
     found: dict[str, dict[int, list]] = {}
     for path in sorted(Path(out).rglob("samples_*.jsonl")):
         task = path.name.removeprefix("samples_").rsplit("_", 1)[0]
-        found[task] = {r["doc_id"]: r["filtered_resps"] for r in map(json.loads, path.read_text().splitlines())}
+        found[task] = {
+            r["doc_id"]: r["filtered_resps"] for r in map(json.loads, path.read_text().splitlines())
+        }
     return found
 
 
@@ -29,5 +32,7 @@ for task in sorted(a.keys() & b.keys()):
             diffs.append(abs(la - lb))
             flips += ga != gb
             total_a, total_b, n = total_a + la, total_b + lb, n + 1
-    print(f"{task}: {n} requests, max |loglikelihood difference| {max(diffs):.2e}, "
-          f"mean {sum(diffs) / n:.2e}; sums {total_a:.4f} / {total_b:.4f}; is_greedy differs in {flips}")
+    print(
+        f"{task}: {n} requests, max |loglikelihood difference| {max(diffs):.2e}, "
+        f"mean {sum(diffs) / n:.2e}; sums {total_a:.4f} / {total_b:.4f}; is_greedy differs in {flips}"
+    )
