@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,9 @@ from pagoda.kv_cache import (
 from pagoda.layers.fused_moe import pack_experts_for_cpu
 from pagoda.layers.kernel_plan import KernelPlan
 from pagoda.layers.linear import prepack_for_cpu
+from pagoda.layers.quantization import QuantizationReport, linear_methods, method_bytes
 from pagoda.layers.quantization.gptq_awq import CHECKPOINT_METHODS, resolve_quantization
+from pagoda.layers.quantization.methods import PackedLinearMethod
 from pagoda.lora import LoRAManager
 from pagoda.model_runner import ModelRunner, step_threads
 from pagoda.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
@@ -141,14 +144,16 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = load_model(path, hf_config, dtype, device, max_model_len, tp, stage,
                        gguf_packed=quantization == "gguf")
-    if quantization is not None:
-        quantize(model, quantization, config.model.quantization_group_size, device)
+    report = quantize(model, quantization, config.model.quantization_group_size, device) if quantization else None
     plan = None
     if device.type == "cpu" and not os.environ.get("PAGODA_DISABLE_CPU_KERNELS"):
         embedding = getattr(model.embed_tokens, "weight", None)
         plan = plan_linears(model)
+        records = method_bytes(model)
         prepack_for_cpu(model, keep={id(embedding)} if embedding is not None else set(), plan=plan)
         pack_experts_for_cpu(model)
+        if report is not None:
+            log_panels(model, report, records)
     d = model.dims
     layers = model.attention_layers()
     spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, d.head_dim,
@@ -232,7 +237,7 @@ def plan_linears(model: torch.nn.Module, retune: bool = False) -> KernelPlan | N
     return plan
 
 
-def quantize(model: torch.nn.Module, scheme: str, group_size: int, device: torch.device) -> None:
+def quantize(model: torch.nn.Module, scheme: str, group_size: int, device: torch.device) -> QuantizationReport:
     """Applies `scheme` to the loaded model (GGUF-packed weights and GPTQ/AWQ checkpoints were
     packed while loading)
     and logs the weight memory before and after."""
@@ -241,6 +246,17 @@ def quantize(model: torch.nn.Module, scheme: str, group_size: int, device: torch
     packed_on_load = scheme in ("gguf", *CHECKPOINT_METHODS)
     report = finish_gguf(model, scheme) if packed_on_load else quantize_model(model, scheme, group_size, device)
     logger.info("%s", report.describe())
+    return report
+
+
+def log_panels(model: torch.nn.Module, report: QuantizationReport, records: int) -> None:
+    """Logs the weights as the CPU kernels hold them where repacking changed their size (e.g.
+    GGUF's Q5_0 as 5-bit panels instead of 8-bit records), `records` the methods' bytes before."""
+    now = report.bytes_after - records + method_bytes(model)
+    if now == report.bytes_after:
+        return
+    kinds = Counter(m.name for m in linear_methods(model) if isinstance(m, PackedLinearMethod))
+    logger.info("%s", report.describe_panels(now, dict(kinds)))
 
 
 def _available_cuda_bytes(config: EngineConfig, runner: ModelRunner, spec: KVCacheSpec,

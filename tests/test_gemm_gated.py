@@ -1,7 +1,7 @@
 """The gate/up product with the gated activation in its epilogue (`ops.gemm_gated`) against the
 product and then the elementwise kernel: bit for bit (each factor is rounded to bf16 as the
 product stores it, then act(gate) * up as the elementwise kernels compute it), on bf16, int8
-(per-row scales, f16 group scales, fp32 group scales and offsets) and int4 panels, over one and two row tiles, several blocks, passes of 256 and of 768 rows.
+(per-row scales, f16 group scales, fp32 group scales and offsets), int4 and int5 (GGUF's Q5_0) panels, over one and two row tiles, several blocks, passes of 256 and of 768 rows.
 Only AMX passes fuse: elsewhere (another CPU or build, rows under the AMX choice, a gate width
 that is no multiple of a panel) `gemm_gated` declines and the decoder stack runs both kernels.
 """
@@ -38,16 +38,19 @@ def make_weight(kind: str, n: int, k: int, gen: torch.Generator) -> ops.PackedWe
     if kind == "int8_f32_groups":  # the k-quants: narrow codes, fp32 d and m by groups of 16
         return ops.Int8Panels(torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8),
                               torch.rand(n, k // 16, generator=gen) * 0.005, -torch.rand(n, k // 16, generator=gen) * 0.01)
+    if kind == "int5":  # GGUF's Q5_0: codes in [0, 31], m = -16 d
+        d = (torch.rand(n, k // 32, generator=gen) * 0.002).half()
+        return ops.Int4Panels(torch.randint(0, 32, (n, k), generator=gen, dtype=torch.uint8), d, -16 * d, 32)
     return ops.Int4Panels(*packing.unpack_int4(packed_weight("int4", n, k, 32, gen), k, 32), 32)
 
 
 def set_amx_rows(kind: str, rows: int) -> bool:
     if kind == "bf16":
         return ops.set_gemm_amx_rows(rows)
-    return ops.set_gemm_amx_integer_rows(4 if kind == "int4" else 8, rows)
+    return ops.set_gemm_amx_integer_rows(4 if kind in ("int4", "int5") else 8, rows)
 
 
-@pytest.fixture(params=["bf16", "int8", "int8_f16_groups", "int8_f32_groups", "int4"])
+@pytest.fixture(params=["bf16", "int8", "int8_f16_groups", "int8_f32_groups", "int4", "int5"])
 def kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """A panel kind, its AMX row choice restored after."""
     before = ops.GEMM_AMX_ROWS, dict(ops.GEMM_AMX_INTEGER_ROWS)

@@ -200,7 +200,7 @@ EXPECTED = {  # module: (its sources' kinds, its method)
 }
 
 
-def write_tiny_gguf(path: Path) -> None:
+def write_tiny_gguf(path: Path, layer_kinds: list[tuple[str, ...]] = LAYER_KINDS) -> None:
     from gguf import GGMLQuantizationType, GGUFWriter
 
     rng = np.random.default_rng(3)
@@ -220,7 +220,7 @@ def write_tiny_gguf(path: Path) -> None:
     add("output.weight", "Q6_K", VOCAB, HIDDEN)
     shapes = [("attn_q", 256, HIDDEN), ("attn_k", 128, HIDDEN), ("attn_v", 128, HIDDEN), ("attn_output", HIDDEN, 256),
               ("ffn_gate", INTERMEDIATE, HIDDEN), ("ffn_up", INTERMEDIATE, HIDDEN), ("ffn_down", HIDDEN, INTERMEDIATE)]
-    for i, kinds in enumerate(LAYER_KINDS):
+    for i, kinds in enumerate(layer_kinds):
         add(f"blk.{i}.attn_norm.weight", "F32", 1, HIDDEN)
         add(f"blk.{i}.ffn_norm.weight", "F32", 1, HIDDEN)
         for (name, rows, cols), kind in zip(shapes, kinds, strict=True):
@@ -239,7 +239,7 @@ def write_config_and_tokenizer(out: Path) -> None:
     from tokenizers.pre_tokenizers import Whitespace
     from transformers import LlamaConfig, PreTrainedTokenizerFast
 
-    LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=len(LAYER_KINDS),
+    LlamaConfig(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256,
                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2).save_pretrained(out)
     tok = Tokenizer(WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
@@ -353,3 +353,41 @@ def test_a_gguf_of_every_kind_runs_the_native_stack(tmp_path: Path, monkeypatch)
     monkeypatch.setattr("pagoda.layers.cpu_kernels._loaded", True)
     want, _ = run(LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=128))
     assert (got - want).abs().max().item() <= 0.3, (got - want).abs()
+
+
+@pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.int5_tiles()),
+                    reason="needs int5 panels (the avx512bf16 kernels)")
+def test_q5_0_layers_on_int5_panels_give_the_int8_panels_tokens(tmp_path: Path, monkeypatch) -> None:
+    """Q5_0 layers (qkv, o, gate/up) as int5 panels, 5 bits a weight: the weight memory shrinks by
+    3 bits a weight and the model's prompt logprobs and greedy tokens are those of the same file
+    on int8 panels (`int5_tiles` off), exactly (the same products: test_quantization_kernels)."""
+    from pagoda import LLM, SamplingParams
+    from pagoda.layers.quantization import method_bytes
+    from pagoda.models import loader
+
+    path = tmp_path / "q5_0.gguf"
+    write_tiny_gguf(path, [("Q5_0", "Q5_0", "Q5_0", "Q5_0", "Q5_0", "Q5_0", "Q4_K")] * 2)
+    write_config_and_tokenizer(tmp_path / "hf")
+    monkeypatch.setattr(loader, "gguf_metadata_dir", lambda p: tmp_path / "hf")
+    prompt = torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=0, ignore_eos=True)
+
+    def run() -> tuple[list[float], list[int], dict[str, str], int]:
+        llm = LLM(str(path), quantization="gguf", dtype="bfloat16", num_kv_blocks=32, max_model_len=128)
+        model = llm.engine.runner.model
+        linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        assert out.prompt_logprobs is not None and llm.engine.runner.native_decoder is not None
+        logprobs = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i]  # type: ignore[index]
+        names = {n: m.method.name for n, m in linears.items()}
+        return logprobs, list(out.outputs[0].token_ids), names, method_bytes(model)
+
+    logprobs, tokens, names, size = run()
+    monkeypatch.setattr(cpu_kernels.ops, "int5_tiles", lambda: False)
+    want_logprobs, want_tokens, want_names, want_size = run()
+    assert (logprobs, tokens) == (want_logprobs, want_tokens)
+    q5_0 = [n for n in names if "proj" in n and "down" not in n]
+    assert len(q5_0) == 6 and all(names[n] == "int5 (group 32)" and want_names[n] == "int8 (group 32)" for n in q5_0)
+    # NOTE: 3 bits a weight fewer (each layer's rows a multiple of 32: no padding)
+    weights = 2 * (HIDDEN * (256 + 128 + 128) + 256 * HIDDEN + 2 * INTERMEDIATE * HIDDEN)
+    assert want_size - size == weights * 3 // 8

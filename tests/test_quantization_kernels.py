@@ -397,6 +397,66 @@ def test_int4_panels_unpack_to_the_records() -> None:
         assert torch.equal(got, want)
 
 
+def q5_0(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q5_0-like int8 codes in [-16, 15] and f16-valued scales by groups of 32."""
+    return (torch.randint(-16, 16, (n, k), generator=gen, dtype=torch.int8),
+            (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-4).half().float())
+
+
+def int5_panels(codes: torch.Tensor, scales: torch.Tensor) -> ops.Int4Panels:
+    return ops.Int4Panels((codes.to(torch.int16) + 16).to(torch.uint8), scales.half(), (-16 * scales).half(), 32)
+
+
+@pytest.fixture
+def int5_and_int8_tiles(int4_tiles: str) -> Iterator[str]:
+    """int4_tiles' choice for the int8 panels too (int5 panels follow int4's), restored after."""
+    before = ops.GEMM_AMX_INTEGER_ROWS[8]
+    ops.set_gemm_amx_integer_rows(8, ops.GEMM_AMX_INTEGER_ROWS[4])
+    yield int4_tiles
+    ops.set_gemm_amx_integer_rows(8, before)
+
+
+@pytest.mark.usefixtures("int5_and_int8_tiles")
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 16, 25, 64, 101])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 64, True), (77, 96, False)])
+def test_int5_panels_give_q5_0s_int8_panel_bits(variant: str, m: int, n: int, k: int, bias: bool) -> None:  # noqa: F811
+    """GGUF's Q5_0 (q in [-16, 15], f16 d by groups of 32) as int5 panels (q + 16: int4's nibbles
+    and a plane of fifth bits, 5 bits a weight) gives the int8 panels' bits exactly: on vpdpbusd the
+    offset -16 d is taken in the integer sums, on AMX tiles the widened weights are the same. A
+    wrong fifth bit moves an output by 16 d x, far from equal."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    codes, scales = q5_0(n, k, gen)
+    if not ops.int5_tiles():
+        with pytest.raises(ValueError, match=r"in \[0, 31\] where this build has int5 panels"):
+            int5_panels(codes, scales)
+        return
+    five, eight = int5_panels(codes, scales), ops.Int8Panels(codes, scales)
+    cols = -(-n // 32) * 32  # NOTE: 5 bits a weight and an f16 d a group: GGUF's Q5_0 blocks, 22 bytes a 32
+    assert five.kind == ops.INT5_PANELS and five.data.numel() + 2 * five.scales.numel() == cols * k // 32 * 22
+    base = torch.full((m, k + 3), float("nan")).to(torch.bfloat16)
+    base[:, :k] = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    assert torch.equal(ops.gemm(base[:, :k], five, b), ops.gemm(base[:, :k], eight, b))
+
+
+def test_int5_panels_unpack_and_refusals(variant: str) -> None:  # noqa: F811 - the fixture
+    if not ops.int5_tiles():
+        pytest.skip("this build has no int5 panels (the refusal: test_int5_panels_give_q5_0s_int8_panel_bits)")
+    gen = torch.Generator().manual_seed(6)
+    codes, scales = q5_0(45, 192, gen)
+    weight = int5_panels(codes, scales)
+    q, d, m = weight.unpack()
+    assert torch.equal(q.to(torch.int16) - 16, codes.to(torch.int16)) and torch.equal(d.float(), scales)
+    assert torch.equal(m.float(), -16 * scales)
+    rows = torch.tensor([44, 0, 17, 16, 31, 32])
+    assert torch.equal(weight.unpack(rows)[0], q[rows])
+    with pytest.raises(ValueError, match="offsets m = -16 d"):
+        ops.Int4Panels(q, d, -15 * d, 32)
+    with pytest.raises(ValueError, match="got a code of 32"):
+        ops.Int4Panels(q.clamp(max=31).index_fill_(1, torch.tensor([3]), 32), d, -16 * d, 32)
+    assert ops.Int4Panels(q.clamp(max=15), d, m, 32).kind == ops.INT4_PANELS  # four bits fit: int4
+
+
 def test_panels_gathered_in_huge_pages_compute_the_same() -> None:
     """`gather_in_huge_pages` moves int8 and int4 panels (codes and scales) into one buffer;
     the GEMM then reads them there and gives the same bits."""

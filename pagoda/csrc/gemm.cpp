@@ -757,6 +757,7 @@ int64_t gemm_packed_size(int64_t N, int64_t K) { return padded_cols(N) * 2 * num
 // ---------------------------------------------------------------- int4, group-wise scales
 
 constexpr int kInt4PairBytes = kPanel;  // a panel's k-pair: 32 bytes of two nibbles
+constexpr int kInt5HighBytes = 16;      // int5: a step of two k-pairs' fifth bits (two 64-bit masks)
 constexpr int kInt4TileRows = 6;        // 6 x 2 group sums + 6 x 2 fp32 sums + 2 code vectors + a mask + x
 
 // Where each group of 4 k's keeps its x codes: the order of the codes in a code vector's
@@ -770,11 +771,12 @@ constexpr int kInt4Order[4] = {0, 2, 1, 3};
 // the exact product of w and the rounded x. With x's exact sum instead, the error would be that
 // of q * d, which is all of one sign, not w's (perplexity +1.3% instead of +0.2%, SmolLM2 Q4_1).
 struct Int4Rows {
-  int8_t* xq;  // [rows, K]
-  float* dx;   // [rows, G]
-  float* sx;   // [rows, G]
+  int8_t* xq;      // [rows, K]
+  float* dx;       // [rows, G]
+  float* sx;       // [rows, G]
+  int32_t* total;  // [rows, G]: sum xq (int5's offset, -16 d, taken in the integer sums)
   int64_t K, G;
-  Int4Rows from(int64_t m) const { return {xq + m * K, dx + m * G, sx + m * G, K, G}; }
+  Int4Rows from(int64_t m) const { return {xq + m * K, dx + m * G, sx + m * G, total + m * G, K, G}; }
   // Row m's 4 x codes of k-pairs p, p + 1 (kInt4Order), as the 32-bit lane the tiles broadcast.
   int32_t quad(int m, int64_t p) const {
     int32_t q;
@@ -785,9 +787,10 @@ struct Int4Rows {
 
 struct Int4Problem {
   const uint8_t* codes;
-  const uint16_t* scales;  // per panel and group: d[32] then m[32], f16
+  const uint16_t* scales;  // per panel and group: d[32] then m[32], f16 (int5: d[32] alone)
   Int4Rows x;
   int64_t group_pairs;
+  const uint8_t* high = nullptr;  // int5 (kPackedInt5): the codes' fifth bits, kInt5HighBytes a step
 };
 
 // 16 values of x, already times 127 / max |x| of their group, rounded to nearest even as int8
@@ -837,10 +840,31 @@ void quantize_row(const bf16* x, int64_t gs, const Int4Rows& out) {
     for (int64_t i = 0; i < gs; i += kBlock) sum += store_codes<true>(load(xg + i) * vset1(inv), out.xq + g * gs + i);
     out.dx[g] = a / 127.f;
     out.sx[g] = out.dx[g] * static_cast<float>(sum);
+    out.total[g] = sum;
   }
 }
 
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+
+// int5 (kPackedInt5: GGUF's Q5_0, w = (q - 16) d, q in [0, 31]): the int4 layout's nibbles, then
+// a plane of the codes' fifth bits, per panel and step of two k-pairs two 64-bit masks: bit j of
+// mask b the fifth bit of the code in byte j of block b's code vector (see the top of this file).
+// Its scales are d alone, f16 [panel][group][32 columns] (m = -16 d implied): the AMX widening
+// computes m (exact), and the integer products take it: their sums start at -16 sum xq, so that
+// each group's sum is that of (q - 16) xq, exact, scaled as the int8 panels scale Q5_0's codes
+// (the same bits as those).
+// Adds 16 where the bit is set, to both blocks' codes of k-pairs p, p + 1 (p even); `prefetch`
+// brings the plane's line as far on as the codes' into L2, once a line.
+inline void add_fifth_bits(const uint8_t* hb, int64_t p, bool prefetch, __m512i& v0, __m512i& v1) {
+  const uint8_t* at = hb + (p / 2) * kInt5HighBytes;
+  if (prefetch && (p & 7) == 0)  // NOTE: a line holds 4 steps' bits
+    _mm_prefetch(reinterpret_cast<const char*>(at + (kPrefetchPairs / 2) * kInt5HighBytes), _MM_HINT_T1);
+  uint64_t m[2];
+  std::memcpy(m, at, sizeof m);
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  v0 = _mm512_mask_add_epi8(v0, _cvtu64_mask64(m[0]), v0, sixteen);
+  v1 = _mm512_mask_add_epi8(v1, _cvtu64_mask64(m[1]), v1, sixteen);
+}
 
 // Rows [0, MR) x one int4 panel over k-pairs [p0, p1) (whole groups); adds into `sums` (from zero
 // when `first`). Each group: integer sums of q * xq in registers (vpdpbusd: 4 k's of a column a
@@ -849,9 +873,9 @@ void quantize_row(const bf16* x, int64_t gs, const Int4Rows& out) {
 // and the mask the second's.
 // NOTE: one or two rows keep separate sums for alternate steps, so that four chains of
 // vpdpbusd hide its latency.
-template <int MR, bool PF>
-void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint16_t* dm, int64_t p0, int64_t p1,
-               bool first, Sums sums) {
+template <int MR, bool PF, bool HB>
+void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t* hb, const uint16_t* dm,
+               int64_t p0, int64_t p1, bool first, Sums sums) {
   constexpr int kSplit = MR <= 2 ? 2 : 1;
   __m512 acc[MR][2];
 #pragma GCC unroll 16
@@ -863,12 +887,14 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
     __m512i part[MR][2 * kSplit];
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)
-      for (int i = 0; i < 2 * kSplit; ++i) part[m][i] = _mm512_setzero_si512();
+      for (int i = 0; i < 2 * kSplit; ++i)
+        part[m][i] = HB && i < 2 ? _mm512_set1_epi32(-16 * x.total[m * x.G + g]) : _mm512_setzero_si512();
     auto step = [&](int64_t p, int half) {
       const uint8_t* src = w + p * kInt4PairBytes;
       if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kInt4PairBytes), _MM_HINT_T1);
       const __m512i raw = _mm512_loadu_si512(src);
-      const __m512i v0 = _mm512_and_si512(raw, low), v1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      __m512i v0 = _mm512_and_si512(raw, low), v1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+      if constexpr (HB) add_fifth_bits(hb, p, PF, v0, v1);
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
         const __m512i xv = _mm512_set1_epi32(x.quad(m, p));
@@ -882,11 +908,12 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
       step(p, 0);
       step(p + 2, kSplit - 1);
     }
-    const uint16_t* s = dm + g * 2 * kPanel;
+    const uint16_t* s = dm + g * (HB ? 1 : 2) * kPanel;
     __m512 d[2], off[2];
     for (int b = 0; b < 2; ++b) {
       d[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b * kBlock)));
-      off[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
+      if constexpr (!HB)
+        off[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
@@ -895,7 +922,8 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
         __m512i sum = part[m][b];
         if constexpr (kSplit == 2) sum = _mm512_add_epi32(sum, part[m][2 + b]);
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale);
-        acc[m][b] = _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(d[b], t, acc[m][b]));
+        acc[m][b] = HB ? _mm512_fmadd_ps(d[b], t, acc[m][b])
+                       : _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(d[b], t, acc[m][b]));
       }
     }
   }
@@ -970,9 +998,10 @@ void int4_rows_avx2(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, co
 }
 
 // Rows [0, MR) x one int4 panel, kInt4Avx2Rows rows at a time (the first pass prefetches).
-template <int MR, bool PF>
-void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint16_t* dm, int64_t p0, int64_t p1,
-               bool first, Sums sums) {
+template <int MR, bool PF, bool HB>
+void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t*, const uint16_t* dm,
+               int64_t p0, int64_t p1, bool first, Sums sums) {
+  static_assert(!HB, "int5 panels: the VNNI build only");
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
   using Pass = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint16_t*, int64_t, int64_t, Sums);
@@ -988,9 +1017,10 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 
 #else
 
-template <int MR, bool PF>
-void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint16_t* dm, int64_t p0, int64_t p1,
-               bool first, Sums sums) {
+template <int MR, bool PF, bool HB>
+void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t*, const uint16_t* dm,
+               int64_t p0, int64_t p1, bool first, Sums sums) {
+  static_assert(!HB, "int5 panels: the VNNI build only");
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
   for (int64_t g0 = p0; g0 < p1; g0 += group_pairs) {
@@ -1014,22 +1044,43 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 
 #endif
 
-using Int4TileFn = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint16_t*, int64_t, int64_t, bool, Sums);
+using Int4TileFn = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint8_t*, const uint16_t*, int64_t,
+                            int64_t, bool, Sums);
 
-template <bool PF, int... I>
+template <bool PF, bool HB, int... I>
 constexpr std::array<Int4TileFn, kInt4TileRows> make_int4_tiles(std::integer_sequence<int, I...>) {
-  return {int4_tile<I + 1, PF>...};
+  return {int4_tile<I + 1, PF, HB>...};
 }
+template <bool HB>
 constexpr std::array<std::array<Int4TileFn, kInt4TileRows>, 2> kInt4Tiles{
-    make_int4_tiles<false>(std::make_integer_sequence<int, kInt4TileRows>()),
-    make_int4_tiles<true>(std::make_integer_sequence<int, kInt4TileRows>())};
+    make_int4_tiles<false, HB>(std::make_integer_sequence<int, kInt4TileRows>()),
+    make_int4_tiles<true, HB>(std::make_integer_sequence<int, kInt4TileRows>())};
+
+// Whether this build takes int5 panels (kPackedInt5): the VNNI one.
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
+constexpr bool kInt5Panels = true;
+#else
+constexpr bool kInt5Panels = false;
+#endif
+
+// f16 parts a panel and group holds: int4's d and m, int5's d alone (`high` set: m = -16 d).
+inline int64_t int4_scale_parts(const uint8_t* high) { return high == nullptr ? 2 : 1; }
+
+// An int5 weight's plane of fifth bits (after every panel's nibbles), or null for int4.
+inline const uint8_t* int5_high(const GemmWeight& w) {
+  if (w.kind != kPackedInt5) return nullptr;
+  const int64_t panels = (w.n + kPanel - 1) / kPanel;
+  return static_cast<const uint8_t*>(w.data) + panels * kInt4PairBytes * (w.k / 2);
+}
 
 // All M rows over int4 panel `index`: each chunk of K (whole groups) by every tile in turn, the
 // chunk's codes L1-resident after the first.
 void int4_panel(const Problem& P, const Int4Problem& Q, const Tiling& tiling, int64_t index, float* sums) {
   const int64_t pairs = P.K / 2, c0 = index * kPanel;
   const uint8_t* w = Q.codes + index * kInt4PairBytes * pairs;
-  const uint16_t* dm = Q.scales + index * Q.x.G * 2 * kPanel;
+  const uint8_t* hb = Q.high == nullptr ? nullptr : Q.high + index * (pairs / 2) * kInt5HighBytes;
+  const auto& tiles = kInt5Panels && hb != nullptr ? kInt4Tiles<kInt5Panels> : kInt4Tiles<false>;
+  const uint16_t* dm = Q.scales + index * Q.x.G * int4_scale_parts(Q.high) * kPanel;
   const bool single = tiling.count == 1;
   const int64_t chunk = single ? pairs : std::max<int64_t>(kChunkPairs, Q.group_pairs);
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
@@ -1039,8 +1090,8 @@ void int4_panel(const Problem& P, const Int4Problem& Q, const Tiling& tiling, in
       // unlike bf16's one-row tile, the integer tiles read memory 6-10% faster with it at one
       // row (docs/performance.md, Integer dot products).
       const bool prefetch = single || t == 0;
-      kInt4Tiles[prefetch][tiling.rows(t) - 1](Q.x.from(tiling.start[t]), Q.group_pairs, w, dm, p0, p1, p0 == 0,
-                                               sums + tiling.start[t] * kSumsRow);
+      tiles[prefetch][tiling.rows(t) - 1](Q.x.from(tiling.start[t]), Q.group_pairs, w, hb, dm, p0, p1, p0 == 0,
+                                          sums + tiling.start[t] * kSumsRow);
     }
   }
   for (int t = 0; t < tiling.count; ++t)
@@ -1137,7 +1188,7 @@ struct Epilogue {
 // prefetches only took issue slots (5% slower).
 constexpr int64_t kPrefetchBlocks = 4;
 struct PanelPrefetch {
-  static constexpr int kMaxRanges = 2;
+  static constexpr int kMaxRanges = 4;  // a gated pass's two parts, int5's two streams each
   const char* at[kMaxRanges] = {};
   int64_t lines[kMaxRanges] = {};
   int ranges = 0, per_step = 0;
@@ -1359,8 +1410,10 @@ inline const ColumnSpread& column_spread() {
 // holding block 0's column c in its bytes' low nibbles and block 1's in the high ones, for k =
 // 2p, 2p + 2, 2p + 1, 2p + 3 (see the top of this file). Writes k-pairs [p0, p1) of the panel at
 // `codes` (scales `dm`) to out[(p - p0) * kPanelPair ...].
-__attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes, const uint16_t* dm, int64_t p0,
-                                                           int64_t p1, int64_t group_pairs, bf16* out) {
+// int5 panels (`high`: the fifth bits' plane, see add_fifth_bits) add 16 to a code whose bit is set.
+__attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes, const uint8_t* high,
+                                                           const uint16_t* dm, int64_t p0, int64_t p1,
+                                                           int64_t group_pairs, bf16* out) {
   // NOTE: dword j of a half (column 8 * half + j / 2, element j % 2) of k-pair p + h takes byte
   // 4 (j / 2) + 2 (j % 2) + h + 32 half; `spread` repeats a column's d or m for its two elements.
   alignas(64) static const LowByteIndex idx =
@@ -1370,11 +1423,13 @@ __attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes
   // NOTE: groups hold an even count of k-pairs (gs a multiple of 16), so pairs of k-pairs never straddle two.
   for (int64_t g0 = p0; g0 < p1;) {
     const int64_t g = g0 / group_pairs, g1 = std::min(p1, (g + 1) * group_pairs);
-    const uint16_t* s = dm + g * 2 * kPanel;
+    const uint16_t* s = dm + g * int4_scale_parts(high) * kPanel;
     __m512 d[2][2], m[2][2];  // [block][half]
     for (int b = 0; b < 2; ++b) {
       const __m512 db = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b * kBlock)));
-      const __m512 mb = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
+      const __m512 mb = high != nullptr  // NOTE: int5's m = -16 d (exact), not stored
+                            ? _mm512_mul_ps(db, _mm512_set1_ps(-16.f))
+                            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
       for (int half = 0; half < 2; ++half) {
         const __m512i at = _mm512_load_si512(spread[half].data());
         d[b][half] = _mm512_permutexvar_ps(at, db);
@@ -1383,7 +1438,8 @@ __attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes
     }
     for (int64_t p = g0; p < g1; p += 2) {
       const __m512i raw = _mm512_loadu_si512(codes + p * kInt4PairBytes);
-      const __m512i v[2] = {_mm512_and_si512(raw, low), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low)};
+      __m512i v[2] = {_mm512_and_si512(raw, low), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low)};
+      if (high != nullptr) add_fifth_bits(high, p, false, v[0], v[1]);
       for (int b = 0; b < 2; ++b) {
         for (int h = 0; h < 2; ++h) {
           __m512 w[2];
@@ -1400,22 +1456,31 @@ __attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes
   }
 }
 
-// int4 panels for the AMX blocks (gs / 2 k-pairs a group).
+// int4 (and int5: `high`, the fifth bits' plane) panels for the AMX blocks (gs / 2 k-pairs a group).
 struct AmxInt4 {
   const uint8_t* codes;
   const uint16_t* scales;
   int64_t pairs, group_pairs;
+  const uint8_t* high = nullptr;
   const uint8_t* codes_of(int64_t i) const { return codes + i * kInt4PairBytes * pairs; }
-  void source_of(int64_t i, PanelPrefetch& ahead) const { ahead.add(codes_of(i), kInt4PairBytes * pairs); }
-  const uint16_t* scales_of(int64_t i) const { return scales + i * (pairs / group_pairs) * 2 * kPanel; }
+  const uint8_t* high_of(int64_t i) const {
+    return high == nullptr ? nullptr : high + i * (pairs / 2) * kInt5HighBytes;
+  }
+  void source_of(int64_t i, PanelPrefetch& ahead) const {
+    ahead.add(codes_of(i), kInt4PairBytes * pairs);
+    if (high != nullptr) ahead.add(high_of(i), (pairs / 2) * kInt5HighBytes);
+  }
+  const uint16_t* scales_of(int64_t i) const {
+    return scales + i * (pairs / group_pairs) * int4_scale_parts(high) * kPanel;
+  }
   const bf16* panel(int64_t i, int slot) const {
     bf16* out = widened_panel(pairs, slot);
-    widen_int4_pairs(codes_of(i), scales_of(i), 0, pairs, group_pairs, out);
+    widen_int4_pairs(codes_of(i), high_of(i), scales_of(i), 0, pairs, group_pairs, out);
     return out;
   }
   const bf16* step(int64_t i, int64_t p) const {
     bf16* out = widened_step();
-    widen_int4_pairs(codes_of(i), scales_of(i), p, p + kAmxPairs, group_pairs, out);
+    widen_int4_pairs(codes_of(i), high_of(i), scales_of(i), p, p + kAmxPairs, group_pairs, out);
     return out;
   }
 };
@@ -1423,26 +1488,28 @@ struct AmxInt4 {
 
 // K a multiple of gs, gs a multiple of 16. x is quantized once per call (quantize_row), the
 // rows split over the threads.
-void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint16_t* scales, int64_t gs, const bf16* bias,
-                bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
+void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint8_t* high, const uint16_t* scales,
+                int64_t gs, const bf16* bias, bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / gs;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx, sx;
+  thread_local std::vector<int32_t> total;
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
     if (takes_amx(P, g_amx_int4_rows)) {
-      amx_passes(P, AmxInt4{codes, scales, P.K / 2, gs / 2});
+      amx_passes(P, AmxInt4{codes, scales, P.K / 2, gs / 2, high});
       return;
     }
 #endif
     xq.resize(P.M * K);
     dx.resize(P.M * G);
     sx.resize(P.M * G);
-    const Int4Rows rows{xq.data(), dx.data(), sx.data(), K, G};
+    total.resize(P.M * G);
+    const Int4Rows rows{xq.data(), dx.data(), sx.data(), total.data(), K, G};
     parallel_ranges(P.M, 1, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) quantize_row(P.x + m * P.xs, gs, rows.from(m));
     }, P.M * K >= (1 << 14) ? 1 << 30 : 1);
-    int4_pass(P, Int4Problem{codes, scales, rows, gs / 2});
+    int4_pass(P, Int4Problem{codes, scales, rows, gs / 2, high});
   });
 }
 
@@ -1973,7 +2040,7 @@ bool gemm_gated(const GemmWeight& w, const bf16* x, int64_t xs, const bf16* bias
   const std::atomic<int64_t>* from_rows = nullptr;
   if (w.kind == kPackedBf16) from_rows = &g_amx_rows;
   if (int8) from_rows = &g_amx_int8_rows;
-  if (w.kind == kPackedInt4) from_rows = &g_amx_int4_rows;
+  if (w.kind == kPackedInt4 || w.kind == kPackedInt5) from_rows = &g_amx_int4_rows;
   const int64_t last = M - (M - 1) / kMaxRowsPerPass * kMaxRowsPerPass;
   if (!from_rows || !takes_amx(Problem{x, xs, nullptr, bias, y, ys, last, w.n, w.k}, *from_rows)) return false;
   const auto* codes = static_cast<const uint8_t*>(w.data);
@@ -1983,8 +2050,9 @@ bool gemm_gated(const GemmWeight& w, const bf16* x, int64_t xs, const bf16* bias
     P.gated = act;
     if (int8)
       amx_int8_passes(P, codes, groups);
-    else if (w.kind == kPackedInt4)
-      amx_passes(P, AmxInt4{codes, static_cast<const uint16_t*>(w.scales), P.K / 2, w.group_size / 2});
+    else if (w.kind == kPackedInt4 || w.kind == kPackedInt5)
+      amx_passes(P, AmxInt4{codes, static_cast<const uint16_t*>(w.scales), P.K / 2, w.group_size / 2,
+                            int5_high(w)});
     else
       amx_passes(P, AmxBf16{static_cast<const bf16*>(w.data), kPanel * 2 * num_pairs(P.K)});
   });
@@ -2014,6 +2082,9 @@ bool amx_dot_wins(int64_t rows) {
 }  // namespace pagoda
 
 extern "C" int64_t pagoda_gemm_int8_format() { return pagoda::kInt8Format; }
+
+// Whether this build takes int5 panels (kPackedInt5: int4's nibbles and a plane of fifth bits).
+extern "C" int64_t pagoda_gemm_int5() { return pagoda::kInt5Panels; }
 
 // Whether the int8 tiles take f16 groups of 32 of narrow codes (+ 32, in [-32, 31]: GGUF's Q5_0;
 // the AVX2 build).
@@ -2104,9 +2175,12 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
                          w.k);
       break;
     }
+    case pagoda::kPackedInt5:
+      if (!pagoda::kInt5Panels) std::abort();  // NOTE: ops.py builds them only where pagoda_gemm_int5 says so
+      [[fallthrough]];
     case pagoda::kPackedInt4:
-      pagoda::qgemm_int4(xb, x_stride, static_cast<const uint8_t*>(w.data), static_cast<const uint16_t*>(w.scales),
-                         w.group_size, b, yb, y_stride, M, w.n, w.k);
+      pagoda::qgemm_int4(xb, x_stride, static_cast<const uint8_t*>(w.data), pagoda::int5_high(w),
+                         static_cast<const uint16_t*>(w.scales), w.group_size, b, yb, y_stride, M, w.n, w.k);
       break;
     case pagoda::kInt8Records:  // qgemv's format 1: [k codes][k / gs fp32 scales] a row
       pagoda_qgemv_bf16(1, x, x_stride, w.data, w.k + 4 * (w.k / w.group_size), w.group_size, bias, y, y_stride, M,

@@ -10,7 +10,8 @@ namespace pagoda {
 // or int4, `scales` unused; the decoder stack takes them for steps of up to 16 rows).
 enum PackedKind : int64_t {
   kPackedBf16 = 0, kPackedInt8 = 1, kPackedInt4 = 2, kInt8Records = 3, kInt4Records = 4, kInt8F16Records = 5,
-  kPackedInt8Groups = 6, kPackedInt8F32Groups = 7, kPackedInt8F32GroupsOffsets = 8, kPackedInt8GroupsNarrow = 9
+  kPackedInt8Groups = 6, kPackedInt8F32Groups = 7, kPackedInt8F32GroupsOffsets = 8, kPackedInt8GroupsNarrow = 9,
+  kPackedInt5 = 10
 };
 
 // A weight [n, k] packed once at load; mirrored by ops.py's `GemmWeight` field for field.
@@ -19,7 +20,8 @@ struct GemmWeight {
   const void* data;    // bf16 values, int8 codes or int4 nibbles in the panel layout
   const void* scales;  // int8: fp32 per column; int8 groups (narrow too): f16 per panel, group and column;
                        // int8 fp32 groups: fp32 d (then m, with offsets) per panel and group;
-                       // int4: f16 d, m per panel and group; bf16: null
+                       // int4 (int5 too: `data` its nibbles, then its fifth bits): f16 d, m per panel
+                       // and group; bf16: null
   int64_t group_size;  // int4 and int8 groups (32; int8 fp32 groups 16 or 32)
   int64_t n, k;
 };

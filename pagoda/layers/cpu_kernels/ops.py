@@ -187,7 +187,7 @@ class GemmWeight(ctypes.Structure):
 
 
 BF16_PANELS, INT8_PANELS, INT4_PANELS, INT8_GROUP_PANELS = 0, 1, 2, 6
-INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS = 7, 8, 9
+INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS, INT5_PANELS = 7, 8, 9, 10
 # The kinds whose codes are narrow ([-32, 31]), stored + 32 (`Int8Panels.code_bias`).
 NARROW_KINDS = (INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS)
 
@@ -246,6 +246,12 @@ def int8_narrow_tiles() -> bool:
     + 32 and multiplied as unsigned bytes: GGUF's Q5_0; `Int8Panels`): the avx2 build (vpdpbusd
     takes them wide as Q8_0's)."""
     return bool(_lib().fn("gemm_int8_narrow")())
+
+
+def int5_tiles() -> bool:
+    """Whether this build's GEMM takes int5 panels (`Int4Panels` of codes in [0, 31]: int4's
+    nibbles and a plane of fifth bits; GGUF's Q5_0): the avx512bf16 build."""
+    return bool(_lib().fn("gemm_int5")())
 
 
 def int8_f32_group_tiles() -> bool:
@@ -399,27 +405,46 @@ class Int4Panels:
     of 32 rows and two k-pairs, 64 bytes (byte 2(2c + e) + h: row c's code at k-pair h, element
     e, in the low nibble, row 16 + c's in the high one); per panel and group, d for its 32 rows
     then m. The GEMM rounds x to int8 codes by the same groups (`x_group`), but on AMX tiles
-    (`amx_at`)."""
-
-    kind = INT4_PANELS
+    (`amx_at`).
+    Codes in [0, 31] with m = -16 d (`int5_tiles` builds only: GGUF's Q5_0, w = (q - 16) d, 5
+    bits a weight where int8 codes take 8) make int5 panels: the low nibbles so, then per panel
+    and those 64 bytes two 64-bit masks (block 0's, block 1's), bit j the fifth bit of the code
+    in nibble j of that block; per panel and group d alone (m implied); the integer products
+    take the offset exactly (the same bits as `Int8Panels` of q - 16)."""
 
     def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> None:
         n, k = q.shape
         if k % group_size or group_size % 16 or d.shape != (n, k // group_size) or m.shape != d.shape:
             raise ValueError(f"int4 codes {tuple(q.shape)}, scales {tuple(d.shape)}, offsets {tuple(m.shape)} "
                              f"do not fit groups of {group_size}")
+        top = int(q.max()) if q.numel() else 0
+        if top > 31 or (top > 15 and not int5_tiles()):
+            raise ValueError(f"int4 panels take codes in [0, 15] (in [0, 31] where this build has int5 panels), "
+                             f"got a code of {top}")
+        if top > 15 and not torch.equal(m.to(torch.float16), (-16 * d.float()).to(torch.float16)):
+            raise ValueError("int5 panels take offsets m = -16 d (GGUF's Q5_0) only")
+        self.kind = INT5_PANELS if top > 15 else INT4_PANELS
         self.n, self.k, self.group_size = n, k, group_size
         cols, groups = -(-n // 32) * 32, k // group_size
         padded = torch.zeros(cols, k, dtype=torch.uint8)
         padded[:n] = q
         # [panel, block, column c, k-pair pair, k-pair within, element e] -> byte (pair, c, e,
         # within), the block its nibble.
-        blocks = padded.view(cols // 32, 2, 16, k // 4, 2, 2).permute(0, 3, 2, 5, 4, 1)
-        self.data = (blocks[..., 0] | (blocks[..., 1] << 4)).contiguous().view(-1)
-        dm = torch.zeros(2, cols, groups, dtype=torch.float16)
-        dm[0, :n], dm[1, :n] = d, m
-        self.scales = dm.view(2, cols // 32, 32, groups).permute(1, 3, 0, 2).contiguous().view(-1)
-        self.desc, self.desc_ptr = describe(INT4_PANELS, self.data, self.scales, group_size, n, k)
+        blocks = padded.view(cols // 32, 2, 16, k // 4, 2, 2).permute(0, 3, 2, 5, 4, 1).reshape(cols // 32, k // 4, 64, 2)
+        nibbles = ((blocks[..., 0] & 15) | ((blocks[..., 1] & 15) << 4)).contiguous().view(-1)
+        if self.kind == INT5_PANELS:
+            # [panel, pair, byte j, block] -> [panel, pair, block, 8 bytes of 8 bits], bit j of the mask
+            bits = (blocks >> 4).permute(0, 1, 3, 2).reshape(cols // 32, k // 4, 2, 8, 8).to(torch.int32)
+            high = (bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
+            nibbles = torch.cat([nibbles, high.view(-1)])
+        self.data = nibbles
+        parts = 1 if self.kind == INT5_PANELS else 2  # NOTE: int5's m = -16 d, not stored
+        dm = torch.zeros(parts, cols, groups, dtype=torch.float16)
+        dm[0, :n] = d
+        if parts == 2:
+            dm[1, :n] = m
+        self.scales = dm.view(parts, cols // 32, 32, groups).permute(1, 3, 0, 2).contiguous().view(-1)
+        self.desc, self.desc_ptr = describe(self.kind, self.data, self.scales, group_size, n, k)
 
     def amx_at(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs on AMX tiles: the weight widened to bf16 (q * d +
@@ -440,7 +465,17 @@ class Int4Panels:
         h = torch.arange(2).view(1, 1, 1, -1)
         index = ((ids // 32) * (self.k // 4) * 64 + (ids % 16) * 4).view(-1, 1, 1, 1) + j * 64 + h * 2 + e
         blocks = self.data.index_select(0, index.reshape(-1)).view(index.shape)
-        q = torch.where((ids % 32 < 16)[:, None, None, None], blocks & 15, blocks >> 4).reshape(len(ids), self.k)
+        q = torch.where((ids % 32 < 16)[:, None, None, None], blocks & 15, blocks >> 4)
+        if self.kind == INT5_PANELS:
+            # NOTE: the nibble's byte in its step (as `index` reads it) is its bit in the block's mask
+            bit = ((ids % 16) * 4).view(-1, 1, 1, 1) + h * 2 + e
+            at = (-(-self.n // 32) * 32 * self.k // 2 + (ids // 32) * (self.k // 4) * 16
+                  + (ids % 32 // 16) * 8).view(-1, 1, 1, 1) + j * 16 + bit // 8
+            q = q | (((self.data.index_select(0, at.reshape(-1)).view(at.shape) >> (bit % 8)) & 1) << 4)
+        q = q.reshape(len(ids), self.k)
+        if self.kind == INT5_PANELS:
+            d = self.scales.view(-1, groups, 32)[ids // 32, :, ids % 32]
+            return q, d, -16 * d
         dm = self.scales.view(-1, groups, 2, 32)[ids // 32, :, :, ids % 32]
         return q, dm[:, :, 0], dm[:, :, 1]
 

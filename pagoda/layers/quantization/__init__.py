@@ -62,6 +62,14 @@ class QuantizationReport:
                 f"{self.bytes_after / mib:.1f} MiB ({self.bytes_after / max(self.bytes_before, 1):.2f}x); "
                 f"{self.num_quantized} linear layers packed ({which}), {self.num_kept} left unquantized")
 
+    def describe_panels(self, bytes_now: int, kinds: dict[str, int]) -> str:
+        """The weights as the CPU kernels hold them once repacked (`bytes_now`), with the layers
+        by what they hold (`kinds`: name -> layers)."""
+        mib = 1024**2
+        layers = ", ".join(f"{n} {name}" for name, n in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        return (f"Weights as the CPU kernels hold them: {bytes_now / mib:.1f} MiB "
+                f"({bytes_now / max(self.bytes_before, 1):.2f}x of {self.bytes_before / mib:.1f} MiB); {layers}")
+
 
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights: unique parameters plus the packed tensors of its methods."""
@@ -71,9 +79,18 @@ def weight_bytes(model: nn.Module) -> int:
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()
-    methods: dict[int, Any] = {id(m.method): m.method for m in model.modules() if hasattr(m, "method")}
     experts = sum(m.weight_bytes() for m in model.modules() if isinstance(m, FusedMoE))
-    return total + experts + sum(m.weight_bytes() for m in methods.values())
+    return total + experts + method_bytes(model)
+
+
+def linear_methods(model: nn.Module) -> list[Any]:
+    """The model's linear methods, each once (a method may serve two modules: a tied head)."""
+    return list({id(m.method): m.method for m in model.modules() if hasattr(m, "method")}.values())
+
+
+def method_bytes(model: nn.Module) -> int:
+    """Bytes the linear methods hold (records, panels or a packed copy)."""
+    return sum(m.weight_bytes() for m in linear_methods(model))
 
 
 def make_method(scheme: str, weight: torch.Tensor, group_size: int,
@@ -235,4 +252,4 @@ def finish_gguf(model: nn.Module, scheme: str = "gguf") -> QuantizationReport:
 
 
 __all__ = ["QUANTIZATION_METHODS", "QuantizationReport", "QuantizedEmbedding", "make_method",
-           "quantize_model", "share_quantized_embedding", "weight_bytes"]
+           "quantize_model", "share_quantized_embedding", "weight_bytes", "method_bytes", "linear_methods"]

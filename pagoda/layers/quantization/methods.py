@@ -49,6 +49,20 @@ def bf16_matmul_is_fast(device: torch.device) -> bool:
     return device.type != "cpu" or _mkldnn_bf16()
 
 
+def _int5_panels(q: torch.Tensor, d: torch.Tensor, offsets: torch.Tensor | None, group_size: int
+                 ) -> cpu_kernels.ops.Int4Panels | None:
+    """Grouped int8 codes q in [-16, 15] (w = q * d: GGUF's Q5_0) as int5 panels, 5 bits a weight:
+    q + 16 in [0, 31], m = -16 d; None where the build has no int5 panels, there are offsets, the
+    codes do not fit or d (or -16 d) is not an f16 value (the panels keep them as f16)."""
+    if not cpu_kernels.ops.int5_tiles() or offsets is not None or group_size != 32 or q.shape[1] % 32:
+        return None
+    low, high = (int(v) for v in torch.aminmax(q))
+    d16, m16 = d.to(torch.float16), (-16 * d.float()).to(torch.float16)
+    if low < -16 or high > 15 or not (torch.equal(d16.float(), d.float()) and torch.equal(m16.float(), -16 * d.float())):
+        return None
+    return cpu_kernels.ops.Int4Panels((q.to(torch.int16) + 16).to(torch.uint8), d16, m16, group_size)
+
+
 class PackedLinearMethod:
     """int4 or int8 records (packing.py) for one `Linear`, or the GEMM's panels of them.
 
@@ -75,7 +89,8 @@ class PackedLinearMethod:
     def name(self) -> str:
         per = "channel" if self.group_size == self.in_features else f"group {self.group_size}"
         offsets = self.offsets is not None or getattr(self.panels, "has_offsets", False)
-        return f"{self.scheme} ({per}{', offsets' if offsets else ''})"
+        scheme = "int5" if getattr(self.panels, "kind", None) == cpu_kernels.ops.INT5_PANELS else self.scheme
+        return f"{scheme} ({per}{', offsets' if offsets else ''})"
 
     def use_gemm(self) -> bool:
         """Repacks the records into the GEMM's panels, the only copy kept, where this build's GEMM
@@ -84,7 +99,8 @@ class PackedLinearMethod:
         int8 per channel, int8 by groups of 32 whose scales are f16 values (GGUF's Q8_0 and Q5_0),
         and on the avx2 build int8 by groups of 16 or 32 with fp32 scales, offsets (which the
         panels then hold) or none (Q6_K, Q5_K, Q5_1, mixed layers); elsewhere those keep their
-        records."""
+        records. Grouped int8 codes in [-16, 15] with f16 scales and no offsets (GGUF's Q5_0) become
+        int5 panels where the build has them (`_int5_panels`)."""
         if self.packed is None:
             return self.panels is not None
         if not cpu_kernels.ops.panels_are_native():
@@ -97,10 +113,12 @@ class PackedLinearMethod:
             self.panels = cpu_kernels.ops.Int8Panels(q, d)
         else:
             q, d = packing.unpack_int8(self.packed, self.in_features, self.group_size)
-            if cpu_kernels.ops.Int8Panels.refusal(q, d, self.offsets) is not None:
-                return False
-            self.panels = cpu_kernels.ops.Int8Panels(q, d, self.offsets)
-            self.offsets = None  # NOTE: the panels hold them now (`row_offsets`)
+            self.panels = _int5_panels(q, d, self.offsets, self.group_size)
+            if self.panels is None:
+                if cpu_kernels.ops.Int8Panels.refusal(q, d, self.offsets) is not None:
+                    return False
+                self.panels = cpu_kernels.ops.Int8Panels(q, d, self.offsets)
+            self.offsets = None  # NOTE: the panels hold them now (`row_offsets`, or int5's m)
         self.packed = None
         return True
 
