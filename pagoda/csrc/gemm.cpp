@@ -758,6 +758,8 @@ int64_t gemm_packed_size(int64_t N, int64_t K) { return padded_cols(N) * 2 * num
 
 constexpr int kInt4PairBytes = kPanel;  // a panel's k-pair: 32 bytes of two nibbles
 constexpr int kInt5HighBytes = 16;      // int5: a step of two k-pairs' fifth bits (two 64-bit masks)
+constexpr int kInt5StepBytes = 128;     // int5 expanded (expand_int5): a step's two code vectors
+enum Int4Codes : int { kNibbles = 0, kInt5Bits = 1, kInt5Bytes = 2 };  // what an int4 tile reads
 constexpr int kInt4TileRows = 6;        // 6 x 2 group sums + 6 x 2 fp32 sums + 2 code vectors + a mask + x
 
 // Where each group of 4 k's keeps its x codes: the order of the codes in a code vector's
@@ -866,6 +868,31 @@ inline void add_fifth_bits(const uint8_t* hb, int64_t p, bool prefetch, __m512i&
   v1 = _mm512_mask_add_epi8(v1, _cvtu64_mask64(m[1]), v1, sixteen);
 }
 
+// Both blocks' u8 codes of k-pairs p, p + 1 (p even) of the panel at w: the nibbles, and with
+// HB their fifth bits from hb; PF prefetches the stream ahead into L2.
+template <bool HB, bool PF>
+inline void load_codes(const uint8_t* w, const uint8_t* hb, int64_t p, __m512i& v0, __m512i& v1) {
+  const uint8_t* src = w + p * kInt4PairBytes;
+  if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kInt4PairBytes), _MM_HINT_T1);
+  const __m512i raw = _mm512_loadu_si512(src), low = _mm512_set1_epi8(0x0F);
+  v0 = _mm512_and_si512(raw, low);
+  v1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+  if constexpr (HB) add_fifth_bits(hb, p, PF, v0, v1);
+}
+
+// An int5 panel's k-pairs [p0, p1) (p0 even) as whole-byte codes, both blocks' code vectors of
+// each two k-pairs (kInt5StepBytes) in turn at out, for tiles that read them many times (more
+// rows than one tile): the fifth bits added once, not once a tile.
+void expand_int5(const uint8_t* codes, const uint8_t* hb, int64_t p0, int64_t p1, uint8_t* out) {
+  for (int64_t p = p0; p < p1; p += 2) {
+    __m512i v0, v1;
+    load_codes<true, true>(codes, hb, p, v0, v1);
+    uint8_t* dst = out + ((p - p0) / 2) * kInt5StepBytes;
+    _mm512_storeu_si512(dst, v0);
+    _mm512_storeu_si512(dst + 64, v1);
+  }
+}
+
 // Rows [0, MR) x one int4 panel over k-pairs [p0, p1) (whole groups); adds into `sums` (from zero
 // when `first`). Each group: integer sums of q * xq in registers (vpdpbusd: 4 k's of a column a
 // lane, u8 codes times s8 x codes), then sums += d * dx * that + m * sx, per column. One 64-byte
@@ -873,7 +900,9 @@ inline void add_fifth_bits(const uint8_t* hb, int64_t p, bool prefetch, __m512i&
 // and the mask the second's.
 // NOTE: one or two rows keep separate sums for alternate steps, so that four chains of
 // vpdpbusd hide its latency.
-template <int MR, bool PF, bool HB>
+// HB: int5 (kInt5Bits: the fifth bits from hb; kInt5Bytes: w the chunk's codes as expand_int5
+// wrote them, from k-pair p0 on).
+template <int MR, bool PF, int HB>
 void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t* hb, const uint16_t* dm,
                int64_t p0, int64_t p1, bool first, Sums sums) {
   constexpr int kSplit = MR <= 2 ? 2 : 1;
@@ -881,7 +910,6 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m)
     for (int b = 0; b < 2; ++b) acc[m][b] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + m * kSumsRow + b * kBlock);
-  const __m512i low = _mm512_set1_epi8(0x0F);
   int64_t g = p0 / group_pairs;
   for (int64_t g0 = p0; g0 < p1; g0 += group_pairs, ++g) {
     __m512i part[MR][2 * kSplit];
@@ -890,11 +918,14 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
       for (int i = 0; i < 2 * kSplit; ++i)
         part[m][i] = HB && i < 2 ? _mm512_set1_epi32(-16 * x.total[m * x.G + g]) : _mm512_setzero_si512();
     auto step = [&](int64_t p, int half) {
-      const uint8_t* src = w + p * kInt4PairBytes;
-      if constexpr (PF) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchPairs * kInt4PairBytes), _MM_HINT_T1);
-      const __m512i raw = _mm512_loadu_si512(src);
-      __m512i v0 = _mm512_and_si512(raw, low), v1 = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-      if constexpr (HB) add_fifth_bits(hb, p, PF, v0, v1);
+      __m512i v0, v1;
+      if constexpr (HB == kInt5Bytes) {
+        const uint8_t* src = w + ((p - p0) / 2) * kInt5StepBytes;
+        v0 = _mm512_loadu_si512(src);
+        v1 = _mm512_loadu_si512(src + 64);
+      } else {
+        load_codes<HB == kInt5Bits, PF>(w, hb, p, v0, v1);
+      }
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
         const __m512i xv = _mm512_set1_epi32(x.quad(m, p));
@@ -998,10 +1029,10 @@ void int4_rows_avx2(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, co
 }
 
 // Rows [0, MR) x one int4 panel, kInt4Avx2Rows rows at a time (the first pass prefetches).
-template <int MR, bool PF, bool HB>
+template <int MR, bool PF, int HB>
 void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t*, const uint16_t* dm,
                int64_t p0, int64_t p1, bool first, Sums sums) {
-  static_assert(!HB, "int5 panels: the VNNI build only");
+  static_assert(HB == kNibbles, "int5 panels: the VNNI build only");
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
   using Pass = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint16_t*, int64_t, int64_t, Sums);
@@ -1017,10 +1048,10 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 
 #else
 
-template <int MR, bool PF, bool HB>
+template <int MR, bool PF, int HB>
 void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t*, const uint16_t* dm,
                int64_t p0, int64_t p1, bool first, Sums sums) {
-  static_assert(!HB, "int5 panels: the VNNI build only");
+  static_assert(HB == kNibbles, "int5 panels: the VNNI build only");
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
   for (int64_t g0 = p0; g0 < p1; g0 += group_pairs) {
@@ -1047,11 +1078,11 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 using Int4TileFn = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint8_t*, const uint16_t*, int64_t,
                             int64_t, bool, Sums);
 
-template <bool PF, bool HB, int... I>
+template <bool PF, int HB, int... I>
 constexpr std::array<Int4TileFn, kInt4TileRows> make_int4_tiles(std::integer_sequence<int, I...>) {
   return {int4_tile<I + 1, PF, HB>...};
 }
-template <bool HB>
+template <int HB>
 constexpr std::array<std::array<Int4TileFn, kInt4TileRows>, 2> kInt4Tiles{
     make_int4_tiles<false, HB>(std::make_integer_sequence<int, kInt4TileRows>()),
     make_int4_tiles<true, HB>(std::make_integer_sequence<int, kInt4TileRows>())};
@@ -1061,6 +1092,7 @@ constexpr std::array<std::array<Int4TileFn, kInt4TileRows>, 2> kInt4Tiles{
 constexpr bool kInt5Panels = true;
 #else
 constexpr bool kInt5Panels = false;
+void expand_int5(const uint8_t*, const uint8_t*, int64_t, int64_t, uint8_t*) { std::abort(); }
 #endif
 
 // f16 parts a panel and group holds: int4's d and m, int5's d alone (`high` set: m = -16 d).
@@ -1079,19 +1111,27 @@ void int4_panel(const Problem& P, const Int4Problem& Q, const Tiling& tiling, in
   const int64_t pairs = P.K / 2, c0 = index * kPanel;
   const uint8_t* w = Q.codes + index * kInt4PairBytes * pairs;
   const uint8_t* hb = Q.high == nullptr ? nullptr : Q.high + index * (pairs / 2) * kInt5HighBytes;
-  const auto& tiles = kInt5Panels && hb != nullptr ? kInt4Tiles<kInt5Panels> : kInt4Tiles<false>;
   const uint16_t* dm = Q.scales + index * Q.x.G * int4_scale_parts(Q.high) * kPanel;
   const bool single = tiling.count == 1;
   const int64_t chunk = single ? pairs : std::max<int64_t>(kChunkPairs, Q.group_pairs);
+  // NOTE: int5 over several tiles: each chunk's codes expanded to bytes once (expand_int5), so
+  // that the tiles read them as they are instead of each adding the fifth bits again
+  const bool expand = kInt5Panels && hb != nullptr && !single;
+  const auto& tiles = !kInt5Panels || hb == nullptr ? kInt4Tiles<kNibbles>
+                      : expand                      ? kInt4Tiles<kInt5Panels ? kInt5Bytes : kNibbles>
+                                                    : kInt4Tiles<kInt5Panels ? kInt5Bits : kNibbles>;
+  thread_local std::vector<uint8_t> bytes;
+  if (expand) bytes.resize((chunk / 2) * kInt5StepBytes);
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
     const int64_t p1 = std::min(pairs, p0 + chunk);
+    if (expand) expand_int5(w, hb, p0, p1, bytes.data());
     for (int t = 0; t < tiling.count; ++t) {
       // NOTE: the first tile over a chunk prefetches, and so does a single tile of any size:
       // unlike bf16's one-row tile, the integer tiles read memory 6-10% faster with it at one
       // row (docs/performance.md, Integer dot products).
-      const bool prefetch = single || t == 0;
-      tiles[prefetch][tiling.rows(t) - 1](Q.x.from(tiling.start[t]), Q.group_pairs, w, hb, dm, p0, p1, p0 == 0,
-                                          sums + tiling.start[t] * kSumsRow);
+      const bool prefetch = (single || t == 0) && !expand;
+      tiles[prefetch][tiling.rows(t) - 1](Q.x.from(tiling.start[t]), Q.group_pairs, expand ? bytes.data() : w, hb,
+                                          dm, p0, p1, p0 == 0, sums + tiling.start[t] * kSumsRow);
     }
   }
   for (int t = 0; t < tiling.count; ++t)
