@@ -457,6 +457,50 @@ def test_int5_panels_unpack_and_refusals(variant: str) -> None:  # noqa: F811 - 
     assert ops.Int4Panels(q.clamp(max=15), d, m, 32).kind == ops.INT4_PANELS  # four bits fit: int4
 
 
+def panel_kinds(gen: torch.Generator, n: int, k: int) -> dict[str, ops.Int8Panels | ops.Int4Panels]:
+    """One weight of every integer panel kind this build holds (n x k, k a multiple of 64)."""
+    kinds: dict[str, ops.Int8Panels | ops.Int4Panels] = {}
+    wide = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    narrow = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    kinds["int8 per row"] = ops.Int8Panels(wide, torch.rand(n, generator=gen) * 0.01)
+    if ops.panels_are_native():  # NOTE: group scales need format 2 (the avx512bf16 and avx2 builds)
+        kinds["int8 f16 groups (Q8_0)"] = ops.Int8Panels(wide, (torch.rand(n, k // 32, generator=gen) * 0.01).half().float())
+        kinds["int8 f16 groups, narrow (Q5_0)"] = ops.Int8Panels(*q5_0(n, k, gen))
+    if ops.int8_f32_group_tiles():
+        kinds["int8 fp32 groups of 16 (Q6_K)"] = ops.Int8Panels(narrow, torch.rand(n, k // 16, generator=gen) * 0.01)
+        kinds["int8 fp32 groups, offsets (Q5_K)"] = ops.Int8Panels(
+            narrow, torch.rand(n, k // 32, generator=gen) * 0.01, -torch.rand(n, k // 32, generator=gen) * 0.05)
+    kinds["int4"] = ops.Int4Panels(*packing.unpack_int4(packed_weight("int4", n, k, 32, gen), k, 32), 32)
+    if ops.int5_tiles():
+        kinds["int5 (Q5_0)"] = int5_panels(*q5_0(n, k, gen))
+    return kinds
+
+
+def test_panel_rows_equal_the_torch_dequantization(variant: str) -> None:  # noqa: F811 - the fixture
+    """`panel_rows` (an embedding read from a tied, packed LM head, one native call) gives each
+    kind's rows as the torch reference dequantizes them: w = q * d (+ m) in fp32, two roundings,
+    then bf16 once; bit for bit. A wrong nibble, fifth bit, scale or offset moves a weight by far
+    more than its rounding."""
+    gen = torch.Generator().manual_seed(9)
+    rows = torch.tensor([[69, 0], [17, 33], [5, 32]])
+    for name, weight in panel_kinds(gen, 70, 128).items():
+        got = ops.panel_rows(weight, rows)
+        if got is None:
+            assert variant == "portable" and isinstance(weight, ops.Int8Panels), name  # NOTE: its format 0
+            continue
+        ids = rows.reshape(-1)
+        if isinstance(weight, ops.Int8Panels):
+            q, d, m = weight.codes(ids).float(), weight.row_scales(ids), weight.row_offsets(ids)
+            w = (q.view(len(ids), d.shape[1], -1) * d[..., None])
+            w = w if m is None else w + m[..., None]
+        else:
+            q4, d4, m4 = weight.unpack(ids)
+            w = q4.float().view(len(ids), -1, 32) * d4.float()[..., None] + m4.float()[..., None]
+        assert torch.equal(got, w.reshape(len(ids), -1).to(torch.bfloat16)), name
+    with pytest.raises(IndexError, match="outside"):
+        ops.panel_rows(weight, torch.tensor([70]))
+
+
 def test_panels_gathered_in_huge_pages_compute_the_same() -> None:
     """`gather_in_huge_pages` moves int8 and int4 panels (codes and scales) into one buffer;
     the GEMM then reads them there and gives the same bits."""

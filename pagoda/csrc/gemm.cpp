@@ -2180,6 +2180,81 @@ extern "C" int64_t pagoda_gemm_set_amx_integer_rows(int64_t bits, int64_t rows) 
 #endif
 }
 
+namespace pagoda {
+namespace {
+
+// Row r of an integer panel weight as w = q * d (+ m) in fp32 (the product rounded, then the
+// offset added: packing's dequantize, two roundings, no FMA), each weight rounded once to bf16.
+void int8_panel_row(const GemmWeight& w, int64_t r, bf16* out) {
+  const int64_t K = w.k, steps = (K + 3) / 4, panel = r / kPanel, c = r % kPanel;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.data) + panel * kPanel * 4 * steps + 4 * c;
+  const Int8GroupScales groups = int8_scales(w);
+  const int bias = is_narrow(groups.kind) ? 32 : 128;
+  const int64_t gs = groups.kind == kColumnScales ? K : groups.group, G = K / gs;
+  for (int64_t k = 0; k < K; ++k) {
+    const float q = static_cast<float>(int(codes[(k / 4) * kPanel * 4 + k % 4]) - bias);
+    const int64_t g = k / gs;
+    float v;
+    if (groups.kind == kColumnScales) {
+      v = q * static_cast<const float*>(w.scales)[r];
+    } else if (is_f16_groups(groups.kind)) {
+      v = q * f16_from_bits(static_cast<const uint16_t*>(w.scales)[(panel * G + g) * kPanel + c]);
+    } else {
+      const float* d = static_cast<const float*>(w.scales) + (panel * G + g) * group_floats(groups.kind);
+      v = q * d[c];
+      if (groups.kind == kF32GroupsOffsets) v = v + d[kPanel + c];
+    }
+    store_one(v, out + k);
+  }
+}
+
+// The same for int4 (and int5) panels: nibble of block (c / 16) in byte 4 (c % 16) + 2 e + h of
+// each 64-byte step (see the top of this file), int5's fifth bit at that byte's place in its
+// block's mask; d, m f16 per panel and group (int5: d alone, m = -16 d).
+void int4_panel_row(const GemmWeight& w, int64_t r, bf16* out) {
+  const int64_t K = w.k, panel = r / kPanel, c = r % kPanel, block = c / 16, G = K / w.group_size;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.data) + panel * kInt4PairBytes * (K / 2);
+  const uint8_t* high = int5_high(w);
+  const int64_t parts = int4_scale_parts(high);
+  const auto* scales = static_cast<const uint16_t*>(w.scales) + panel * G * parts * kPanel;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t j = k / 4, byte = 4 * (c % 16) + 2 * (k % 2) + (k / 2) % 2;
+    int q = (codes[j * 64 + byte] >> (4 * block)) & 15;
+    if (high != nullptr)
+      q |= ((high[(panel * (K / 4) + j) * kInt5HighBytes + 8 * block + byte / 8] >> (byte % 8)) & 1) << 4;
+    const int64_t g = k / w.group_size;
+    const float d = f16_from_bits(scales[g * parts * kPanel + c]);
+    const float m = high != nullptr ? -16.f * d : f16_from_bits(scales[g * parts * kPanel + kPanel + c]);
+    const float product = static_cast<float>(q) * d;
+    store_one(product + m, out + k);
+  }
+}
+
+}  // namespace
+}  // namespace pagoda
+
+// Rows ids[0, count) of an integer panel weight (`pagoda::GemmWeight`), each weight dequantized
+// as packing's torch reference does (w = q * d (+ m) in fp32, rounded once) into bf16 out
+// [count, k]: an embedding read from a tied, packed LM head. Returns 1, or 0 having done nothing
+// where it does not take the weight (bf16 or records kinds, the portable build's int8 layout),
+// or -1 for an id outside [0, n).
+extern "C" int64_t pagoda_gemm_rows_bf16(const void* weight, const int64_t* ids, int64_t count, void* out) {
+  using namespace pagoda;
+  const auto& w = *static_cast<const GemmWeight*>(weight);
+  const bool int4 = w.kind == kPackedInt4 || (w.kind == kPackedInt5 && kInt5Panels);
+  const bool int8 = kInt8Format == 2 && (w.kind == kPackedInt8 || w.kind == kPackedInt8Groups ||
+                                         w.kind == kPackedInt8GroupsNarrow || w.kind == kPackedInt8F32Groups ||
+                                         w.kind == kPackedInt8F32GroupsOffsets);
+  if (!int4 && !int8) return 0;
+  for (int64_t i = 0; i < count; ++i)
+    if (ids[i] < 0 || ids[i] >= w.n) return -1;
+  auto* rows = static_cast<bf16*>(out);
+  parallel_items(count, [&](int64_t i) {
+    (int4 ? int4_panel_row : int8_panel_row)(w, ids[i], rows + i * w.k);
+  }, count * w.k >= (1 << 16) ? 1 << 30 : 1);
+  return 1;
+}
+
 extern "C" int64_t pagoda_gemm_packed_size_bf16(int64_t N, int64_t K) { return pagoda::gemm_packed_size(N, K); }
 
 // Writes W[N, K] (row stride w_stride) into `packed` (gemm_packed_size elements, zeroed).

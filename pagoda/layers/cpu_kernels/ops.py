@@ -515,6 +515,19 @@ def gemm(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels | Recor
 GATED_ACTS = {"silu": 1, "gelu_tanh": 2}
 
 
+def panel_rows(weight: Int8Panels | Int4Panels, rows: torch.Tensor) -> torch.Tensor | None:
+    """bf16 [len(rows), k]: those rows of an integer panel weight dequantized as packing's torch
+    reference does (w = q * d (+ m) in fp32, rounded once), in one native call (an embedding read
+    from a tied, packed LM head); None where the build does not take the weight (the caller
+    dequantizes in torch)."""
+    ids = rows.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), weight.k, dtype=torch.bfloat16)
+    done = int(_lib().fn("gemm_rows_bf16")(weight.desc_ptr, ids.data_ptr(), ids.numel(), out.data_ptr()))
+    if done < 0:
+        raise IndexError(f"a row id outside [0, {weight.n}) of a packed [{weight.n}, {weight.k}] weight")
+    return out if done else None
+
+
 def gemm_gated(x: torch.Tensor, weight: PackedWeight | Int8Panels | Int4Panels, act: str,
                bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """act(x . Wg^T) * (x . Wu^T) for a gate/up weight [Wg; Wu] in one product, the same bits as

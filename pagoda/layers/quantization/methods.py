@@ -187,6 +187,10 @@ class PackedLinearMethod:
     def _dequantize_records(self, dtype: torch.dtype, native: bool = False, rows: torch.Tensor | None = None
                             ) -> torch.Tensor:
         if self.panels is not None:
+            if rows is not None and dtype == torch.bfloat16:  # NOTE: an embedding's rows, in one native call
+                got = cpu_kernels.ops.panel_rows(self.panels, rows)
+                if got is not None:
+                    return got.view(*rows.shape, self.in_features)
             w = self._dequantize_panels(self.panels, rows).to(dtype)
             return w if rows is None else w.view(*rows.shape, self.in_features)
         assert self.packed is not None
