@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,7 +37,13 @@ from pagoda.layers.quantization.gptq_awq import CHECKPOINT_METHODS, resolve_quan
 from pagoda.layers.quantization.methods import PackedLinearMethod
 from pagoda.lora import LoRAManager
 from pagoda.model_runner import ModelRunner, step_threads
-from pagoda.models.loader import load_hf_config, load_model, load_tokenizer, resolve_model_path
+from pagoda.models.loader import (
+    is_gguf,
+    load_hf_config,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
 from pagoda.pooling import PoolerConfig
 from pagoda.stats import EngineInfo
 
@@ -145,6 +152,8 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     model = load_model(path, hf_config, dtype, device, max_model_len, tp, stage,
                        gguf_packed=quantization == "gguf")
     report = quantize(model, quantization, config.model.quantization_group_size, device) if quantization else None
+    if quantization is None:
+        log_gguf_blocks(path, dtype)
     plan = None
     if device.type == "cpu" and not os.environ.get("PAGODA_DISABLE_CPU_KERNELS"):
         embedding = getattr(model.embed_tokens, "weight", None)
@@ -247,6 +256,19 @@ def quantize(model: torch.nn.Module, scheme: str, group_size: int, device: torch
     report = finish_gguf(model, scheme) if packed_on_load else quantize_model(model, scheme, group_size, device)
     logger.info("%s", report.describe())
     return report
+
+
+def log_gguf_blocks(path: str, dtype: torch.dtype) -> None:
+    """Says when a GGUF's quantized blocks were loaded dequantized (no --quantization gguf), and
+    how to keep them packed: vLLM serves a .gguf quantized without being asked."""
+    if not is_gguf(path):
+        return
+    from pagoda.models.gguf import gguf_tensor_types
+
+    kinds = sorted(set(gguf_tensor_types(path).values()) - {"F32", "F16", "BF16"})
+    if kinds:
+        logger.info("%s holds %s blocks, loaded dequantized to %s; --quantization gguf keeps them packed "
+                    "(less memory, faster decoding)", Path(path).name, "/".join(kinds), str(dtype).removeprefix("torch."))
 
 
 def log_panels(model: torch.nn.Module, report: QuantizationReport, records: int) -> None:

@@ -248,7 +248,7 @@ def write_config_and_tokenizer(out: Path) -> None:
     assert json.loads((out / "config.json").read_text())["vocab_size"] == VOCAB
 
 
-def test_a_gguf_of_every_kind_loads_packed_as_the_float_load(tmp_path: Path, monkeypatch) -> None:
+def test_a_gguf_of_every_kind_loads_packed_as_the_float_load(tmp_path: Path, monkeypatch, caplog) -> None:
     from pagoda import LLM, SamplingParams
     from pagoda.models import loader
 
@@ -262,7 +262,15 @@ def test_a_gguf_of_every_kind_loads_packed_as_the_float_load(tmp_path: Path, mon
     monkeypatch.setattr("pagoda.layers.cpu_kernels._library", None)
     monkeypatch.setattr("pagoda.layers.cpu_kernels._loaded", True)
     engine = dict(dtype="float32", num_kv_blocks=32, max_model_len=128)
-    plain, packed = LLM(str(path), **engine), LLM(str(path), quantization="gguf", **engine)
+    with caplog.at_level("INFO", logger="pagoda"):
+        plain = LLM(str(path), **engine)
+    # NOTE: loaded dequantized, the start says so and how to keep the blocks packed (vLLM would)
+    assert "tiny.gguf holds Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 blocks, loaded dequantized to float32; " \
+           "--quantization gguf keeps them packed" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="pagoda"):
+        packed = LLM(str(path), quantization="gguf", **engine)
+    assert "loaded dequantized" not in caplog.text
     floats = dict(plain.engine.runner.model.named_modules())
     linears = {n: m for n, m in packed.engine.runner.model.named_modules() if isinstance(m, Linear)}
     assert set(linears) == set(EXPECTED)
