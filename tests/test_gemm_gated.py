@@ -41,16 +41,20 @@ def make_weight(kind: str, n: int, k: int, gen: torch.Generator) -> ops.PackedWe
     if kind == "int5":  # GGUF's Q5_0: codes in [0, 31], m = -16 d
         d = (torch.rand(n, k // 32, generator=gen) * 0.002).half()
         return ops.Int4Panels(torch.randint(0, 32, (n, k), generator=gen, dtype=torch.uint8), d, -16 * d, 32)
+    if kind == "int5_f32":  # GGUF's Q5_K: codes in [0, 31], fp32 d and m
+        return ops.Int4Panels(torch.randint(0, 32, (n, k), generator=gen, dtype=torch.uint8),
+                              torch.rand(n, k // 32, generator=gen) * 0.002, -torch.rand(n, k // 32, generator=gen) * 0.01,
+                              32, fp32_scales=True)
     return ops.Int4Panels(*packing.unpack_int4(packed_weight("int4", n, k, 32, gen), k, 32), 32)
 
 
 def set_amx_rows(kind: str, rows: int) -> bool:
     if kind == "bf16":
         return ops.set_gemm_amx_rows(rows)
-    return ops.set_gemm_amx_integer_rows(4 if kind in ("int4", "int5") else 8, rows)
+    return ops.set_gemm_amx_integer_rows(4 if kind in ("int4", "int5", "int5_f32") else 8, rows)
 
 
-@pytest.fixture(params=["bf16", "int8", "int8_f16_groups", "int8_f32_groups", "int4", "int5"])
+@pytest.fixture(params=["bf16", "int8", "int8_f16_groups", "int8_f32_groups", "int4", "int5", "int5_f32"])
 def kind(request: pytest.FixtureRequest) -> Iterator[str]:
     """A panel kind, its AMX row choice restored after."""
     before = ops.GEMM_AMX_ROWS, dict(ops.GEMM_AMX_INTEGER_ROWS)

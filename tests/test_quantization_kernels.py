@@ -416,6 +416,39 @@ def int5_and_int8_tiles(int4_tiles: str) -> Iterator[str]:
     ops.set_gemm_amx_integer_rows(8, before)
 
 
+def q5_k(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q5_K-like codes in [0, 31] with fp32 scales and offsets by groups of 32 (products of
+    f16 super-block scales and 6-bit sub-block ones: no f16 values)."""
+    return (torch.randint(0, 32, (n, k), generator=gen, dtype=torch.int8),
+            torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-4, -torch.rand(n, k // 32, generator=gen) * 0.1)
+
+
+@pytest.mark.usefixtures("int5_and_int8_tiles")
+@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 16, 25, 64, 101])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 64, True), (77, 96, False)])
+def test_int5_panels_with_fp32_scales_give_q5_ks_int8_panel_bits(variant: str, m: int, n: int, k: int,  # noqa: F811
+                                                                 bias: bool) -> None:
+    """GGUF's Q5_K (q in [0, 31], fp32 d and m by groups of 32) as int5 panels with fp32 scales:
+    the bits of the int8 panels with fp32 group scales and offsets, on vpdpbusd (the same integer
+    sums, then m and d in the same order) and on AMX tiles (q * d + m, one FMA, as they widen)."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k + 1)
+    codes, scales, offsets = q5_k(n, k, gen)
+    if not ops.int5_tiles():
+        with pytest.raises(ValueError, match="fp32 scales need the avx512bf16 kernels"):
+            ops.Int4Panels(codes.to(torch.uint8), scales, offsets, 32, fp32_scales=True)
+        return
+    five = ops.Int4Panels(codes.to(torch.uint8), scales, offsets, 32, fp32_scales=True)
+    eight = ops.Int8Panels(codes, scales, offsets)
+    assert five.kind == ops.INT5_F32_PANELS and five.has_offsets
+    q, d, off = five.unpack(torch.tensor([n - 1, 0]))
+    assert torch.equal(q, codes[[n - 1, 0]].to(torch.uint8)) and torch.equal(d, scales[[n - 1, 0]])
+    assert torch.equal(off, offsets[[n - 1, 0]])
+    base = torch.full((m, k + 3), float("nan")).to(torch.bfloat16)
+    base[:, :k] = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    assert torch.equal(ops.gemm(base[:, :k], five, b), ops.gemm(base[:, :k], eight, b))
+
+
 @pytest.mark.usefixtures("int5_and_int8_tiles")
 @pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 16, 25, 64, 101])
 @pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (40, 64, True), (77, 96, False)])
@@ -473,6 +506,8 @@ def panel_kinds(gen: torch.Generator, n: int, k: int) -> dict[str, ops.Int8Panel
     kinds["int4"] = ops.Int4Panels(*packing.unpack_int4(packed_weight("int4", n, k, 32, gen), k, 32), 32)
     if ops.int5_tiles():
         kinds["int5 (Q5_0)"] = int5_panels(*q5_0(n, k, gen))
+        codes, scales, offsets = q5_k(n, k, gen)
+        kinds["int5, fp32 scales (Q5_K)"] = ops.Int4Panels(codes.to(torch.uint8), scales, offsets, 32, fp32_scales=True)
     return kinds
 
 

@@ -760,6 +760,11 @@ constexpr int kInt4PairBytes = kPanel;  // a panel's k-pair: 32 bytes of two nib
 constexpr int kInt5HighBytes = 16;      // int5: a step of two k-pairs' fifth bits (two 64-bit masks)
 constexpr int kInt5StepBytes = 128;     // int5 expanded (expand_int5): a step's two code vectors
 enum Int4Codes : int { kNibbles = 0, kInt5Bits = 1, kInt5Bytes = 2 };  // what an int4 tile reads
+// How int4-layout panels scale their columns, per panel and group (a tile's template argument):
+// f16 d[32] then m[32] (int4), f16 d[32] alone with m = -16 d taken in the integer sums (int5 of
+// GGUF's Q5_0), or fp32 d[32] then m[32] (int5 of Q5_K and Q5_1, whose d and m f16 cannot hold).
+enum Int4Scales : int { kF16Dm = 0, kF16Sym = 1, kF32Dm = 2 };
+constexpr int64_t int4_group_bytes(int sc) { return sc == kF16Dm ? 4 * kPanel : sc == kF16Sym ? 2 * kPanel : 8 * kPanel; }
 constexpr int kInt4TileRows = 6;        // 6 x 2 group sums + 6 x 2 fp32 sums + 2 code vectors + a mask + x
 
 // Where each group of 4 k's keeps its x codes: the order of the codes in a code vector's
@@ -789,10 +794,11 @@ struct Int4Rows {
 
 struct Int4Problem {
   const uint8_t* codes;
-  const uint16_t* scales;  // per panel and group: d[32] then m[32], f16 (int5: d[32] alone)
+  const void* scales;  // per panel and group, as `scale_kind` says (Int4Scales)
   Int4Rows x;
   int64_t group_pairs;
-  const uint8_t* high = nullptr;  // int5 (kPackedInt5): the codes' fifth bits, kInt5HighBytes a step
+  const uint8_t* high = nullptr;  // int5 (kPackedInt5, kPackedInt5F32): the codes' fifth bits, kInt5HighBytes a step
+  int scale_kind = kF16Dm;
 };
 
 // 16 values of x, already times 127 / max |x| of their group, rounded to nearest even as int8
@@ -901,9 +907,9 @@ void expand_int5(const uint8_t* codes, const uint8_t* hb, int64_t p0, int64_t p1
 // NOTE: one or two rows keep separate sums for alternate steps, so that four chains of
 // vpdpbusd hide its latency.
 // HB: int5 (kInt5Bits: the fifth bits from hb; kInt5Bytes: w the chunk's codes as expand_int5
-// wrote them, from k-pair p0 on).
-template <int MR, bool PF, int HB>
-void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t* hb, const uint16_t* dm,
+// wrote them, from k-pair p0 on); SC: the scales at dm (Int4Scales).
+template <int MR, bool PF, int HB, int SC>
+void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t* hb, const uint8_t* dm,
                int64_t p0, int64_t p1, bool first, Sums sums) {
   constexpr int kSplit = MR <= 2 ? 2 : 1;
   __m512 acc[MR][2];
@@ -916,7 +922,7 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m)
       for (int i = 0; i < 2 * kSplit; ++i)
-        part[m][i] = HB && i < 2 ? _mm512_set1_epi32(-16 * x.total[m * x.G + g]) : _mm512_setzero_si512();
+        part[m][i] = SC == kF16Sym && i < 2 ? _mm512_set1_epi32(-16 * x.total[m * x.G + g]) : _mm512_setzero_si512();
     auto step = [&](int64_t p, int half) {
       __m512i v0, v1;
       if constexpr (HB == kInt5Bytes) {
@@ -939,12 +945,18 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
       step(p, 0);
       step(p + 2, kSplit - 1);
     }
-    const uint16_t* s = dm + g * (HB ? 1 : 2) * kPanel;
+    const uint8_t* at = dm + g * int4_group_bytes(SC);
     __m512 d[2], off[2];
     for (int b = 0; b < 2; ++b) {
-      d[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b * kBlock)));
-      if constexpr (!HB)
-        off[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
+      if constexpr (SC == kF32Dm) {
+        d[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(at) + b * kBlock);
+        off[b] = _mm512_loadu_ps(reinterpret_cast<const float*>(at) + kPanel + b * kBlock);
+      } else {
+        const auto* s = reinterpret_cast<const uint16_t*>(at);
+        d[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b * kBlock)));
+        if constexpr (SC == kF16Dm)
+          off[b] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
+      }
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MR; ++m) {
@@ -953,8 +965,13 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
         __m512i sum = part[m][b];
         if constexpr (kSplit == 2) sum = _mm512_add_epi32(sum, part[m][2 + b]);
         const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), scale);
-        acc[m][b] = HB ? _mm512_fmadd_ps(d[b], t, acc[m][b])
-                       : _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(d[b], t, acc[m][b]));
+        // NOTE: kF32Dm in the int8 panels' order (m then d), so that Q5_K's sums are theirs
+        if constexpr (SC == kF16Sym)
+          acc[m][b] = _mm512_fmadd_ps(d[b], t, acc[m][b]);
+        else if constexpr (SC == kF32Dm)
+          acc[m][b] = _mm512_fmadd_ps(d[b], t, _mm512_fmadd_ps(off[b], xs, acc[m][b]));
+        else
+          acc[m][b] = _mm512_fmadd_ps(off[b], xs, _mm512_fmadd_ps(d[b], t, acc[m][b]));
       }
     }
   }
@@ -1029,10 +1046,11 @@ void int4_rows_avx2(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, co
 }
 
 // Rows [0, MR) x one int4 panel, kInt4Avx2Rows rows at a time (the first pass prefetches).
-template <int MR, bool PF, int HB>
-void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t*, const uint16_t* dm,
+template <int MR, bool PF, int HB, int SC>
+void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t*, const uint8_t* scales,
                int64_t p0, int64_t p1, bool first, Sums sums) {
-  static_assert(HB == kNibbles, "int5 panels: the VNNI build only");
+  static_assert(HB == kNibbles && SC == kF16Dm, "int5 panels: the VNNI build only");
+  const auto* dm = reinterpret_cast<const uint16_t*>(scales);
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
   using Pass = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint16_t*, int64_t, int64_t, Sums);
@@ -1048,10 +1066,11 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 
 #else
 
-template <int MR, bool PF, int HB>
-void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t*, const uint16_t* dm,
+template <int MR, bool PF, int HB, int SC>
+void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const uint8_t*, const uint8_t* scales,
                int64_t p0, int64_t p1, bool first, Sums sums) {
-  static_assert(HB == kNibbles, "int5 panels: the VNNI build only");
+  static_assert(HB == kNibbles && SC == kF16Dm, "int5 panels: the VNNI build only");
+  const auto* dm = reinterpret_cast<const uint16_t*>(scales);
   if (first)
     for (int m = 0; m < MR; ++m) std::fill(sums + m * kSumsRow, sums + m * kSumsRow + kPanel, 0.f);
   for (int64_t g0 = p0; g0 < p1; g0 += group_pairs) {
@@ -1075,17 +1094,17 @@ void int4_tile(const Int4Rows& x, int64_t group_pairs, const uint8_t* w, const u
 
 #endif
 
-using Int4TileFn = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint8_t*, const uint16_t*, int64_t,
+using Int4TileFn = void (*)(const Int4Rows&, int64_t, const uint8_t*, const uint8_t*, const uint8_t*, int64_t,
                             int64_t, bool, Sums);
 
-template <bool PF, int HB, int... I>
+template <bool PF, int HB, int SC, int... I>
 constexpr std::array<Int4TileFn, kInt4TileRows> make_int4_tiles(std::integer_sequence<int, I...>) {
-  return {int4_tile<I + 1, PF, HB>...};
+  return {int4_tile<I + 1, PF, HB, SC>...};
 }
-template <int HB>
+template <int HB, int SC>
 constexpr std::array<std::array<Int4TileFn, kInt4TileRows>, 2> kInt4Tiles{
-    make_int4_tiles<false, HB>(std::make_integer_sequence<int, kInt4TileRows>()),
-    make_int4_tiles<true, HB>(std::make_integer_sequence<int, kInt4TileRows>())};
+    make_int4_tiles<false, HB, SC>(std::make_integer_sequence<int, kInt4TileRows>()),
+    make_int4_tiles<true, HB, SC>(std::make_integer_sequence<int, kInt4TileRows>())};
 
 // Whether this build takes int5 panels (kPackedInt5): the VNNI one.
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -1095,12 +1114,14 @@ constexpr bool kInt5Panels = false;
 void expand_int5(const uint8_t*, const uint8_t*, int64_t, int64_t, uint8_t*) { std::abort(); }
 #endif
 
-// f16 parts a panel and group holds: int4's d and m, int5's d alone (`high` set: m = -16 d).
-inline int64_t int4_scale_parts(const uint8_t* high) { return high == nullptr ? 2 : 1; }
+// How an int4-layout weight scales its columns (Int4Scales).
+inline int int4_scales(const GemmWeight& w) {
+  return w.kind == kPackedInt5 ? kF16Sym : w.kind == kPackedInt5F32 ? kF32Dm : kF16Dm;
+}
 
 // An int5 weight's plane of fifth bits (after every panel's nibbles), or null for int4.
 inline const uint8_t* int5_high(const GemmWeight& w) {
-  if (w.kind != kPackedInt5) return nullptr;
+  if (w.kind != kPackedInt5 && w.kind != kPackedInt5F32) return nullptr;
   const int64_t panels = (w.n + kPanel - 1) / kPanel;
   return static_cast<const uint8_t*>(w.data) + panels * kInt4PairBytes * (w.k / 2);
 }
@@ -1111,15 +1132,19 @@ void int4_panel(const Problem& P, const Int4Problem& Q, const Tiling& tiling, in
   const int64_t pairs = P.K / 2, c0 = index * kPanel;
   const uint8_t* w = Q.codes + index * kInt4PairBytes * pairs;
   const uint8_t* hb = Q.high == nullptr ? nullptr : Q.high + index * (pairs / 2) * kInt5HighBytes;
-  const uint16_t* dm = Q.scales + index * Q.x.G * int4_scale_parts(Q.high) * kPanel;
+  const uint8_t* dm = static_cast<const uint8_t*>(Q.scales) + index * Q.x.G * int4_group_bytes(Q.scale_kind);
   const bool single = tiling.count == 1;
   const int64_t chunk = single ? pairs : std::max<int64_t>(kChunkPairs, Q.group_pairs);
   // NOTE: int5 over several tiles: each chunk's codes expanded to bytes once (expand_int5), so
   // that the tiles read them as they are instead of each adding the fifth bits again
   const bool expand = kInt5Panels && hb != nullptr && !single;
-  const auto& tiles = !kInt5Panels || hb == nullptr ? kInt4Tiles<kNibbles>
-                      : expand                      ? kInt4Tiles<kInt5Panels ? kInt5Bytes : kNibbles>
-                                                    : kInt4Tiles<kInt5Panels ? kInt5Bits : kNibbles>;
+  // NOTE: the builds without int5 panels name only int4's tiles here (kInt5Panels false)
+  constexpr int kBits = kInt5Panels ? kInt5Bits : kNibbles, kBytes = kInt5Panels ? kInt5Bytes : kNibbles;
+  constexpr int kSym = kInt5Panels ? kF16Sym : kF16Dm, kF32 = kInt5Panels ? kF32Dm : kF16Dm;
+  const bool f32 = Q.scale_kind == kF32Dm;
+  const auto& tiles = !kInt5Panels || hb == nullptr ? kInt4Tiles<kNibbles, kF16Dm>
+                      : expand ? (f32 ? kInt4Tiles<kBytes, kF32> : kInt4Tiles<kBytes, kSym>)
+                               : (f32 ? kInt4Tiles<kBits, kF32> : kInt4Tiles<kBits, kSym>);
   thread_local std::vector<uint8_t> bytes;
   if (expand) bytes.resize((chunk / 2) * kInt5StepBytes);
   for (int64_t p0 = 0; p0 < pairs; p0 += chunk) {
@@ -1452,7 +1477,7 @@ inline const ColumnSpread& column_spread() {
 // `codes` (scales `dm`) to out[(p - p0) * kPanelPair ...].
 // int5 panels (`high`: the fifth bits' plane, see add_fifth_bits) add 16 to a code whose bit is set.
 __attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes, const uint8_t* high,
-                                                           const uint16_t* dm, int64_t p0, int64_t p1,
+                                                           const uint8_t* scales, int sc, int64_t p0, int64_t p1,
                                                            int64_t group_pairs, bf16* out) {
   // NOTE: dword j of a half (column 8 * half + j / 2, element j % 2) of k-pair p + h takes byte
   // 4 (j / 2) + 2 (j % 2) + h + 32 half; `spread` repeats a column's d or m for its two elements.
@@ -1463,13 +1488,17 @@ __attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes
   // NOTE: groups hold an even count of k-pairs (gs a multiple of 16), so pairs of k-pairs never straddle two.
   for (int64_t g0 = p0; g0 < p1;) {
     const int64_t g = g0 / group_pairs, g1 = std::min(p1, (g + 1) * group_pairs);
-    const uint16_t* s = dm + g * int4_scale_parts(high) * kPanel;
+    const uint8_t* at = scales + g * int4_group_bytes(sc);
+    const auto* s = reinterpret_cast<const uint16_t*>(at);
+    const auto* f = reinterpret_cast<const float*>(at);
     __m512 d[2][2], m[2][2];  // [block][half]
     for (int b = 0; b < 2; ++b) {
-      const __m512 db = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b * kBlock)));
-      const __m512 mb = high != nullptr  // NOTE: int5's m = -16 d (exact), not stored
-                            ? _mm512_mul_ps(db, _mm512_set1_ps(-16.f))
-                            : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
+      const __m512 db = sc == kF32Dm ? _mm512_loadu_ps(f + b * kBlock)
+                                     : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b * kBlock)));
+      const __m512 mb =
+          sc == kF16Sym  ? _mm512_mul_ps(db, _mm512_set1_ps(-16.f))  // NOTE: Q5_0's m = -16 d (exact), not stored
+          : sc == kF32Dm ? _mm512_loadu_ps(f + kPanel + b * kBlock)
+                         : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + kPanel + b * kBlock)));
       for (int half = 0; half < 2; ++half) {
         const __m512i at = _mm512_load_si512(spread[half].data());
         d[b][half] = _mm512_permutexvar_ps(at, db);
@@ -1499,9 +1528,10 @@ __attribute__((target("avx512vbmi"))) void widen_int4_pairs(const uint8_t* codes
 // int4 (and int5: `high`, the fifth bits' plane) panels for the AMX blocks (gs / 2 k-pairs a group).
 struct AmxInt4 {
   const uint8_t* codes;
-  const uint16_t* scales;
+  const void* scales;
   int64_t pairs, group_pairs;
   const uint8_t* high = nullptr;
+  int scale_kind = kF16Dm;
   const uint8_t* codes_of(int64_t i) const { return codes + i * kInt4PairBytes * pairs; }
   const uint8_t* high_of(int64_t i) const {
     return high == nullptr ? nullptr : high + i * (pairs / 2) * kInt5HighBytes;
@@ -1510,17 +1540,17 @@ struct AmxInt4 {
     ahead.add(codes_of(i), kInt4PairBytes * pairs);
     if (high != nullptr) ahead.add(high_of(i), (pairs / 2) * kInt5HighBytes);
   }
-  const uint16_t* scales_of(int64_t i) const {
-    return scales + i * (pairs / group_pairs) * int4_scale_parts(high) * kPanel;
+  const uint8_t* scales_of(int64_t i) const {
+    return static_cast<const uint8_t*>(scales) + i * (pairs / group_pairs) * int4_group_bytes(scale_kind);
   }
   const bf16* panel(int64_t i, int slot) const {
     bf16* out = widened_panel(pairs, slot);
-    widen_int4_pairs(codes_of(i), high_of(i), scales_of(i), 0, pairs, group_pairs, out);
+    widen_int4_pairs(codes_of(i), high_of(i), scales_of(i), scale_kind, 0, pairs, group_pairs, out);
     return out;
   }
   const bf16* step(int64_t i, int64_t p) const {
     bf16* out = widened_step();
-    widen_int4_pairs(codes_of(i), high_of(i), scales_of(i), p, p + kAmxPairs, group_pairs, out);
+    widen_int4_pairs(codes_of(i), high_of(i), scales_of(i), scale_kind, p, p + kAmxPairs, group_pairs, out);
     return out;
   }
 };
@@ -1528,8 +1558,8 @@ struct AmxInt4 {
 
 // K a multiple of gs, gs a multiple of 16. x is quantized once per call (quantize_row), the
 // rows split over the threads.
-void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint8_t* high, const uint16_t* scales,
-                int64_t gs, const bf16* bias, bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
+void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint8_t* high, const void* scales,
+                int scale_kind, int64_t gs, const bf16* bias, bf16* y, int64_t ys, int64_t M, int64_t N, int64_t K) {
   const int64_t G = K / gs;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx, sx;
@@ -1537,7 +1567,7 @@ void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint8_t* 
   all_passes(x, xs, nullptr, bias, y, ys, M, N, K, [&](const Problem& P) {
 #if defined(PAGODA_VNNI) && defined(__x86_64__)
     if (takes_amx(P, g_amx_int4_rows)) {
-      amx_passes(P, AmxInt4{codes, scales, P.K / 2, gs / 2, high});
+      amx_passes(P, AmxInt4{codes, scales, P.K / 2, gs / 2, high, scale_kind});
       return;
     }
 #endif
@@ -1549,7 +1579,7 @@ void qgemm_int4(const bf16* x, int64_t xs, const uint8_t* codes, const uint8_t* 
     parallel_ranges(P.M, 1, [&](int64_t m0, int64_t m1) {
       for (int64_t m = m0; m < m1; ++m) quantize_row(P.x + m * P.xs, gs, rows.from(m));
     }, P.M * K >= (1 << 14) ? 1 << 30 : 1);
-    int4_pass(P, Int4Problem{codes, scales, rows, gs / 2, high});
+    int4_pass(P, Int4Problem{codes, scales, rows, gs / 2, high, scale_kind});
   });
 }
 
@@ -2080,7 +2110,7 @@ bool gemm_gated(const GemmWeight& w, const bf16* x, int64_t xs, const bf16* bias
   const std::atomic<int64_t>* from_rows = nullptr;
   if (w.kind == kPackedBf16) from_rows = &g_amx_rows;
   if (int8) from_rows = &g_amx_int8_rows;
-  if (w.kind == kPackedInt4 || w.kind == kPackedInt5) from_rows = &g_amx_int4_rows;
+  if (w.kind == kPackedInt4 || w.kind == kPackedInt5 || w.kind == kPackedInt5F32) from_rows = &g_amx_int4_rows;
   const int64_t last = M - (M - 1) / kMaxRowsPerPass * kMaxRowsPerPass;
   if (!from_rows || !takes_amx(Problem{x, xs, nullptr, bias, y, ys, last, w.n, w.k}, *from_rows)) return false;
   const auto* codes = static_cast<const uint8_t*>(w.data);
@@ -2090,9 +2120,8 @@ bool gemm_gated(const GemmWeight& w, const bf16* x, int64_t xs, const bf16* bias
     P.gated = act;
     if (int8)
       amx_int8_passes(P, codes, groups);
-    else if (w.kind == kPackedInt4 || w.kind == kPackedInt5)
-      amx_passes(P, AmxInt4{codes, static_cast<const uint16_t*>(w.scales), P.K / 2, w.group_size / 2,
-                            int5_high(w)});
+    else if (w.kind == kPackedInt4 || w.kind == kPackedInt5 || w.kind == kPackedInt5F32)
+      amx_passes(P, AmxInt4{codes, w.scales, P.K / 2, w.group_size / 2, int5_high(w), int4_scales(w)});
     else
       amx_passes(P, AmxBf16{static_cast<const bf16*>(w.data), kPanel * 2 * num_pairs(P.K)});
   });
@@ -2215,16 +2244,18 @@ void int4_panel_row(const GemmWeight& w, int64_t r, bf16* out) {
   const int64_t K = w.k, panel = r / kPanel, c = r % kPanel, block = c / 16, G = K / w.group_size;
   const uint8_t* codes = static_cast<const uint8_t*>(w.data) + panel * kInt4PairBytes * (K / 2);
   const uint8_t* high = int5_high(w);
-  const int64_t parts = int4_scale_parts(high);
-  const auto* scales = static_cast<const uint16_t*>(w.scales) + panel * G * parts * kPanel;
+  const int sc = int4_scales(w);
+  const auto* scales = static_cast<const uint8_t*>(w.scales) + panel * G * int4_group_bytes(sc);
   for (int64_t k = 0; k < K; ++k) {
     const int64_t j = k / 4, byte = 4 * (c % 16) + 2 * (k % 2) + (k / 2) % 2;
     int q = (codes[j * 64 + byte] >> (4 * block)) & 15;
     if (high != nullptr)
       q |= ((high[(panel * (K / 4) + j) * kInt5HighBytes + 8 * block + byte / 8] >> (byte % 8)) & 1) << 4;
-    const int64_t g = k / w.group_size;
-    const float d = f16_from_bits(scales[g * parts * kPanel + c]);
-    const float m = high != nullptr ? -16.f * d : f16_from_bits(scales[g * parts * kPanel + kPanel + c]);
+    const uint8_t* at = scales + (k / w.group_size) * int4_group_bytes(sc);
+    const auto* s = reinterpret_cast<const uint16_t*>(at);
+    const auto* f = reinterpret_cast<const float*>(at);
+    const float d = sc == kF32Dm ? f[c] : f16_from_bits(s[c]);
+    const float m = sc == kF16Sym ? -16.f * d : sc == kF32Dm ? f[kPanel + c] : f16_from_bits(s[kPanel + c]);
     const float product = static_cast<float>(q) * d;
     store_one(product + m, out + k);
   }
@@ -2241,7 +2272,7 @@ void int4_panel_row(const GemmWeight& w, int64_t r, bf16* out) {
 extern "C" int64_t pagoda_gemm_rows_bf16(const void* weight, const int64_t* ids, int64_t count, void* out) {
   using namespace pagoda;
   const auto& w = *static_cast<const GemmWeight*>(weight);
-  const bool int4 = w.kind == kPackedInt4 || (w.kind == kPackedInt5 && kInt5Panels);
+  const bool int4 = w.kind == kPackedInt4 || ((w.kind == kPackedInt5 || w.kind == kPackedInt5F32) && kInt5Panels);
   const bool int8 = kInt8Format == 2 && (w.kind == kPackedInt8 || w.kind == kPackedInt8Groups ||
                                          w.kind == kPackedInt8GroupsNarrow || w.kind == kPackedInt8F32Groups ||
                                          w.kind == kPackedInt8F32GroupsOffsets);
@@ -2291,11 +2322,12 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
       break;
     }
     case pagoda::kPackedInt5:
+    case pagoda::kPackedInt5F32:
       if (!pagoda::kInt5Panels) std::abort();  // NOTE: ops.py builds them only where pagoda_gemm_int5 says so
       [[fallthrough]];
     case pagoda::kPackedInt4:
-      pagoda::qgemm_int4(xb, x_stride, static_cast<const uint8_t*>(w.data), pagoda::int5_high(w),
-                         static_cast<const uint16_t*>(w.scales), w.group_size, b, yb, y_stride, M, w.n, w.k);
+      pagoda::qgemm_int4(xb, x_stride, static_cast<const uint8_t*>(w.data), pagoda::int5_high(w), w.scales,
+                         pagoda::int4_scales(w), w.group_size, b, yb, y_stride, M, w.n, w.k);
       break;
     case pagoda::kInt8Records:  // qgemv's format 1: [k codes][k / gs fp32 scales] a row
       pagoda_qgemv_bf16(1, x, x_stride, w.data, w.k + 4 * (w.k / w.group_size), w.group_size, bias, y, y_stride, M,

@@ -11,7 +11,7 @@ namespace pagoda {
 enum PackedKind : int64_t {
   kPackedBf16 = 0, kPackedInt8 = 1, kPackedInt4 = 2, kInt8Records = 3, kInt4Records = 4, kInt8F16Records = 5,
   kPackedInt8Groups = 6, kPackedInt8F32Groups = 7, kPackedInt8F32GroupsOffsets = 8, kPackedInt8GroupsNarrow = 9,
-  kPackedInt5 = 10
+  kPackedInt5 = 10, kPackedInt5F32 = 11
 };
 
 // A weight [n, k] packed once at load; mirrored by ops.py's `GemmWeight` field for field.
@@ -21,7 +21,7 @@ struct GemmWeight {
   const void* scales;  // int8: fp32 per column; int8 groups (narrow too): f16 per panel, group and column;
                        // int8 fp32 groups: fp32 d (then m, with offsets) per panel and group;
                        // int4 (int5 too: `data` its nibbles, then its fifth bits): f16 d, m per panel
-                       // and group; bf16: null
+                       // and group (int5: d alone, m = -16 d; int5 f32: fp32 d, m); bf16: null
   int64_t group_size;  // int4 and int8 groups (32; int8 fp32 groups 16 or 32)
   int64_t n, k;
 };

@@ -188,6 +188,7 @@ class GemmWeight(ctypes.Structure):
 
 BF16_PANELS, INT8_PANELS, INT4_PANELS, INT8_GROUP_PANELS = 0, 1, 2, 6
 INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS, INT5_PANELS = 7, 8, 9, 10
+INT5_F32_PANELS = 11
 # The kinds whose codes are narrow ([-32, 31]), stored + 32 (`Int8Panels.code_bias`).
 NARROW_KINDS = (INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS)
 
@@ -410,20 +411,26 @@ class Int4Panels:
     bits a weight where int8 codes take 8) make int5 panels: the low nibbles so, then per panel
     and those 64 bytes two 64-bit masks (block 0's, block 1's), bit j the fifth bit of the code
     in nibble j of that block; per panel and group d alone (m implied); the integer products
-    take the offset exactly (the same bits as `Int8Panels` of q - 16)."""
+    take the offset exactly (the same bits as `Int8Panels` of q - 16).
+    `fp32_scales` (int5 only: GGUF's Q5_K and Q5_1, codes q in [0, 31], w = q * d + m with d, m
+    that f16 cannot hold): d and m kept fp32 per panel and group, [d 32, m 32] (the same bits as
+    `Int8Panels` of q with those fp32 scales and offsets)."""
 
-    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int) -> None:
+    def __init__(self, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, group_size: int,
+                 fp32_scales: bool = False) -> None:
         n, k = q.shape
         if k % group_size or group_size % 16 or d.shape != (n, k // group_size) or m.shape != d.shape:
             raise ValueError(f"int4 codes {tuple(q.shape)}, scales {tuple(d.shape)}, offsets {tuple(m.shape)} "
                              f"do not fit groups of {group_size}")
+        if fp32_scales and not int5_tiles():
+            raise ValueError("int5 panels with fp32 scales need the avx512bf16 kernels")
         top = int(q.max()) if q.numel() else 0
         if top > 31 or (top > 15 and not int5_tiles()):
             raise ValueError(f"int4 panels take codes in [0, 15] (in [0, 31] where this build has int5 panels), "
                              f"got a code of {top}")
-        if top > 15 and not torch.equal(m.to(torch.float16), (-16 * d.float()).to(torch.float16)):
-            raise ValueError("int5 panels take offsets m = -16 d (GGUF's Q5_0) only")
-        self.kind = INT5_PANELS if top > 15 else INT4_PANELS
+        if top > 15 and not fp32_scales and not torch.equal(m.to(torch.float16), (-16 * d.float()).to(torch.float16)):
+            raise ValueError("int5 panels with f16 scales take offsets m = -16 d (GGUF's Q5_0) only")
+        self.kind = INT5_F32_PANELS if fp32_scales else INT5_PANELS if top > 15 else INT4_PANELS
         self.n, self.k, self.group_size = n, k, group_size
         cols, groups = -(-n // 32) * 32, k // group_size
         padded = torch.zeros(cols, k, dtype=torch.uint8)
@@ -432,19 +439,24 @@ class Int4Panels:
         # within), the block its nibble.
         blocks = padded.view(cols // 32, 2, 16, k // 4, 2, 2).permute(0, 3, 2, 5, 4, 1).reshape(cols // 32, k // 4, 64, 2)
         nibbles = ((blocks[..., 0] & 15) | ((blocks[..., 1] & 15) << 4)).contiguous().view(-1)
-        if self.kind == INT5_PANELS:
+        if self.kind in (INT5_PANELS, INT5_F32_PANELS):
             # [panel, pair, byte j, block] -> [panel, pair, block, 8 bytes of 8 bits], bit j of the mask
             bits = (blocks >> 4).permute(0, 1, 3, 2).reshape(cols // 32, k // 4, 2, 8, 8).to(torch.int32)
             high = (bits << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8)
             nibbles = torch.cat([nibbles, high.view(-1)])
         self.data = nibbles
         parts = 1 if self.kind == INT5_PANELS else 2  # NOTE: int5's m = -16 d, not stored
-        dm = torch.zeros(parts, cols, groups, dtype=torch.float16)
+        dm = torch.zeros(parts, cols, groups, dtype=torch.float32 if fp32_scales else torch.float16)
         dm[0, :n] = d
         if parts == 2:
             dm[1, :n] = m
         self.scales = dm.view(parts, cols // 32, 32, groups).permute(1, 3, 0, 2).contiguous().view(-1)
         self.desc, self.desc_ptr = describe(self.kind, self.data, self.scales, group_size, n, k)
+
+    @property
+    def has_offsets(self) -> bool:
+        """Whether the panels hold offsets of their own (int5 with fp32 scales: Q5_K's, Q5_1's)."""
+        return self.kind == INT5_F32_PANELS
 
     def amx_at(self, rows: int) -> bool:
         """Whether a product of `rows` rows runs on AMX tiles: the weight widened to bf16 (q * d +
@@ -455,7 +467,8 @@ class Int4Panels:
         return 0 if self.amx_at(rows) else self.group_size
 
     def unpack(self, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q uint8 [rows, k], d f16 [rows, G], m f16 [rows, G]) of every row or of `rows`."""
+        """(q uint8 [rows, k], d f16 [rows, G], m f16 [rows, G]; fp32 d, m with `fp32_scales`) of
+        every row or of `rows`."""
         ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
         groups = self.k // self.group_size
         # NOTE: byte (panel, j, c, h, e) of the [panel][k / 4][16][2][2] layout, row c's codes at k-pair
@@ -466,7 +479,7 @@ class Int4Panels:
         index = ((ids // 32) * (self.k // 4) * 64 + (ids % 16) * 4).view(-1, 1, 1, 1) + j * 64 + h * 2 + e
         blocks = self.data.index_select(0, index.reshape(-1)).view(index.shape)
         q = torch.where((ids % 32 < 16)[:, None, None, None], blocks & 15, blocks >> 4)
-        if self.kind == INT5_PANELS:
+        if self.kind in (INT5_PANELS, INT5_F32_PANELS):
             # NOTE: the nibble's byte in its step (as `index` reads it) is its bit in the block's mask
             bit = ((ids % 16) * 4).view(-1, 1, 1, 1) + h * 2 + e
             at = (-(-self.n // 32) * 32 * self.k // 2 + (ids // 32) * (self.k // 4) * 16

@@ -51,12 +51,17 @@ def bf16_matmul_is_fast(device: torch.device) -> bool:
 
 def _int5_panels(q: torch.Tensor, d: torch.Tensor, offsets: torch.Tensor | None, group_size: int
                  ) -> cpu_kernels.ops.Int4Panels | None:
-    """Grouped int8 codes q in [-16, 15] (w = q * d: GGUF's Q5_0) as int5 panels, 5 bits a weight:
-    q + 16 in [0, 31], m = -16 d; None where the build has no int5 panels, there are offsets, the
-    codes do not fit or d (or -16 d) is not an f16 value (the panels keep them as f16)."""
-    if not cpu_kernels.ops.int5_tiles() or offsets is not None or group_size != 32 or q.shape[1] % 32:
+    """Grouped int8 codes that fit in 5 bits as int5 panels, 5 bits a weight: q in [-16, 15] with
+    f16 d and no offsets (w = q * d: GGUF's Q5_0) as q + 16 with m = -16 d, f16 d alone; q in
+    [0, 31] with offsets (w = q * d + m: Q5_K, Q5_1) as q with fp32 d and m. None where the build
+    has no int5 panels, groups are not of 32, or the codes or scales do not fit."""
+    if not cpu_kernels.ops.int5_tiles() or group_size != 32 or q.shape[1] % 32:
         return None
     low, high = (int(v) for v in torch.aminmax(q))
+    if offsets is not None:
+        if low < 0 or high > 31:
+            return None
+        return cpu_kernels.ops.Int4Panels(q.to(torch.uint8), d.float(), offsets.float(), group_size, fp32_scales=True)
     d16, m16 = d.to(torch.float16), (-16 * d.float()).to(torch.float16)
     if low < -16 or high > 15 or not (torch.equal(d16.float(), d.float()) and torch.equal(m16.float(), -16 * d.float())):
         return None
@@ -89,7 +94,8 @@ class PackedLinearMethod:
     def name(self) -> str:
         per = "channel" if self.group_size == self.in_features else f"group {self.group_size}"
         offsets = self.offsets is not None or getattr(self.panels, "has_offsets", False)
-        scheme = "int5" if getattr(self.panels, "kind", None) == cpu_kernels.ops.INT5_PANELS else self.scheme
+        int5 = (cpu_kernels.ops.INT5_PANELS, cpu_kernels.ops.INT5_F32_PANELS)
+        scheme = "int5" if getattr(self.panels, "kind", None) in int5 else self.scheme
         return f"{scheme} ({per}{', offsets' if offsets else ''})"
 
     def use_gemm(self) -> bool:
@@ -99,8 +105,8 @@ class PackedLinearMethod:
         int8 per channel, int8 by groups of 32 whose scales are f16 values (GGUF's Q8_0 and Q5_0),
         and on the avx2 build int8 by groups of 16 or 32 with fp32 scales, offsets (which the
         panels then hold) or none (Q6_K, Q5_K, Q5_1, mixed layers); elsewhere those keep their
-        records. Grouped int8 codes in [-16, 15] with f16 scales and no offsets (GGUF's Q5_0) become
-        int5 panels where the build has them (`_int5_panels`)."""
+        records. Grouped int8 codes of 5 bits (GGUF's Q5_0, Q5_K, Q5_1) become int5 panels where
+        the build has them (`_int5_panels`)."""
         if self.packed is None:
             return self.panels is not None
         if not cpu_kernels.ops.panels_are_native():
