@@ -295,29 +295,37 @@ def test_int8_group_panels_refuse_what_they_cannot_hold(variant: str) -> None:  
         ops.Int8Panels(codes, torch.ones(8, 2), torch.ones(8, 4))
     with pytest.raises(ValueError, match="groups of 16 or 32|need the avx2"):
         ops.Int8Panels(torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 2))  # groups of 24
-    if ops.int8_f32_group_tiles():  # NOTE: narrow codes only (stored + 32, multiplied unsigned)
+    wide = torch.full((8, 64), 31, dtype=torch.int8).index_fill_(1, torch.tensor([5]), -33)
+    if ops.int8_f32_group_tiles() and ops.int8_f32_bias() == 32:  # NOTE: avx2: narrow codes only (+ 32, unsigned)
         with pytest.raises(ValueError, match=r"take codes in \[-32, 31\].*span \[-33, 31\]"):
-            ops.Int8Panels(torch.full((8, 64), 31, dtype=torch.int8).index_fill_(1, torch.tensor([5]), -33),
-                           torch.ones(8, 4))
+            ops.Int8Panels(wide, torch.ones(8, 4))
+    elif ops.int8_f32_group_tiles():  # NOTE: avx512bf16: any code (+ 128, vpdpbusd's int32 sums)
+        assert ops.Int8Panels(wide, torch.ones(8, 4)).code_bias == 128
 
 
 @pytest.mark.usefixtures("int8_tiles")
 @pytest.mark.parametrize("m", [1, 2, 4, 6, 13, 16, 64])
-@pytest.mark.parametrize("group,offsets", [(16, False), (16, True), (32, True), (32, False)])
+@pytest.mark.parametrize("group,offsets,wide", [(16, False, False), (16, True, False), (32, True, False),
+                                               (32, False, False), (32, True, True)])
 @pytest.mark.parametrize("n,k", [(96, 256), (40, 512), (77, 96)])
 def test_int8_panels_with_fp32_group_scales_and_offsets(variant: str, m: int, group: int, offsets: bool,  # noqa: F811
-                                                        n: int, k: int) -> None:
+                                                        wide: bool, n: int, k: int) -> None:
     """int8 panels with fp32 scales d (and offsets m) per row and group of 16 or 32 (GGUF's Q6_K;
     Q5_K, Q5_1 and mixed layers with offsets): w = q * d + m, x rounded to int8 codes by the
     weight's groups, the offsets multiplying each group's sum of the rounded x; on AMX tiles
     each weight computed in fp32 and widened to bf16, x as it is. The avx2 and avx512bf16
-    builds'; the portable one refuses them (and those layers keep their records)."""
+    builds'; the portable one refuses them (and those layers keep their records). `wide`: codes
+    in [-127, 127] (a layer mixing Q8_0 with offset kinds), which avx512bf16 takes, not avx2."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k + group)
-    codes = torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8)
+    codes = torch.randint(-127 if wide else -32, 128 if wide else 32, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.randn(n, k // group, generator=gen) * 0.01  # NOTE: no f16 values
     zero = -torch.rand(n, k // group, generator=gen) * 0.05 if offsets else None
     if variant == "portable" or not ops.int8_f32_group_tiles():
         with pytest.raises(ValueError, match="need the avx|f16 on this build"):
+            ops.Int8Panels(codes, scales, zero)
+        return
+    if wide and ops.int8_f32_bias() == 32:
+        with pytest.raises(ValueError, match=r"take codes in \[-32, 31\] on this build"):
             ops.Int8Panels(codes, scales, zero)
         return
     weight = ops.Int8Panels(codes, scales, zero)

@@ -38,8 +38,9 @@
 // times the rounded x, up to fp32 sums. The AVX2 and VNNI builds also take fp32 group scales d by groups
 // of 16 or 32 (GGUF's Q6_K; kPackedInt8F32Groups), or d and offsets m (w = q * d + m: Q5_K,
 // Q5_1, and layers mixing Q4_K and Q6_K; kPackedInt8F32GroupsOffsets): x is then rounded by the
-// weight's groups, and each group adds d * (dx * sum) + m * dx * sum xq; their codes, in
-// [-32, 31], are stored + 32 and multiplied as unsigned bytes (vpdpbusd; `narrow_quads` on AVX2). On CPUs
+// weight's groups, and each group adds d * (dx * sum) + m * dx * sum xq; on AVX2 their codes, in
+// [-32, 31], are stored + 32 and multiplied as unsigned bytes (`narrow_quads`), on VNNI any code
+// + 128 (`is_narrow`). On CPUs
 // with AMX, steps from a row count measured at load
 // (`pagoda_gemm_set_amx_integer_rows`) widen each panel's codes to bf16 instead and multiply x as it
 // is on the tile units (`AmxInt8`). The portable build (format 0) keeps the bf16 layout with
@@ -1599,8 +1600,15 @@ enum Int8Scales : int { kColumnScales = 0, kF16Groups = 1, kF32Groups = 2, kF32G
 constexpr int64_t group_floats(int S) { return S == kF32GroupsOffsets ? 2 * kPanel : kPanel; }
 constexpr bool is_f32_groups(int S) { return S == kF32Groups || S == kF32GroupsOffsets; }
 constexpr bool is_f16_groups(int S) { return S == kF16Groups || S == kF16GroupsNarrow; }
-// Whether the codes are narrow, stored + 32 (else + 128).
+// Whether the codes are narrow, stored + 32 (else + 128): the AVX2 build's fp32-group kinds (its
+// vpmaddubsw sums them in int16) and f16 kind for Q5_0. vpdpbusd's int32 sums take any code, so
+// the VNNI build stores every kind + 128, and its fp32 groups take wide codes too (a layer mixing
+// Q8_0 with offset kinds: Q5_K_M's qkv).
+#if defined(PAGODA_AVX2)
 constexpr bool is_narrow(int S) { return is_f32_groups(S) || S == kF16GroupsNarrow; }
+#else
+constexpr bool is_narrow(int S) { return S == kF16GroupsNarrow; }
+#endif
 
 // The scale kinds this build's tiles take: fp32 groups on the AVX2 and VNNI builds, f16 groups of
 // narrow codes on the AVX2 build alone (vpdpbusd takes Q5_0's codes wide as Q8_0's).
@@ -2162,6 +2170,10 @@ extern "C" int64_t pagoda_gemm_int8_narrow() { return pagoda::kInt8ScaleKinds > 
 // Whether the int8 tiles take fp32 scales by groups of 16 or 32 along K, with offsets or none, of
 // narrow codes (GGUF's Q6_K, Q5_K, Q5_1; the AVX2 and VNNI builds).
 extern "C" int64_t pagoda_gemm_int8_f32_groups() { return pagoda::kInt8ScaleKinds > pagoda::kF32GroupsOffsets; }
+
+// The bias the fp32-group kinds' stored codes carry: 32 (narrow codes, in [-32, 31]: the AVX2
+// build) or 128 (any code: the VNNI build).
+extern "C" int64_t pagoda_gemm_int8_f32_bias() { return pagoda::is_narrow(pagoda::kF32Groups) ? 32 : 128; }
 
 // Steps of at least `rows` rows multiply bf16 panels on the FMA tiles (the AVX-512 build) or on
 // widened chunks (the AVX2 build; see kAvx2WideRows); returns whether this build has them.

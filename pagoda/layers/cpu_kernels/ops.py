@@ -189,8 +189,7 @@ class GemmWeight(ctypes.Structure):
 BF16_PANELS, INT8_PANELS, INT4_PANELS, INT8_GROUP_PANELS = 0, 1, 2, 6
 INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS, INT5_PANELS = 7, 8, 9, 10
 INT5_F32_PANELS = 11
-# The kinds whose codes are narrow ([-32, 31]), stored + 32 (`Int8Panels.code_bias`).
-NARROW_KINDS = (INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS)
+F32_GROUP_KINDS = (INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS)
 
 
 def describe(kind: int, data: torch.Tensor, scales: torch.Tensor | None, group_size: int, n: int,
@@ -255,10 +254,16 @@ def int5_tiles() -> bool:
     return bool(_lib().fn("gemm_int5")())
 
 
+def int8_f32_bias() -> int:
+    """What the fp32-group kinds' stored codes add: 32 on the avx2 build (narrow codes only, in
+    [-32, 31], as its vpmaddubsw sums them), 128 on avx512bf16 (any code: vpdpbusd's int32 sums)."""
+    return int(_lib().fn("gemm_int8_f32_bias")())
+
+
 def int8_f32_group_tiles() -> bool:
-    """Whether this build's int8 tiles take narrow codes with fp32 scales by groups of 16 or 32,
-    offsets or none (GGUF's Q6_K, Q5_K, Q5_1 and layers mixing kinds; `Int8Panels`): the avx2
-    and avx512bf16 builds."""
+    """Whether this build's int8 tiles take codes with fp32 scales by groups of 16 or 32, offsets
+    or none (GGUF's Q6_K, Q5_K, Q5_1 and layers mixing kinds; `Int8Panels`): the avx2 build
+    (narrow codes only) and avx512bf16 (any)."""
     return bool(_lib().fn("gemm_int8_f32_groups")())
 
 
@@ -271,9 +276,9 @@ class Int8Panels:
       Q5_0's, take the narrow kind: `int8_narrow_tiles`);
     - (`int8_f32_group_tiles`: the avx2 and avx512bf16 builds) fp32 scales d per row and group of 16 or 32 (scales
       [n, k / group]), with fp32 offsets m of the same shape or without: w = q * d + m (GGUF's
-      Q6_K, Q5_K, Q5_1, and layers whose sources mix kinds), codes in [-32, 31] only.
+      Q6_K, Q5_K, Q5_1, and layers whose sources mix kinds), codes in [-32, 31] only on avx2.
     On the avx512bf16 and avx2 builds (`gemm_int8_format` 2) the codes are stored + 128 as
-    uint8 (+ 32 for the fp32-group kinds: `code_bias`), each panel of 32 rows by quads of k
+    uint8 (+ 32 for avx2's fp32-group kinds: `code_bias`), each panel of 32 rows by quads of k
     (row c's 4 codes of quad j at j * 128 + 4 c), group scales as f16 [panel][group][32 rows],
     or fp32 [panel][group][d, then m][32 rows]; on the portable one (0) as int8 in the bf16
     panels' layout (k-pairs), per-row scales only.
@@ -345,9 +350,9 @@ class Int8Panels:
                                  "avx512bf16 kernels; this build keeps such weights as records")
         if group not in (16, 32):
             return kind, group, f"int8 panels take groups of 16 or 32 along k, not {group} (k {codes.shape[1]})"
-        if not narrow:
-            return kind, group, (f"int8 panels with fp32 group scales take codes in [-32, 31] (GGUF's k-quants), "
-                                 f"these span [{low}, {high}]")
+        if not narrow and int8_f32_bias() == 32:
+            return kind, group, (f"int8 panels with fp32 group scales take codes in [-32, 31] on this build (GGUF's "
+                                 f"k-quants), these span [{low}, {high}]")
         return kind, group, None
 
     def amx_at(self, rows: int) -> bool:
@@ -366,9 +371,11 @@ class Int8Panels:
     @property
     def code_bias(self) -> int:
         """What the stored codes add (format 2): 32 for the narrow kinds' codes in [-32, 31]
-        (GGUF's k-quants and Q5_0: multiplied as unsigned bytes with no sign moved onto x), 128
-        for the others."""
-        return 32 if self.kind in NARROW_KINDS else 128
+        (Q5_0's on the avx2 build, and its fp32-group kinds: multiplied as unsigned bytes with no
+        sign moved onto x; `int8_f32_bias`), 128 for the others."""
+        if self.kind == INT8_GROUP_NARROW_PANELS:
+            return 32
+        return int8_f32_bias() if self.kind in F32_GROUP_KINDS else 128
 
     @property
     def has_offsets(self) -> bool:
