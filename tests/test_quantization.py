@@ -214,10 +214,8 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
         if layer.bias is not None:
             layer.bias.data.copy_(torch.randn(layer.bias.shape, generator=gen))
     model[0].method = make_method("int8", model[0].weight.data, 96)
-    # NOTE: group-wise int8 with fp32 scales and codes in [-127, 127] keeps its records on the
-    # avx2 build (its panels with fp32 group scales take the k-quants' codes in [-32, 31] alone)
-    # and takes panels on avx512bf16 (any code); with f16 scales (GGUF's Q8_0) it takes panels
-    # with group scales.
+    # NOTE: group-wise int8 with fp32 scales and codes in [-127, 127] takes panels (avx512bf16's
+    # fp32-group kinds, avx2's wide ones); with f16 scales (GGUF's Q8_0), panels with group scales.
     model[1].method = PackedLinearMethod("int8", packing.quantize_int8(model[1].weight.data, 32), 64, 32)
     model[2].method = make_method("int4", model[2].weight.data, 64)
     q8_0 = packing.pack_int8(torch.randint(-127, 128, (50, 96), generator=gen, dtype=torch.int8),
@@ -226,14 +224,13 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
     dense = [m.method.dequantize(torch.float32) for m in model]
     for layer in model:
         layer.weight.data = torch.empty(0, dtype=torch.bfloat16)
-    wide = cpu_kernels.ops.int8_f32_bias() == 128
-    assert prepack_for_cpu(model) == (4 if wide else 3)
-    assert (model[1].method.panels is None and model[1].method.packed is not None) == (not wide)
+    # NOTE: wide codes with fp32 group scales: avx512bf16's kinds and avx2's wide ones
+    assert prepack_for_cpu(model) == 4
+    assert model[1].method.panels is not None and model[1].method.packed is None
     rows = torch.tensor([39, 0, 33, 32])
     for layer, w in zip(model, dense, strict=True):
         method = layer.method
-        repacked = layer is not model[1] or wide
-        assert (method.packed is None and method.panels is not None) == repacked
+        assert method.packed is None and method.panels is not None
         assert torch.equal(method.dequantize(torch.bfloat16, True, rows), w[rows].to(torch.bfloat16))
         assert torch.equal(method.dequantize(torch.float32), w)
         # NOTE: records above NATIVE_MAX_ROWS multiply a bf16-rounded dense weight: looser.

@@ -296,11 +296,10 @@ def test_int8_group_panels_refuse_what_they_cannot_hold(variant: str) -> None:  
     with pytest.raises(ValueError, match="groups of 16 or 32|need the avx2"):
         ops.Int8Panels(torch.zeros(8, 48, dtype=torch.int8), torch.ones(8, 2))  # groups of 24
     wide = torch.full((8, 64), 31, dtype=torch.int8).index_fill_(1, torch.tensor([5]), -33)
-    if ops.int8_f32_group_tiles() and ops.int8_f32_bias() == 32:  # NOTE: avx2: narrow codes only (+ 32, unsigned)
-        with pytest.raises(ValueError, match=r"take codes in \[-32, 31\].*span \[-33, 31\]"):
-            ops.Int8Panels(wide, torch.ones(8, 4))
-    elif ops.int8_f32_group_tiles():  # NOTE: avx512bf16: any code (+ 128, vpdpbusd's int32 sums)
-        assert ops.Int8Panels(wide, torch.ones(8, 4)).code_bias == 128
+    if ops.int8_f32_group_tiles():  # NOTE: any code: + 128 (avx512bf16's kinds, avx2's wide ones)
+        weight = ops.Int8Panels(wide, torch.ones(8, 4))
+        assert weight.code_bias == 128 and torch.equal(weight.codes(), wide)
+        assert (weight.kind == ops.INT8_F32_GROUP_WIDE_PANELS) == ops.int8_f32_wide_tiles()
 
 
 @pytest.mark.usefixtures("int8_tiles")
@@ -315,7 +314,8 @@ def test_int8_panels_with_fp32_group_scales_and_offsets(variant: str, m: int, gr
     weight's groups, the offsets multiplying each group's sum of the rounded x; on AMX tiles
     each weight computed in fp32 and widened to bf16, x as it is. The avx2 and avx512bf16
     builds'; the portable one refuses them (and those layers keep their records). `wide`: codes
-    in [-127, 127] (a layer mixing Q8_0 with offset kinds), which avx512bf16 takes, not avx2."""
+    in [-127, 127] (a layer mixing Q8_0 with offset kinds): avx512bf16's own kinds, avx2's wide
+    ones (stored + 128, |q| times x's codes with q's sign)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k + group)
     codes = torch.randint(-127 if wide else -32, 128 if wide else 32, (n, k), generator=gen, dtype=torch.int8)
     scales = torch.randn(n, k // group, generator=gen) * 0.01  # NOTE: no f16 values
@@ -324,11 +324,8 @@ def test_int8_panels_with_fp32_group_scales_and_offsets(variant: str, m: int, gr
         with pytest.raises(ValueError, match="need the avx|f16 on this build"):
             ops.Int8Panels(codes, scales, zero)
         return
-    if wide and ops.int8_f32_bias() == 32:
-        with pytest.raises(ValueError, match=r"take codes in \[-32, 31\] on this build"):
-            ops.Int8Panels(codes, scales, zero)
-        return
     weight = ops.Int8Panels(codes, scales, zero)
+    assert weight.code_bias == (128 if wide else ops.int8_f32_bias())
     assert weight.group_size == group and weight.has_offsets == offsets
     assert weight.amx_at(m) == (ops.GEMM_AMX_INTEGER_ROWS[8] <= m)
     assert weight.x_group(m) == (0 if weight.amx_at(m) else group)

@@ -1594,26 +1594,34 @@ constexpr int kInt8Group = 32;  // x's rounding group along K (8 quads), but fp3
 // and group, fp32 d holds its 32 columns, then (with offsets) m its 32.
 // The AVX2 build also takes f16 groups of narrow codes (kF16GroupsNarrow: GGUF's Q5_0, codes in
 // [-16, 15]), stored + 32 like the fp32 kinds' (`narrow_quads`).
-enum Int8Scales : int { kColumnScales = 0, kF16Groups = 1, kF32Groups = 2, kF32GroupsOffsets = 3, kF16GroupsNarrow = 4 };
+// The AVX2 build's fp32 kinds are narrow; kF32GroupsWide and kF32GroupsOffsetsWide are its wide
+// ones (a layer mixing Q8_0 with offset kinds), which the VNNI build's plain fp32 kinds are.
+enum Int8Scales : int {
+  kColumnScales = 0, kF16Groups = 1, kF32Groups = 2, kF32GroupsOffsets = 3, kF16GroupsNarrow = 4,
+  kF32GroupsWide = 5, kF32GroupsOffsetsWide = 6
+};
 
 // Floats of group values per panel and group (fp32 kinds).
-constexpr int64_t group_floats(int S) { return S == kF32GroupsOffsets ? 2 * kPanel : kPanel; }
-constexpr bool is_f32_groups(int S) { return S == kF32Groups || S == kF32GroupsOffsets; }
+constexpr bool has_offsets(int S) { return S == kF32GroupsOffsets || S == kF32GroupsOffsetsWide; }
+constexpr int64_t group_floats(int S) { return has_offsets(S) ? 2 * kPanel : kPanel; }
+constexpr bool is_f32_groups(int S) {
+  return S == kF32Groups || S == kF32GroupsOffsets || S == kF32GroupsWide || S == kF32GroupsOffsetsWide;
+}
 constexpr bool is_f16_groups(int S) { return S == kF16Groups || S == kF16GroupsNarrow; }
 // Whether the codes are narrow, stored + 32 (else + 128): the AVX2 build's fp32-group kinds (its
 // vpmaddubsw sums them in int16) and f16 kind for Q5_0. vpdpbusd's int32 sums take any code, so
 // the VNNI build stores every kind + 128, and its fp32 groups take wide codes too (a layer mixing
 // Q8_0 with offset kinds: Q5_K_M's qkv).
 #if defined(PAGODA_AVX2)
-constexpr bool is_narrow(int S) { return is_f32_groups(S) || S == kF16GroupsNarrow; }
+constexpr bool is_narrow(int S) { return S == kF32Groups || S == kF32GroupsOffsets || S == kF16GroupsNarrow; }
 #else
 constexpr bool is_narrow(int S) { return S == kF16GroupsNarrow; }
 #endif
 
 // The scale kinds this build's tiles take: fp32 groups on the AVX2 and VNNI builds, f16 groups of
-// narrow codes on the AVX2 build alone (vpdpbusd takes Q5_0's codes wide as Q8_0's).
+// narrow codes and the wide fp32 kinds on the AVX2 build alone (vpdpbusd takes every code wide).
 #if defined(PAGODA_AVX2)
-constexpr int kInt8ScaleKinds = 5;
+constexpr int kInt8ScaleKinds = 7;
 #elif defined(PAGODA_VNNI)
 constexpr int kInt8ScaleKinds = 4;
 #else
@@ -1642,6 +1650,8 @@ Int8GroupScales int8_scales(const GemmWeight& w) {
     case kPackedInt8GroupsNarrow: return {kF16GroupsNarrow, w.scales, kInt8Group};
     case kPackedInt8F32Groups: return {kF32Groups, w.scales, w.group_size};
     case kPackedInt8F32GroupsOffsets: return {kF32GroupsOffsets, w.scales, w.group_size};
+    case kPackedInt8F32GroupsWide: return {kF32GroupsWide, w.scales, w.group_size};
+    case kPackedInt8F32GroupsOffsetsWide: return {kF32GroupsOffsetsWide, w.scales, w.group_size};
     default: return {kColumnScales, nullptr, kInt8Group};
   }
 }
@@ -1739,14 +1749,14 @@ void int8_tile(const Int8Rows& x, const uint8_t* w, const void* scales, int64_t 
         } else {
           const float* d = static_cast<const float*>(scales) + g * group_floats(S) + b * kBlock;
           dv[b] = _mm512_loadu_ps(d);
-          if constexpr (S == kF32GroupsOffsets) mv[b] = _mm512_loadu_ps(d + kPanel);
+          if constexpr (has_offsets(S)) mv[b] = _mm512_loadu_ps(d + kPanel);
         }
       }
 #pragma GCC unroll 16
       for (int m = 0; m < MR; ++m) {
         const __m512 step = _mm512_set1_ps(x.dx[m * x.G + g]);
         for (int b = 0; b < 2; ++b) {
-          if constexpr (S == kF32GroupsOffsets)
+          if constexpr (has_offsets(S))
             acc[m][b] = _mm512_fmadd_ps(mv[b], _mm512_set1_ps(x.sx[m * x.G + g]), acc[m][b]);
           acc[m][b] = _mm512_fmadd_ps(dv[b], _mm512_mul_ps(_mm512_cvtepi32_ps(part[m][b]), step), acc[m][b]);
         }
@@ -1875,7 +1885,7 @@ void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, const void* scales, int
         } else if constexpr (is_f32_groups(S)) {
           const float* d = static_cast<const float*>(scales) + g * group_floats(S) + 8 * (v0 + j);
           dv[j] = _mm256_loadu_ps(d);
-          if constexpr (S == kF32GroupsOffsets) mv[j] = _mm256_loadu_ps(d + kPanel);
+          if constexpr (has_offsets(S)) mv[j] = _mm256_loadu_ps(d + kPanel);
         }
       }
       for (int m = 0; m < R; ++m) {
@@ -1884,7 +1894,7 @@ void int8_rows_avx2(const Int8Rows& x, const uint8_t* w, const void* scales, int
           float* out = sums + m * kSumsRow + 8 * (v0 + j);
           const __m256 sum = _mm256_cvtepi32_ps(part[m][j]);
           __m256 before = _mm256_loadu_ps(out);
-          if constexpr (S == kF32GroupsOffsets) before = _mm256_fmadd_ps(mv[j], _mm256_set1_ps(x.sx[m * x.G + g]), before);
+          if constexpr (has_offsets(S)) before = _mm256_fmadd_ps(mv[j], _mm256_set1_ps(x.sx[m * x.G + g]), before);
           _mm256_storeu_ps(out, S != kColumnScales ? _mm256_fmadd_ps(dv[j], _mm256_mul_ps(sum, step), before)
                                                    : _mm256_fmadd_ps(sum, step, before));
         }
@@ -2015,7 +2025,7 @@ __attribute__((target("avx512vbmi"))) void widen_int8_quads(const uint8_t* codes
         } else {
           const float* v = static_cast<const float*>(values) + g * group_floats(S) + b * kBlock;
           db = _mm512_loadu_ps(v);
-          if constexpr (S == kF32GroupsOffsets) mb = _mm512_loadu_ps(v + kPanel);
+          if constexpr (has_offsets(S)) mb = _mm512_loadu_ps(v + kPanel);
         }
         for (int half = 0; half < 2; ++half) {
           const __m512i at = _mm512_load_si512(spread[half].data());
@@ -2035,7 +2045,7 @@ __attribute__((target("avx512vbmi"))) void widen_int8_quads(const uint8_t* codes
                 _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_maskz_permutexvar_epi8(kLowBytes, index, v), bias));
             if constexpr (S == kColumnScales)
               w[half] = code;
-            else if constexpr (S == kF32GroupsOffsets)
+            else if constexpr (has_offsets(S))
               w[half] = _mm512_fmadd_ps(code, d[b][half], m[b][half]);
             else
               w[half] = _mm512_mul_ps(code, d[b][half]);
@@ -2175,6 +2185,10 @@ extern "C" int64_t pagoda_gemm_int8_f32_groups() { return pagoda::kInt8ScaleKind
 // build) or 128 (any code: the VNNI build).
 extern "C" int64_t pagoda_gemm_int8_f32_bias() { return pagoda::is_narrow(pagoda::kF32Groups) ? 32 : 128; }
 
+// Whether this build has the wide fp32-group kinds apart (kPackedInt8F32GroupsWide, ...Offsets-
+// Wide: the AVX2 build, whose plain ones are narrow).
+extern "C" int64_t pagoda_gemm_int8_f32_wide() { return pagoda::kInt8ScaleKinds > pagoda::kF32GroupsOffsetsWide; }
+
 // Steps of at least `rows` rows multiply bf16 panels on the FMA tiles (the AVX-512 build) or on
 // widened chunks (the AVX2 build; see kAvx2WideRows); returns whether this build has them.
 extern "C" int64_t pagoda_gemm_set_fma_rows(int64_t rows) {
@@ -2243,7 +2257,7 @@ void int8_panel_row(const GemmWeight& w, int64_t r, bf16* out) {
     } else {
       const float* d = static_cast<const float*>(w.scales) + (panel * G + g) * group_floats(groups.kind);
       v = q * d[c];
-      if (groups.kind == kF32GroupsOffsets) v = v + d[kPanel + c];
+      if (has_offsets(groups.kind)) v = v + d[kPanel + c];
     }
     store_one(v, out + k);
   }
@@ -2287,7 +2301,8 @@ extern "C" int64_t pagoda_gemm_rows_bf16(const void* weight, const int64_t* ids,
   const bool int4 = w.kind == kPackedInt4 || ((w.kind == kPackedInt5 || w.kind == kPackedInt5F32) && kInt5Panels);
   const bool int8 = kInt8Format == 2 && (w.kind == kPackedInt8 || w.kind == kPackedInt8Groups ||
                                          w.kind == kPackedInt8GroupsNarrow || w.kind == kPackedInt8F32Groups ||
-                                         w.kind == kPackedInt8F32GroupsOffsets);
+                                         w.kind == kPackedInt8F32GroupsOffsets ||
+                                         w.kind == kPackedInt8F32GroupsWide || w.kind == kPackedInt8F32GroupsOffsetsWide);
   if (!int4 && !int8) return 0;
   for (int64_t i = 0; i < count; ++i)
     if (ids[i] < 0 || ids[i] >= w.n) return -1;
@@ -2322,11 +2337,12 @@ extern "C" void pagoda_gemm_packed(const void* weight, const void* x, int64_t x_
     case pagoda::kPackedInt8Groups:
     case pagoda::kPackedInt8GroupsNarrow:
     case pagoda::kPackedInt8F32Groups:
-    case pagoda::kPackedInt8F32GroupsOffsets: {
-      // NOTE: ops.py builds the narrow and fp32-group kinds only where this build says it has them.
+    case pagoda::kPackedInt8F32GroupsOffsets:
+    case pagoda::kPackedInt8F32GroupsWide:
+    case pagoda::kPackedInt8F32GroupsOffsetsWide: {
+      // NOTE: ops.py builds the narrow, fp32-group and wide fp32 kinds only where this build says it has them.
       const auto groups = pagoda::int8_scales(w);
-      if ((groups.kind == pagoda::kF16GroupsNarrow && !pagoda_gemm_int8_narrow()) ||
-          (pagoda::is_f32_groups(groups.kind) && !pagoda_gemm_int8_f32_groups()))
+      if (groups.kind >= pagoda::kInt8ScaleKinds || (pagoda::is_f32_groups(groups.kind) && !pagoda_gemm_int8_f32_groups()))
         std::abort();
       const auto* column = w.kind == pagoda::kPackedInt8 ? static_cast<const float*>(w.scales) : nullptr;
       pagoda::qgemm_int8(xb, x_stride, static_cast<const int8_t*>(w.data), column, groups, b, yb, y_stride, M, w.n,

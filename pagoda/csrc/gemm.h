@@ -11,7 +11,7 @@ namespace pagoda {
 enum PackedKind : int64_t {
   kPackedBf16 = 0, kPackedInt8 = 1, kPackedInt4 = 2, kInt8Records = 3, kInt4Records = 4, kInt8F16Records = 5,
   kPackedInt8Groups = 6, kPackedInt8F32Groups = 7, kPackedInt8F32GroupsOffsets = 8, kPackedInt8GroupsNarrow = 9,
-  kPackedInt5 = 10, kPackedInt5F32 = 11
+  kPackedInt5 = 10, kPackedInt5F32 = 11, kPackedInt8F32GroupsWide = 12, kPackedInt8F32GroupsOffsetsWide = 13
 };
 
 // A weight [n, k] packed once at load; mirrored by ops.py's `GemmWeight` field for field.

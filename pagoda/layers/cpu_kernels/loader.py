@@ -66,6 +66,7 @@ _RETURNING: dict[str, tuple[ArgTypes, type]] = {
     "gemm_rows_bf16": ([_P, _P, _L, _P], _L),
     "gemm_int8_f32_groups": ([], _L),
     "gemm_int8_f32_bias": ([], _L),
+    "gemm_int8_f32_wide": ([], _L),
     "gemm_set_fma_rows": ([_L], _L),
     "gemm_set_amx_rows": ([_L], _L),
     "gemm_set_prefetch_rows": ([_L], _L),

@@ -188,8 +188,9 @@ class GemmWeight(ctypes.Structure):
 
 BF16_PANELS, INT8_PANELS, INT4_PANELS, INT8_GROUP_PANELS = 0, 1, 2, 6
 INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS, INT8_GROUP_NARROW_PANELS, INT5_PANELS = 7, 8, 9, 10
-INT5_F32_PANELS = 11
+INT5_F32_PANELS, INT8_F32_GROUP_WIDE_PANELS, INT8_F32_GROUP_OFFSET_WIDE_PANELS = 11, 12, 13
 F32_GROUP_KINDS = (INT8_F32_GROUP_PANELS, INT8_F32_GROUP_OFFSET_PANELS)
+OFFSET_KINDS = (INT8_F32_GROUP_OFFSET_PANELS, INT8_F32_GROUP_OFFSET_WIDE_PANELS)
 
 
 def describe(kind: int, data: torch.Tensor, scales: torch.Tensor | None, group_size: int, n: int,
@@ -258,6 +259,13 @@ def int8_f32_bias() -> int:
     """What the fp32-group kinds' stored codes add: 32 on the avx2 build (narrow codes only, in
     [-32, 31], as its vpmaddubsw sums them), 128 on avx512bf16 (any code: vpdpbusd's int32 sums)."""
     return int(_lib().fn("gemm_int8_f32_bias")())
+
+
+def int8_f32_wide_tiles() -> bool:
+    """Whether this build has wide fp32-group kinds apart from its narrow ones (codes in [-127,
+    127] with fp32 scales, offsets or none: a layer mixing Q8_0 with offset kinds): the avx2
+    build (avx512bf16's plain fp32-group kinds take any code: `int8_f32_bias`)."""
+    return bool(_lib().fn("gemm_int8_f32_wide")())
 
 
 def int8_f32_group_tiles() -> bool:
@@ -351,6 +359,8 @@ class Int8Panels:
         if group not in (16, 32):
             return kind, group, f"int8 panels take groups of 16 or 32 along k, not {group} (k {codes.shape[1]})"
         if not narrow and int8_f32_bias() == 32:
+            if int8_f32_wide_tiles():  # NOTE: avx2: the wide kinds, slower than the narrow ones
+                return (INT8_F32_GROUP_WIDE_PANELS if offsets is None else INT8_F32_GROUP_OFFSET_WIDE_PANELS), group, None
             return kind, group, (f"int8 panels with fp32 group scales take codes in [-32, 31] on this build (GGUF's "
                                  f"k-quants), these span [{low}, {high}]")
         return kind, group, None
@@ -379,7 +389,7 @@ class Int8Panels:
 
     @property
     def has_offsets(self) -> bool:
-        return self.kind == INT8_F32_GROUP_OFFSET_PANELS
+        return self.kind in OFFSET_KINDS
 
     def row_offsets(self, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """fp32 [n, G] offsets m of every row or of `rows` (None: the panels have none)."""
@@ -389,7 +399,7 @@ class Int8Panels:
         ids = torch.arange(self.n) if rows is None else rows.reshape(-1)
         if not self.group_size:
             return self.scales[ids][:, None]
-        parts = 2 if self.kind == INT8_F32_GROUP_OFFSET_PANELS else 1
+        parts = 2 if self.kind in OFFSET_KINDS else 1
         return self.scales.view(-1, self.k // self.group_size, parts, 32)[ids // 32, :, part, ids % 32].float()
 
     def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
