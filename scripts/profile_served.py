@@ -35,6 +35,7 @@ PHASES: list[tuple[str, str]] = [
     ("attention", r"paged_attention|_decode_native|PagedAttention\._(decode|prefill)|scaled_dot"),
     ("kv write", r"reshape_and_cache|index_copy"),
     ("linear", r"\bgemv\b|Linear\.forward|_linear_pointwise|OpOverloadPacket"),
+    ("embedding", r"QuantizedEmbedding|VocabParallelEmbedding|F\.embedding"),
     ("norm", r"rms_norm|RMSNorm"),
     ("rotary", r"rotary"),
     ("activation", r"silu"),
@@ -46,7 +47,8 @@ PHASES: list[tuple[str, str]] = [
     ("detokenize", r"IncrementalDetokenizer|DecodeStream"),
     ("outputs", r"make_output|_collect_outputs|SampleState"),
     ("append + stop rules", r"LLMEngine\._append|check_stop|update_from_output"),
-    ("stats", r"_record|stat_logger|record\b"),
+    # NOTE: the engine's stats only (`_dequantize_records` is no stats)
+    ("stats", r"LLMEngine\._record|stat_logger|StatLogger|\.record \("),
     ("dispatch to HTTP", r"AsyncLLM\._dispatch|_deliver|call_soon_threadsafe"),
 ]
 IDLE = re.compile(r"select \(selectors|Event\.wait|Condition\.wait|_worker \(concurrent|"
