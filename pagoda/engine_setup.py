@@ -158,7 +158,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     if device.type == "cpu" and not os.environ.get("PAGODA_DISABLE_CPU_KERNELS"):
         embedding = getattr(model.embed_tokens, "weight", None)
         plan = plan_linears(model)
-        records = method_bytes(model)
+        records = method_bytes(model) if report is not None else 0
         prepack_for_cpu(model, keep={id(embedding)} if embedding is not None else set(), plan=plan)
         pack_experts_for_cpu(model)
         if report is not None:

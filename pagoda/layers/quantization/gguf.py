@@ -17,8 +17,9 @@ no offsets) are repacked into the GEMM's panels at load (`PackedLinearMethod.use
 are the other int8 records (fp32 scales by groups of 16 or 32, their offsets inside the panels:
 Q6_K, Q5_K, Q5_1 and mixed layers), so that every layer of a Q4_K_M or Q5_K_M file runs the
 native decoder stack (codes in [-32, 31], the k-quants', multiplied as unsigned bytes on the
-avx2 build: `ops.Int8Panels.code_bias`; wider ones, a Q5_K_M qkv mixing Q8_0 with Q5_1, + 128). On avx512bf16 the 5-bit layers (Q5_0; Q5_K, Q5_1 with their fp32
-scales and offsets) become int5 panels (`methods._int5_panels`). On AMX tiles (the
+avx2 build: `ops.Int8Panels.code_bias`; wider ones, a Q5_K_M qkv mixing Q8_0 with Q5_1, + 128).
+On avx512bf16 the 5-bit layers (Q5_0; Q5_K, Q5_1 with their fp32 scales and offsets) become
+int5 panels (`methods._int5_panels`). On AMX tiles (the
 avx512bf16 build, from the measured row count) every panel kind is widened to bf16 with its
 group scales and offsets applied (each weight rounded once to bf16) and multiplies x as it is.
 
