@@ -488,6 +488,29 @@ def test_more_of_vllms_launch_flags_start_and_are_named_in_the_log():
     assert unsupported_flag_error(args) is None  # NOTE: asked for none of the missing features
 
 
+def test_every_spelling_of_vllms_serve_flags_parses():
+    """vLLM 0.32's serve parser spells some flags in several ways (`--no-X` for its boolean
+    flags, short aliases, `--device-memory-utilization`); each parses here as the flag it names,
+    and the refused ones are still refused under their short spelling."""
+    from pagoda.server.serve import unsupported_flag_error
+
+    argv = ["serve", "m", "--no-trust-request-chat-template", "--no-return-tokens-as-token-ids",
+            "--no-enable-auto-tool-choice", "--no-allow-credentials", "--no-enable-request-id-headers",
+            "--no-disable-fastapi-docs", "--no-disable-hybrid-kv-cache-manager", "-n", "1", "-r", "0",
+            "-dcp", "1", "-pcp", "1", "-dpn", "0", "-dpr", "0", "-dpl", "1", "-dpb", "mp",
+            "--device-memory-utilization", "0.5", "-sc", '{"method": "ngram"}', "-cc", "{}", "-ac", "{}",
+            "--h11-max-header-count", "256"]
+    args = serve_parser().parse_args(argv)
+    assert args.nnodes == 1 and args.node_rank == 0 and args.gpu_memory_utilization == 0.5
+    assert args.speculative_config == '{"method": "ngram"}' and args.disable_hybrid_kv_cache_manager is False
+    assert not (args.trust_request_chat_template or args.enable_auto_tool_choice or args.disable_fastapi_docs)
+    assert unsupported_flag_error(args) is None  # NOTE: each asks for what pagoda does anyway
+    for refused, flag in ((["-dpn", "1"], "--data-parallel-rank"), (["-dcp", "2"], "--decode-context-parallel-size"),
+                          (["-dpe"], "--data-parallel-external-lb"), (["-dpa", "10.0.0.1"], "--data-parallel-address")):
+        error = unsupported_flag_error(serve_parser().parse_args(["serve", "m", *refused]))
+        assert error is not None and error.startswith(flag + ":")
+
+
 def test_a_yaml_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
     """vLLM's `--config FILE.yaml`: keys are flags (underscores or dashes), booleans switch,
     lists and mappings pass as vLLM passes them, the command line wins, `model:` serves when

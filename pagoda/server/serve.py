@@ -234,11 +234,11 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                           "time_to_first_token, inter_token_latency, iteration_tokens, request_tokens, ...)")
     net.add_argument("--disable-web-ui", action="store_true",
                      help="do not serve the web page (chat and live stats) at /")
-    net.add_argument("--disable-fastapi-docs", action="store_true",
+    net.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=False,
                      help="serve no /docs, /redoc or /openapi.json")
-    net.add_argument("--return-tokens-as-token-ids", action="store_true",
+    net.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                      help='logprobs name each token "token_id:N", not by its text')
-    net.add_argument("--enable-request-id-headers", action="store_true",
+    net.add_argument("--enable-request-id-headers", action=argparse.BooleanOptionalAction, default=False,
                      help="every response carries X-Request-Id (the request's own, or a new one)")
     net.add_argument("--responses-store-size", type=non_negative_int,
                      default=DEFAULT_RESPONSES_STORE_SIZE, metavar="N",
@@ -253,7 +253,7 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
                           "(vLLM allows every origin)")
     net.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON")
     net.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON")
-    net.add_argument("--allow-credentials", action="store_true")
+    net.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False)
     net.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key")
     net.add_argument("--ssl-certfile", default=None, help="... and this certificate chain")
     net.add_argument("--ssl-ca-certs", default=None, help="CA certificates to check client certificates with")
@@ -279,7 +279,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how a message's content reaches the template: string (text parts "
                             "joined by newlines), openai (the list of parts), auto (openai when "
                             "the template loops over message['content'])")
-    model.add_argument("--trust-request-chat-template", action="store_true",
+    model.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
                        help="let a request carry its own chat_template (refused otherwise, as vLLM)")
     model.add_argument("--default-chat-template-kwargs", type=json_arg("--default-chat-template-kwargs"), default=None, metavar="JSON",
                        help="keyword arguments every chat's template gets, under the request's "
@@ -324,7 +324,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--block-size", type=int, choices=BLOCK_SIZES, default=None)
     cache.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", type=byte_size, default=None,
                        help="KV pool size, e.g. 4GiB")
-    cache.add_argument("--gpu-memory-utilization", type=float, default=None,
+    cache.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float, default=None,
                        help="share of the GPU's memory this engine may use for weights, activations and "
                             "KV (per engine, as vLLM; default 0.9)")
     cache.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
@@ -361,10 +361,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                             "throughput; off by default")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None)
-    cache.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", default=None,
+    cache.add_argument("--disable-hybrid-kv-cache-manager", action=argparse.BooleanOptionalAction, default=None,
                        help="a model mixing global and sliding-window layers (Gemma 3): keep every "
                             "block of every layer in one pool, as vLLM's flag")
-    cache.add_argument("--speculative-config", default=None, metavar="JSON",
+    cache.add_argument("--speculative-config", "-sc", default=None, metavar="JSON",
                        help='speculative decoding, as vLLM: \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or \'{"model": "PATH", '
                             '"num_speculative_tokens": 3}\'')
@@ -380,9 +380,9 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
                           help="ranks sharing each layer; must divide the head counts")
     parallel.add_argument("-pp", "--pipeline-parallel-size", type=int, default=None,
                           help="pipeline stages, each a contiguous share of the layers")
-    parallel.add_argument("--nnodes", type=int, default=None,
+    parallel.add_argument("--nnodes", "-n", type=int, default=None,
                           help="machines the ranks spread over (default 1)")
-    parallel.add_argument("--node-rank", type=int, default=None,
+    parallel.add_argument("--node-rank", "-r", type=int, default=None,
                           help="this machine's index; node 0 runs the server")
     parallel.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
                           help="node 0's rendezvous address (needed with --nnodes > 1)")
@@ -495,7 +495,7 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
 def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
     """vLLM's pair for `tool_choice="auto"`: both, or "auto" is a 400."""
     tools = parser.add_argument_group("tool calling")
-    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+    tools.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
                        help='let tool_choice "auto" (and tools without a tool_choice) answer '
                             "freely, the calls taken out of the text by --tool-call-parser")
     tools.add_argument("--tool-call-parser", default=None, metavar="{" + ",".join(TOOL_PARSERS) + "}",
@@ -510,10 +510,10 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _table_flags(spec: str, why: str) -> list[tuple[str, str, str]]:
-    """Table rows for flags sharing one reason: each name, then "?" for a boolean flag or "*"
-    for a list (a value otherwise)."""
+    """Table rows for flags sharing one reason: each name (its short spellings after "/", as
+    "--data-parallel-rank/-dpn"), then "?" for a boolean flag or "*" for a list (a value otherwise)."""
     kinds = {"?": "bool", "*": "list"}
-    return [(name.rstrip("?*"), kinds.get(name[-1], "value"), why) for name in spec.split()]
+    return [(name.rstrip("?*").replace("/", " "), kinds.get(name[-1], "value"), why) for name in spec.split()]
 
 
 def _refused_flags(spec: str, why: str) -> list[tuple[str, str, str | None, str]]:
@@ -549,7 +549,7 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--max-seq-len-to-capture", "value", "pagoda captures no CUDA graphs"),
     ("--cuda-graph-sizes", "list", "pagoda captures no CUDA graphs"),
     ("--max-cudagraph-capture-size", "value", "pagoda captures no CUDA graphs"),
-    ("--compilation-config -O", "value", "pagoda compiles no graphs (no torch.compile, no CUDA graphs)"),
+    ("--compilation-config -cc -O", "value", "pagoda compiles no graphs (no torch.compile, no CUDA graphs)"),
     ("--disable-cascade-attn", "bool", "pagoda has no cascade attention"),
     ("--attention-backend", "value", "the attention backend follows the device: the native CPU "
                                      "kernels where they load, else torch's"),
@@ -609,7 +609,7 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--performance-mode", "value", "pagoda has one performance mode"),
     ("--structured-outputs-config", "value", "structured outputs always compile with llguidance, in "
                                              "the grammar sandbox (--grammar-compile-*)"),
-    ("--attention-config", "value", "the attention backend follows the device"),
+    ("--attention-config -ac", "value", "the attention backend follows the device"),
     ("--kernel-config", "value", "pagoda picks its CPU kernels by measurement at load"),
     ("--additional-config", "value", "pagoda has no platform plugins to configure"),
     ("--aggregate-engine-logging", "bool", "one engine logs its stats"),
@@ -691,9 +691,9 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--worker-cls", "value", "auto", "workers are pagoda's own"),
     ("--logprobs-mode", "value", "raw_logprobs", "logprobs are those of the raw logits, before any "
                                                  "penalty or temperature (vLLM's raw_logprobs)"),
-    *_refused_flags("--data-parallel-rank=0 --data-parallel-start-rank=0 --data-parallel-size-local=1 --data-parallel-address --data-parallel-rpc-port --data-parallel-backend=mp --data-parallel-hybrid-lb? --data-parallel-external-lb? --data-parallel-multi-port-external-lb? --enable-elastic-ep?",
+    *_refused_flags("--data-parallel-rank/-dpn=0 --data-parallel-start-rank/-dpr=0 --data-parallel-size-local/-dpl=1 --data-parallel-address/-dpa --data-parallel-rpc-port/-dpp --data-parallel-backend/-dpb=mp --data-parallel-hybrid-lb/-dph? --data-parallel-external-lb/-dpe? --data-parallel-multi-port-external-lb/-dpm? --enable-elastic-ep?",
                   "one server is one engine; for data parallelism run replicas behind a load balancer (docs/scaling.md)"),
-    *_refused_flags("--decode-context-parallel-size=1 --prefill-context-parallel-size=1",
+    *_refused_flags("--decode-context-parallel-size/-dcp=1 --prefill-context-parallel-size/-pcp=1",
                   "context parallelism is not supported"),
     *_refused_flags("--lora-dtype=auto --enable-tower-connector-lora? --default-mm-loras --specialize-active-lora? --enable-mixed-moe-lora-format? --enable-moe-shared-loras? --max-lora-cls-labels",
                   "only text LoRA adapters in the model's dtype are served (--enable-lora)"),
@@ -711,7 +711,7 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--tool-strict-level", "value", "auto", "tool calls are constrained by tool_choice (required or "
                                              "named), per request"),
     ("--logging-config", "value", None, "use --log-level and --log-config-file"),
-    *_refused_flags("--tool-server --tokens-only? --enable-scale-out? --grpc-port --enable-ssl-refresh? --hf-config-path --quantization-config --enable-return-routed-experts? --return-sampling-mask? --enable-trace-replay? --device-ids --enable-fault-tolerance? --fault-tolerance-config --watermark-config --ec-transfer-config --weight-transfer-config --enable-tokenizer-info-endpoint? --convert=auto --profiler-config --pooler-config --enable-mm-embeds? --mm-encoder-only? --max-num-queued-reqs --max-num-queued-tokens --sse-keep-alive-interval=0 --h11-max-header-count",
+    *_refused_flags("--tool-server --tokens-only? --enable-scale-out? --grpc-port --enable-ssl-refresh? --hf-config-path --quantization-config --enable-return-routed-experts? --return-sampling-mask? --enable-trace-replay? --device-ids --enable-fault-tolerance? --fault-tolerance-config --watermark-config --ec-transfer-config --weight-transfer-config --enable-tokenizer-info-endpoint? --convert=auto --profiler-config --pooler-config --enable-mm-embeds? --mm-encoder-only? --max-num-queued-reqs --max-num-queued-tokens --sse-keep-alive-interval=0 --h11-max-header-count=256",
                   "not supported by pagoda"),
 )
 
