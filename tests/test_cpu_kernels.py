@@ -467,14 +467,14 @@ def test_linear_prepacked_for_its_kernel(variant: str) -> None:
     native = ops.gemm_is_native()
     assert native == (variant == "avx512bf16")
     if native:
-        assert packed == 2 and all(layer.gemm_weight is not None for layer in model)
+        assert packed == 2 and all(layer.method.gemm_weight is not None for layer in model)
         assert model[0].weight.numel() == 0 and kept.numel() == 96 * 64
         # NOTE: both packed weights in one huge-page buffer, in module order, descriptors moved too
-        first, second = (layer.gemm_weight for layer in model)
+        first, second = (layer.method.gemm_weight for layer in model)
         assert first.data.untyped_storage().data_ptr() == second.data.untyped_storage().data_ptr()
         assert first.data.data_ptr() % (2 << 20) == 0
         assert second.data.data_ptr() == first.data.data_ptr() + -(-first.data.numel() * 2 // 64) * 64
-        assert [layer.gemm_weight.desc.data for layer in model] == [first.data.data_ptr(), second.data.data_ptr()]
+        assert [layer.method.gemm_weight.desc.data for layer in model] == [first.data.data_ptr(), second.data.data_ptr()]
     for layer, w in zip(model, plain, strict=True):
         for m in (1, 2, 4, 16, 100):
             x = torch.randn(m, w.shape[1], generator=gen).to(torch.bfloat16)

@@ -187,9 +187,9 @@ def test_each_path_of_a_plan_computes_the_product(forced: str) -> None:
     plan = KernelPlan({(45, 70): shape_plan, (96, 64): shape_plan}, "forced")
     assert prepack_for_cpu(model, plan=plan) == 2
     for layer, w in zip(model, plain, strict=True):
-        assert layer.plan == shape_plan
-        assert (layer.gemm_weight is not None) == ("panels" in shape_plan.storages)
-        assert (layer.packed is not None) == ("onednn" in shape_plan.storages)
+        assert layer.method.plan == shape_plan
+        assert (layer.method.gemm_weight is not None) == ("panels" in shape_plan.storages)
+        assert (layer.method.packed is not None) == ("onednn" in shape_plan.storages)
         # the plain weight is freed where no path reads it
         assert bool(layer.weight.numel()) == ("plain" in shape_plan.storages)
         for m in (1, 2, 3, 16, 17, 40):
@@ -223,7 +223,7 @@ def test_engine_measures_caches_logs_and_exports_its_plan(tiny_llama, tmp_path, 
     assert second.info.kernel_plan_source == "cached"
     assert second.info.linear_kernels == first.info.linear_kernels
     model = second.runner.model
-    plans = {m.plan for m in model.modules() if getattr(m, "plan", None) is not None}
+    plans = {m.method.plan for m in model.modules() if getattr(getattr(m, "method", None), "plan", None) is not None}
     assert plans, "every bf16 linear carries its shape's plan"
     registry = CollectorRegistry()
     stat_logger = PrometheusStatLogger("tiny", config, registry=registry)

@@ -20,7 +20,13 @@ from torch import nn
 
 from pagoda.layers import cpu_kernels, kernel_plan
 from pagoda.layers.kernel_plan import BUCKETS, KernelPlan, Shape, ShapePlan
-from pagoda.layers.linear import PATH_FNS, Linear, is_dense_bf16, weight_shape
+from pagoda.layers.linear import (
+    PATH_FNS,
+    Linear,
+    UnquantizedLinearMethod,
+    is_dense_bf16,
+    weight_shape,
+)
 
 logger = logging.getLogger("pagoda")
 
@@ -69,7 +75,7 @@ class _ShapeTimer:
         try:
             start = time.perf_counter()
             for stand in layers:
-                fn(stand, x, stand.bias)  # type: ignore[arg-type]
+                fn(stand.weight, stand.method, x, stand.bias)
             return (time.perf_counter() - start) / len(layers)
         finally:
             torch.set_num_threads(before)
@@ -81,13 +87,14 @@ class _ShapeTimer:
 
 
 class _Stand:
-    """A layer's weight in every storage the timed paths read (the attributes PATH_FNS use)."""
+    """A layer's weight in every storage the timed paths read (the method PATH_FNS are given)."""
 
     def __init__(self, layer: Linear, paths: Sequence[str]) -> None:
         self.weight = layer.weight.detach()
         self.bias = layer.bias
-        self.gemm_weight = cpu_kernels.ops.PackedWeight(self.weight) if "gemm" in paths else None
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1) if "onednn" in paths else None
+        self.method = UnquantizedLinearMethod(
+            gemm_weight=cpu_kernels.ops.PackedWeight(self.weight) if "gemm" in paths else None,
+            packed=torch.ops.mkldnn._reorder_linear_weight(self.weight, 1) if "onednn" in paths else None)
 
 
 def plan_for_model(model: nn.Module, build: str, threads_for_rows: Callable[[int], int],

@@ -2,16 +2,17 @@
 
 Fused projections (q/k/v, gate/up) are one GEMM each; the checkpoint's separate tensors are
 copied into their slice by shard index, so the loader stays a dictionary lookup.
-On CPU with the native kernels, the engine gives each bf16 layer its shape's kernel plan
-(`plan`, kernel_plan.py: which of the GEMV on the plain weight, the small-M GEMM on packed
-panels, oneDNN's prepacked copy or F.linear runs each row count, chosen by measurement), and
-`prepack_for_cpu(model, plan=...)` keeps just the storages those paths read. All compute fp32
+On CPU with the native kernels, `prepack_for_cpu(model, plan=...)` gives each bf16 layer one
+`UnquantizedLinearMethod` holding its shape's kernel plan (kernel_plan.py: which of the GEMV on
+the plain weight, the small-M GEMM on packed panels, oneDNN's prepacked copy or F.linear runs
+each row count, chosen by measurement) and just the storages those paths read. All compute fp32
 sums of exact bf16 products, rounded once, so they differ only in summation order.
 Without a plan (`prepack_for_cpu(model)`: kernels off, other devices) the fixed rules hold:
 the GEMM's panels where the `avx512bf16` build loads, else oneDNN's copy plus the plain weight
 for GEMV steps of at most `GEMV_MAX_ROWS` rows; int8 (per channel) and int4 quantized layers
 are repacked for the GEMM's quantized variants on the `avx512bf16` build.
-How the weight is stored and applied is the layer's linear method (`method`): unquantized
+How the weight is stored and applied is the layer's linear method (`method`), its one piece of
+execution state, set once after loading (as vLLM's process_weights_after_loading): unquantized
 (the paths above) by default; `pagoda.layers.quantization` swaps in packed int8/int4 or fp8
 methods after loading, or prepares GGUF-packed ones before it, without changing the layer's
 interface (`weight_loader`, `forward`, `project`).
@@ -20,7 +21,8 @@ interface (`weight_loader`, `forward`, `project`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol, TypeGuard
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -53,50 +55,69 @@ class LinearMethod(Protocol):
     def weight_bytes(self) -> int: ...
 
 
-def _gemv(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return cpu_kernels.ops.gemv(x, layer.weight, bias)
-
-
-def _gemm(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    assert layer.gemm_weight is not None
-    return cpu_kernels.ops.gemm(x, layer.gemm_weight, bias)
-
-
-def _onednn(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")
-
-
-def _torch(layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, layer.weight, bias)
-
-
-# The kernel_plan paths, each reading the layer's storage of that name (kernel_plan.STORAGE).
-PATH_FNS = {"gemv": _gemv, "gemm": _gemm, "onednn": _onednn, "torch": _torch}
-
-
+@dataclass(frozen=True, eq=False)
 class UnquantizedLinearMethod:
-    """The float weight, by the path the layer's kernel plan names for the step's row count
-    (kernel_plan.py); without a plan (no CPU kernels, other devices): the small-M GEMM's packed
-    copy, the bf16 GEMV kernel for small native steps, oneDNN's prepacked copy, or F.linear."""
+    """The float weight (the layer's parameter), by the path the kernel plan names for the
+    step's row count (kernel_plan.py), with the storages its paths read besides the plain
+    weight: the GEMM's panels (`gemm_weight`) and oneDNN's prepacked copy (`packed`). Without a
+    plan (no CPU kernels, other devices): the GEMM's panels, the bf16 GEMV kernel for small
+    native steps, oneDNN's copy, or F.linear."""
 
-    name = "unquantized"
+    plan: ShapePlan | None = None
+    gemm_weight: cpu_kernels.ops.PackedWeight | None = None
+    packed: torch.Tensor | None = None
+    name: ClassVar[str] = "unquantized"
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.plan is not None:
-            return PATH_FNS[layer.plan.path_for(x.shape[0])](layer, x, bias)
-        if layer.gemm_weight is not None:
-            return cpu_kernels.ops.gemm(x, layer.gemm_weight, bias)
+        if self.plan is not None:
+            return PATH_FNS[self.plan.path_for(x.shape[0])](layer.weight, self, x, bias)
+        if self.gemm_weight is not None:
+            return cpu_kernels.ops.gemm(x, self.gemm_weight, bias)
         if x.shape[0] <= GEMV_MAX_ROWS and layer._gemv_ready() and cpu_kernels.takes(x):
             return cpu_kernels.ops.gemv(x, layer.weight, bias)
-        if layer.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, layer.packed, bias, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, layer.weight, bias)
+
+    def native_weight(self) -> cpu_kernels.ops.PackedWeight | None:
+        """The GEMM's panels, which the native decoder stack reads (None: not packed)."""
+        return self.gemm_weight
 
     def weight_bytes(self) -> int:
         return 0  # NOTE: the layer's parameters hold it
 
 
-UNQUANTIZED = UnquantizedLinearMethod()
+def _gemv(weight: torch.Tensor, method: UnquantizedLinearMethod, x: torch.Tensor,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_kernels.ops.gemv(x, weight, bias)
+
+
+def _gemm(weight: torch.Tensor, method: UnquantizedLinearMethod, x: torch.Tensor,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    assert method.gemm_weight is not None
+    return cpu_kernels.ops.gemm(x, method.gemm_weight, bias)
+
+
+def _onednn(weight: torch.Tensor, method: UnquantizedLinearMethod, x: torch.Tensor,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, method.packed, bias, "none", [], "")
+
+
+def _torch(weight: torch.Tensor, method: UnquantizedLinearMethod, x: torch.Tensor,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+# The kernel_plan paths, each reading the storage of that name (kernel_plan.STORAGE): the plain
+# weight, or the method's.
+PATH_FNS = {"gemv": _gemv, "gemm": _gemm, "onednn": _onednn, "torch": _torch}
+
+UNQUANTIZED = UnquantizedLinearMethod()  # NOTE: the default, before any storage is made
+
+
+def is_unquantized(layer: Linear) -> bool:
+    """Whether the layer holds a float weight (packed for the CPU kernels or not)."""
+    return isinstance(layer.method, UnquantizedLinearMethod)
 
 
 class Linear(nn.Module):
@@ -112,9 +133,6 @@ class Linear(nn.Module):
             self.bias.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
         self.in_features, self.out_features = input_size, output_size
-        self.packed: torch.Tensor | None = None
-        self.gemm_weight: cpu_kernels.ops.PackedWeight | None = None
-        self.plan: ShapePlan | None = None
         self.method: LinearMethod = UNQUANTIZED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,12 +196,11 @@ def prepack_for_cpu(model: nn.Module, keep: set[int] = frozenset(),  # type: ign
         return _pack_quantized(model)
     keep_all = cpu_kernels.available() and not native_gemm
     dense = [m for m in model.modules() if is_dense_bf16(m)]
-    if native_gemm:
-        _pack_in_huge_pages(dense)
-    for module in dense:
+    panels = _pack_in_huge_pages(dense) if native_gemm else [None] * len(dense)
+    for module, gemm_weight in zip(dense, panels, strict=True):
         w = module.weight
-        if not native_gemm:
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        packed = None if native_gemm else torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        module.method = UnquantizedLinearMethod(gemm_weight=gemm_weight, packed=packed)
         if id(w) not in keep and not keep_all:
             w.data = torch.empty(0, dtype=w.dtype)
     return len(dense) + _pack_quantized(model)
@@ -197,24 +214,25 @@ def weight_shape(module: Linear) -> tuple[int, int]:
 def is_dense_bf16(module: nn.Module) -> TypeGuard[Linear]:
     """Whether `module` is a `Linear` with an unquantized bf16 CPU weight (what plans cover)."""
     w = getattr(module, "weight", None)
-    return (isinstance(module, Linear) and module.method is UNQUANTIZED and w is not None and bool(w.numel())
+    return (isinstance(module, Linear) and is_unquantized(module) and w is not None and bool(w.numel())
             and w.dtype == torch.bfloat16 and w.device.type == "cpu")
 
 
 def _apply_plan(model: nn.Module, plan: KernelPlan, keep: set[int]) -> int:
-    planned = []
+    planned: list[tuple[Linear, ShapePlan]] = []
     for module in model.modules():
         if is_dense_bf16(module):
-            module.plan = plan.for_shape(weight_shape(module))
-            if module.plan is not None:
-                planned.append(module)
-    _pack_in_huge_pages([m for m in planned if m.plan is not None and "panels" in m.plan.storages])
-    for module in planned:
-        assert module.plan is not None
+            shape_plan = plan.for_shape(weight_shape(module))
+            if shape_plan is not None:
+                planned.append((module, shape_plan))
+    with_panels = [m for m, p in planned if "panels" in p.storages]
+    panels = dict(zip(map(id, with_panels), _pack_in_huge_pages(with_panels), strict=True))
+    for module, shape_plan in planned:
         w = module.weight
-        if "onednn" in module.plan.storages:
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
-        if "plain" not in module.plan.storages and id(w) not in keep:
+        packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+                  if "onednn" in shape_plan.storages else None)
+        module.method = UnquantizedLinearMethod(shape_plan, panels.get(id(module)), packed)
+        if "plain" not in shape_plan.storages and id(w) not in keep:
             w.data = torch.empty(0, dtype=w.dtype)
     return len(planned)
 
@@ -241,14 +259,14 @@ def pack_quantized_methods(methods: Iterable[object]) -> int:
     return len(panels)
 
 
-def _pack_in_huge_pages(modules: list[Linear]) -> None:
-    """Packs each module's bf16 weight for the GEMM straight into one huge-page buffer, in module
+def _pack_in_huge_pages(modules: list[Linear]) -> list[cpu_kernels.ops.PackedWeight]:
+    """Each module's bf16 weight packed for the GEMM straight into one huge-page buffer, in module
     order: the order a step reads them.
 
     NOTE: packed in place, not packed then gathered: a few hundred MB freed in the heap's middle
     were not always given back to the system (resident memory 733 MB against 663)."""
     if not modules:
-        return
+        return []
     views = memory.huge_page_slices([cpu_kernels.ops.packed_bytes(*m.weight.shape) for m in modules])
-    for module, view in zip(modules, views, strict=True):
-        module.gemm_weight = cpu_kernels.ops.PackedWeight(module.weight.detach(), out=view)
+    return [cpu_kernels.ops.PackedWeight(module.weight.detach(), out=view)
+            for module, view in zip(modules, views, strict=True)]

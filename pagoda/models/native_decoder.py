@@ -85,8 +85,6 @@ class _LoraRun(ctypes.Structure):
 def native_packed(layer: Linear) -> Any:
     """The layer's packed weight for the native GEMM (bf16, int8 or int4 panels, or int8/int4
     records), or None."""
-    if layer.gemm_weight is not None:
-        return layer.gemm_weight
     native_weight = getattr(layer.method, "native_weight", None)
     return native_weight() if native_weight is not None else None
 
@@ -190,8 +188,9 @@ class NativeDecoder:
         """Up to how many rows the layer's kernel plans all take the GEMM (no plan: any), and
         its quantized records the GEMV (`Records.max_rows`)."""
         linears = [m for m in _linears(layer) if m is not None]
-        planned = [m.plan.max_rows("gemm") for m in linears if m.plan is not None]
-        records = [getattr(native_packed(m), "max_rows", 1 << 62) for m in linears if m.plan is None]
+        plans = [getattr(m.method, "plan", None) for m in linears]
+        planned = [p.max_rows("gemm") for p in plans if p is not None]
+        records = [getattr(native_packed(m), "max_rows", 1 << 62) for m, p in zip(linears, plans, strict=True) if p is None]
         moe = _native_moe(layer)
         return min(planned + records + ([moe.max_rows] if moe is not None else []), default=1 << 62)
 

@@ -33,8 +33,7 @@ if a.small_pages:
     from pagoda.layers.cpu_kernels import ops
     ops.gather_in_huge_pages = lambda weights: None
     def each_on_its_own(modules):
-        for m in modules:
-            m.gemm_weight = ops.PackedWeight(m.weight.detach())
+        return [ops.PackedWeight(m.weight.detach()) for m in modules]
     linear._pack_in_huge_pages = each_on_its_own
 eng = LLMEngine.from_engine_args(a.model, (), dtype=a.dtype, log_stats=False, enable_prefix_caching=False,
                                  max_num_batched_tokens=max(4096, a.batch * a.prompt), **SCHEME_ARGS[a.scheme])

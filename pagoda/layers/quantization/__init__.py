@@ -30,7 +30,7 @@ from torch import nn
 
 from pagoda.distributed.group import ParallelGroup
 from pagoda.layers.fused_moe import FusedMoE
-from pagoda.layers.linear import UNQUANTIZED, Linear
+from pagoda.layers.linear import Linear, is_unquantized
 from pagoda.layers.quantization import packing
 from pagoda.layers.quantization.embedding import QuantizedEmbedding
 from pagoda.layers.quantization.methods import (
@@ -143,7 +143,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
     done = kept = 0
     smaller: set[int] = set()
     for name, layer in model.named_modules():
-        if not isinstance(layer, Linear) or layer.method is not UNQUANTIZED:
+        if not isinstance(layer, Linear) or not is_unquantized(layer):
             continue
         why = _why_not(layer, scheme, group_size)
         if why:
@@ -234,7 +234,7 @@ def share_quantized_embedding(model: nn.Module) -> bool:
 
 def _free_float_weights(model: nn.Module) -> None:
     for layer in model.modules():
-        if isinstance(layer, Linear) and layer.method is not UNQUANTIZED:
+        if isinstance(layer, Linear) and not is_unquantized(layer):
             w = layer.weight
             w.data = torch.empty(0, dtype=w.dtype, device=w.device)
 
@@ -247,7 +247,7 @@ def finish_gguf(model: nn.Module, scheme: str = "gguf") -> QuantizationReport:
     share_quantized_embedding(model)
     _free_float_weights(model)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
-    done = sum(1 for m in layers if m.method is not UNQUANTIZED)
+    done = sum(1 for m in layers if not is_unquantized(m))
     return QuantizationReport(scheme, before, weight_bytes(model), done, len(layers) - done)
 
 

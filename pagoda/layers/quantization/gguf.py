@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pagoda.layers.linear import UNQUANTIZED, Linear
+from pagoda.layers.linear import Linear, is_unquantized
 from pagoda.layers.quantization import packing
 from pagoda.layers.quantization.methods import InputPermutedMethod, PackedLinearMethod
 
@@ -124,7 +124,7 @@ def prepare_gguf_load(model: nn.Module, types: dict[str, str]) -> dict[str, Reco
     packed_modules = getattr(model, "packed_modules", {})
     formats: dict[str, RecordFormat] = {}
     for module_name, layer in model.named_modules():
-        if not isinstance(layer, Linear) or layer.method is not UNQUANTIZED:
+        if not isinstance(layer, Linear) or not is_unquantized(layer):
             continue
         sources = linear_sources(module_name, packed_modules, tied, types)
         fmt = format_for(layer, {types.get(s) for s in sources})

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pagoda.layers.linear import UNQUANTIZED, Linear
+from pagoda.layers.linear import Linear, is_unquantized
 from pagoda.layers.quantization import packing
 from pagoda.layers.quantization.gguf import RecordFormat, linear_sources, prepare_linear
 
@@ -206,7 +206,7 @@ def prepare_checkpoint_load(model: nn.Module, quant: CheckpointQuant, names: Ite
     packed_modules = getattr(model, "packed_modules", {})
     count = 0
     for module_name, layer in model.named_modules():
-        if not isinstance(layer, Linear) or layer.method is not UNQUANTIZED:
+        if not isinstance(layer, Linear) or not is_unquantized(layer):
             continue
         sources = linear_sources(module_name, packed_modules, tied, quantized)
         found = [s in quantized for s in sources]
