@@ -9,6 +9,7 @@ is checked with the exact request lm-evaluation-harness sends, in-process over a
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -292,3 +293,33 @@ def test_tokens_as_token_ids(engine: AsyncLLM):
     assert all(k.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"][1:] for k in top)
     content = chat.json()["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat.json()["choices"][0]["token_ids"]]
+
+
+def test_a_requests_return_tokens_as_token_ids_overrides_the_servers(engine: AsyncLLM):
+    """vLLM's request field `return_tokens_as_token_ids`: true names the tokens "token_id:N"
+    on a server without the flag (completions, chat, streamed too), false names them by their
+    text on a server with it; left out, the flag decides."""
+    def completion_tokens(body: dict, stream: bool = False, **server: bool) -> list[str]:
+        async def main() -> httpx.Response:
+            async with health.app_client(engine, **server) as client:
+                return await client.post("/v1/completions", json={
+                    "prompt": [1, 504, 3575], "max_tokens": 2, "logprobs": 1, "stream": stream, **body})
+        r = asyncio.run(main())
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["choices"][0]["logprobs"]["tokens"]
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        return [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+
+    assert all(t.startswith("token_id:") for t in completion_tokens({"return_tokens_as_token_ids": True}))
+    assert all(t.startswith("token_id:") for t in completion_tokens({"return_tokens_as_token_ids": True}, stream=True))
+    assert not any(t.startswith("token_id:") for t in completion_tokens({}))
+    assert not any(t.startswith("token_id:") for t in completion_tokens(
+        {"return_tokens_as_token_ids": False}, return_tokens_as_token_ids=True))
+    assert all(t.startswith("token_id:") for t in completion_tokens({}, return_tokens_as_token_ids=True))
+    chat = post(engine, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True, "top_logprobs": 1,
+        "return_tokens_as_token_ids": True})
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert content and all(c["token"].startswith("token_id:") and c["top_logprobs"][0]["token"].startswith("token_id:")
+                           for c in content)

@@ -111,6 +111,9 @@ def test_logit_bias_through_the_api(engine: AsyncLLM):
     ("/v1/completions", {"prompt": "x", "guided_decoding_backend": "xgrammar"},
      "guided_decoding_backend", "llguidance"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    # NOTE: every bad key at once, as vLLM (its test_chat_logit_bias_multiple_non_integer_keys)
+    ("/v1/chat/completions", chat(logit_bias={"bad1": 50.0, "5": 1, "bad2": 20.0}), "logit_bias",
+     "['bad1', 'bad2']"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"49152": 1}}, "logit_bias",
      "out of vocabulary"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 150}}, "logit_bias", "[-100, 100]"),

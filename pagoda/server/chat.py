@@ -39,16 +39,15 @@ from pagoda.server.serving import (
     Generation,
     Prompt,
     ServerContext,
+    TokenNames,
     beam_search_params,
     beam_usage,
     build_sampling_params,
     check_lora_model,
-    id_str,
     invalid_input,
     prompt_logprobs_field,
     request_fields,
     run_beam_search,
-    token_str,
     tokenize_text,
     top_entries,
     truncate_prompt,
@@ -158,13 +157,13 @@ def _apply_template(ctx: ServerContext, template: str | None, conversation: list
     return str(text)
 
 
-def chat_logprobs(ctx: ServerContext, token_ids: list[int], entries: list[dict[int, Logprob]],
+def chat_logprobs(names: TokenNames, token_ids: list[int], entries: list[dict[int, Logprob]],
                   num: int) -> ChatCompletionLogProbs:
     content = []
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(token_id)
-        token = token_str(ctx, sampled) if sampled else id_str(ctx, token_id)
-        tops = [ChatLogProb(token=(t := token_str(ctx, lp)), logprob=lp.logprob,
+        token = names.of_logprob(sampled) if sampled else names.of_id(token_id)
+        tops = [ChatLogProb(token=(t := names.of_logprob(lp)), logprob=lp.logprob,
                             bytes=list(t.encode()))
                 for lp in top_entries(entry, num)]
         content.append(ChatLogProbsContent(
@@ -243,8 +242,8 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                  media_type="text/event-stream")
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
-    return JSONResponse(full_chat(gen, model, num_logprobs, inputs.plan, bool(req.return_token_ids),
-                                  req.include_reasoning, inputs.role).model_dump())
+    return JSONResponse(full_chat(gen, model, num_logprobs, inputs.plan, TokenNames.of_request(ctx, req),
+                                  bool(req.return_token_ids), req.include_reasoning, inputs.role).model_dump())
 
 
 async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request,
@@ -274,7 +273,7 @@ def _finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | No
     return "tool_calls" if called and plan.mode != "named" and reason == "stop" else reason
 
 
-def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolPlan,
+def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolPlan, names: TokenNames,
               return_token_ids: bool = False, include_reasoning: bool = True,
               role: str = "assistant") -> ChatCompletionResponse:
     choices = []
@@ -282,7 +281,7 @@ def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolP
     for index, state in enumerate(gen.choices):
         logprobs = None
         if num_logprobs is not None:
-            logprobs = chat_logprobs(gen.ctx, state.token_ids, state.logprobs, num_logprobs)
+            logprobs = chat_logprobs(names, state.token_ids, state.logprobs, num_logprobs)
         thought, text = split(parser, state.text) if parser is not None else (None, state.text)
         thought = thought if include_reasoning else None
         content, calls = parse_calls(plan, text or "") if plan.calls_tools else (text, [])
@@ -322,7 +321,7 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
             continue
         logprobs = NULL
         if num_logprobs is not None:
-            logprobs = part_json(chat_logprobs(gen.ctx, delta.token_ids, delta.logprobs or [],
+            logprobs = part_json(chat_logprobs(TokenNames.of_request(gen.ctx, req), delta.token_ids, delta.logprobs or [],
                                                num_logprobs))
         final, text, pieces, called = delta.finish_reason is not None, delta.text, [], False
         if thinking is not None:

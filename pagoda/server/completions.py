@@ -27,15 +27,14 @@ from pagoda.server.serving import (
     Generation,
     Prompt,
     ServerContext,
+    TokenNames,
     beam_search_params,
     beam_usage,
     build_sampling_params,
     check_lora_model,
-    id_str,
     prompt_logprobs_field,
     request_fields,
     run_beam_search,
-    token_str,
     tokenize_text,
     top_entries,
     truncate_prompt,
@@ -66,7 +65,7 @@ def echo_text(ctx: ServerContext, prompt: Prompt) -> str:
     return prompt.text
 
 
-def completion_logprobs(ctx: ServerContext, token_ids: list[int],
+def completion_logprobs(names: TokenNames, token_ids: list[int],
                         entries: list[dict[int, Logprob] | None], num: int,
                         offset: int) -> CompletionLogProbs:
     """The legacy logprobs object: per token its string, offset, logprob and the top-`num`
@@ -74,7 +73,7 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int],
     out = CompletionLogProbs()
     for token_id, entry in zip(token_ids, entries, strict=False):
         sampled = entry.get(token_id) if entry is not None else None
-        token = token_str(ctx, sampled) if sampled else id_str(ctx, token_id)
+        token = names.of_logprob(sampled) if sampled else names.of_id(token_id)
         out.text_offset.append(offset)
         offset += len(token)
         out.tokens.append(token)
@@ -85,7 +84,7 @@ def completion_logprobs(ctx: ServerContext, token_ids: list[int],
         tops = top_entries(entry, num)
         if sampled is not None and sampled not in tops:
             tops.append(sampled)
-        out.top_logprobs.append({token_str(ctx, lp): lp.logprob for lp in tops})
+        out.top_logprobs.append({names.of_logprob(lp): lp.logprob for lp in tops})
     return out
 
 
@@ -152,7 +151,7 @@ def full_completion(gen: Generation, req: CompletionRequest, model: str) -> Comp
                                                  state.logprobs, req.echo)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(ctx, token_ids, entries, req.logprobs, 0)
+            logprobs = completion_logprobs(TokenNames.of_request(ctx, req), token_ids, entries, req.logprobs, 0)
         reason, stop_reason = finish(req, state.finish_reason, state.stop_reason)
         prompt = gen.prompts[index // gen.n]
         choices.append(CompletionResponseChoice(
@@ -180,7 +179,8 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
         logprobs = NULL
         if req.logprobs is not None:
             offset = 0 if echo else len(gen.choices[index].text) - len(delta.text)
-            logprobs = part_json(completion_logprobs(ctx, token_ids, entries, req.logprobs, offset))
+            logprobs = part_json(completion_logprobs(TokenNames.of_request(ctx, req), token_ids, entries,
+                                                     req.logprobs, offset))
         reason, stop_reason = finish(req, delta.finish_reason, delta.stop_reason)
         extra = ""
         if req.return_token_ids:

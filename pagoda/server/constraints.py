@@ -68,10 +68,14 @@ def logit_bias(req: SamplingFields) -> dict[int, float] | None:
     if not req.logit_bias:
         return None
     bias: dict[int, float] = {}
+    invalid: list[str] = []
     for key, value in req.logit_bias.items():
         try:
             bias[int(key)] = value
         except ValueError:
-            raise bad_request(f"logit_bias keys must be token ids, got {key[:40]!r}.",
-                              "logit_bias") from None
+            invalid.append(key[:40])
+    if invalid:
+        # NOTE: every bad key named at once, as vLLM's SamplingParams does (the first 10 here)
+        more = f" and {len(invalid) - 10} more" if len(invalid) > 10 else ""
+        raise bad_request(f"logit_bias keys must be token ids, got {invalid[:10]!r}{more}.", "logit_bias")
     return bias

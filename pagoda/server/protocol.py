@@ -167,6 +167,8 @@ class SamplingFields(RequestModel):
     length_penalty: float = 1.0
     prompt_logprobs: int | None = None
     return_token_ids: bool | None = None
+    # NOTE: vLLM's: logprobs name tokens "token_id:N"; None: as --return-tokens-as-token-ids says
+    return_tokens_as_token_ids: bool | None = None
     # NOTE: vLLM's: salts the prefix cache's block hashes, so that requests without the same
     # salt never share (or time) each other's cached prefixes.
     cache_salt: str | None = Field(default=None, min_length=1)

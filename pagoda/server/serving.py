@@ -419,16 +419,27 @@ class Generation:
                 task.add_done_callback(_background_tasks.discard)
 
 
-def token_str(ctx: ServerContext, logprob: Logprob) -> str:
-    return id_str(ctx, logprob.token_id, logprob.decoded_token)
+@dataclass(frozen=True)
+class TokenNames:
+    """How a request's logprobs name tokens: by their text, or as "token_id:N" (vLLM's
+    `--return-tokens-as-token-ids`, which a request's `return_tokens_as_token_ids` overrides:
+    for tokens whose text alone is ambiguous)."""
 
+    tokenizer: Any
+    as_ids: bool = False
 
-def id_str(ctx: ServerContext, token_id: int, decoded: str | None = None) -> str:
-    """A token as logprobs name it: its text, or "token_id:N" (vLLM's
-    `--return-tokens-as-token-ids`, for tokens whose text alone is ambiguous)."""
-    if ctx.return_tokens_as_token_ids:
-        return f"token_id:{token_id}"
-    return decoded if decoded is not None else str(ctx.tokenizer.decode([token_id]))
+    @classmethod
+    def of_request(cls, ctx: ServerContext, req: SamplingFields) -> TokenNames:
+        asked = req.return_tokens_as_token_ids
+        return cls(ctx.tokenizer, ctx.return_tokens_as_token_ids if asked is None else asked)
+
+    def of_logprob(self, logprob: Logprob) -> str:
+        return self.of_id(logprob.token_id, logprob.decoded_token)
+
+    def of_id(self, token_id: int, decoded: str | None = None) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
+        return decoded if decoded is not None else str(self.tokenizer.decode([token_id]))
 
 
 def prompt_logprobs_field(lps: PromptLogprobs | None) -> list[dict[int, PromptLogprob] | None] | None:
