@@ -30,8 +30,8 @@ from pagoda.server.protocol import (
     ChatLogProbsContent,
     CompletionLogProbs,
     CompletionRequest,
-    CompletionResponse,
-    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
@@ -104,7 +104,7 @@ def chat_events(deltas: list[CompletionOutput], n: int = 1, **request: Any) -> l
     return events(stream_chat(generation(deltas, n), req, MODEL, _num_logprobs(req), plan))
 
 
-def as_json(models: list[CompletionResponse] | list[ChatCompletionStreamResponse]) -> list[Any]:
+def as_json(models: list[CompletionStreamResponse] | list[ChatCompletionStreamResponse]) -> list[Any]:
     return [json.loads(model.model_dump_json()) for model in models]
 
 
@@ -114,9 +114,9 @@ def usage(num_completion: int) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=0))
 
 
-def completion_chunk(choices: list[CompletionResponseChoice],
-                     usage_info: UsageInfo | None = None) -> CompletionResponse:
-    return CompletionResponse(id=REQUEST_ID, created=CREATED, model=MODEL, choices=choices,
+def completion_chunk(choices: list[CompletionStreamChoice],
+                     usage_info: UsageInfo | None = None) -> CompletionStreamResponse:
+    return CompletionStreamResponse(id=REQUEST_ID, created=CREATED, model=MODEL, choices=choices,
                               usage=usage_info)
 
 
@@ -153,10 +153,10 @@ def test_completion_text_deltas_and_finish():
               CompletionOutput(0, "!", [6], finish_reason="stop", stop_reason="END"),
               CompletionOutput(0, "", [2], finish_reason="stop", stop_reason=2)]
     assert completion_events(deltas) == as_json([
-        completion_chunk([CompletionResponseChoice(index=0, text=' héllo "✓"\n\t\\')]),
-        completion_chunk([CompletionResponseChoice(index=0, text="!", finish_reason="stop",
+        completion_chunk([CompletionStreamChoice(index=0, text=' héllo "✓"\n\t\\')]),
+        completion_chunk([CompletionStreamChoice(index=0, text="!", finish_reason="stop",
                                                    stop_reason="END")]),
-        completion_chunk([CompletionResponseChoice(index=0, text="", finish_reason="stop",
+        completion_chunk([CompletionStreamChoice(index=0, text="", finish_reason="stop",
                                                    stop_reason=2)])])
 
 
@@ -164,8 +164,8 @@ def test_completion_echo_prefixes_the_first_delta_only():
     deltas = [CompletionOutput(0, " a", [5]),
               CompletionOutput(0, " b", [6], finish_reason="length")]
     assert completion_events(deltas, echo=True) == as_json([
-        completion_chunk([CompletionResponseChoice(index=0, text=PROMPT_TEXT + " a")]),
-        completion_chunk([CompletionResponseChoice(index=0, text=" b",
+        completion_chunk([CompletionStreamChoice(index=0, text=PROMPT_TEXT + " a")]),
+        completion_chunk([CompletionStreamChoice(index=0, text=" b",
                                                    finish_reason="length")])])
 
 
@@ -181,8 +181,8 @@ def test_completion_logprobs_with_an_infinite_one():
     streamed = completion_events(deltas, logprobs=1)
     assert streamed[1]["choices"][0]["logprobs"]["token_logprobs"] == [None]
     assert streamed == as_json([
-        completion_chunk([CompletionResponseChoice(index=0, text=" a", logprobs=first)]),
-        completion_chunk([CompletionResponseChoice(index=0, text="!", logprobs=second,
+        completion_chunk([CompletionStreamChoice(index=0, text=" a", logprobs=first)]),
+        completion_chunk([CompletionStreamChoice(index=0, text="!", logprobs=second,
                                                    finish_reason="length")])])
 
 
@@ -190,8 +190,8 @@ def test_completion_continuous_usage_then_the_usage_chunk():
     deltas = [CompletionOutput(0, " a", [5]),
               CompletionOutput(0, " b", [6], finish_reason="length")]
     assert completion_events(deltas, **USAGE_ON) == as_json([
-        completion_chunk([CompletionResponseChoice(index=0, text=" a")], usage(1)),
-        completion_chunk([CompletionResponseChoice(index=0, text=" b", finish_reason="length")],
+        completion_chunk([CompletionStreamChoice(index=0, text=" a")], usage(1)),
+        completion_chunk([CompletionStreamChoice(index=0, text=" b", finish_reason="length")],
                          usage(2)),
         completion_chunk([], usage(2))])
 
@@ -200,7 +200,7 @@ def test_completion_include_usage_only_in_the_last_chunk():
     deltas = [CompletionOutput(0, " a", [5], finish_reason="length")]
     streamed = completion_events(deltas, stream_options={"include_usage": True})
     assert streamed == as_json([
-        completion_chunk([CompletionResponseChoice(index=0, text=" a", finish_reason="length")]),
+        completion_chunk([CompletionStreamChoice(index=0, text=" a", finish_reason="length")]),
         completion_chunk([], usage(1))])
 
 
@@ -287,7 +287,7 @@ def test_plain_text_chunks_keep_their_bytes():
     completion = event_data(stream_completion(
         generation([CompletionOutput(0, text, [5], finish_reason="stop", stop_reason=2)]),
         CompletionRequest(prompt=PROMPT_TEXT, stream=True), MODEL))
-    assert completion == [completion_chunk([CompletionResponseChoice(
+    assert completion == [completion_chunk([CompletionStreamChoice(
         index=0, text=text, finish_reason="stop", stop_reason=2)]).model_dump_json()]
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True)
     chat = event_data(stream_chat(generation([CompletionOutput(0, text, [5])]), req, MODEL, None,

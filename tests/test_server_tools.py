@@ -185,10 +185,13 @@ def test_return_token_ids_only_when_asked(engine: AsyncLLM):
     assert chat_r.json()["choices"][0]["token_ids"] == [100, 101]
     assert len(chat_r.json()["prompt_token_ids"]) == chat_r.json()["usage"]["prompt_tokens"]
     plain = post(scripted, "/v1/completions", {"prompt": "hi"}).json()
-    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+    # NOTE: unasked, null as in vLLM's whole responses (its clients read them as attributes)
+    assert {k: plain["choices"][0][k] for k in ("token_ids", "prompt_token_ids", "prompt_logprobs")} == dict.fromkeys(
+        ("token_ids", "prompt_token_ids", "prompt_logprobs"))
     plain_chat = post(scripted, "/v1/chat/completions",
                       {"messages": [{"role": "user", "content": "hi"}]}).json()
-    assert "token_ids" not in plain_chat["choices"][0] and "prompt_token_ids" not in plain_chat
+    assert plain_chat["choices"][0]["token_ids"] is None and plain_chat["prompt_token_ids"] is None
+    assert plain_chat["prompt_logprobs"] is None
 
 
 def test_return_token_ids_streamed(engine: AsyncLLM):
@@ -202,6 +205,13 @@ def test_return_token_ids_streamed(engine: AsyncLLM):
         "messages": [{"role": "user", "content": "hi"}], "stream": True, "return_token_ids": True}))
     assert events[0]["prompt_token_ids"] and "prompt_token_ids" not in events[1]
     assert [e["choices"][0]["token_ids"] for e in events[1:]] == [[100], [101]]
+    # NOTE: a delta whose text is held back (a character's first bytes) still brings its ids,
+    # in a chunk with an empty delta (vLLM's test_chat_completion_with_emoji_and_token_ids)
+    held = ScriptedText(engine, ["Hello", "", "!"])
+    events = sse(post(held, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "stream": True, "return_token_ids": True}))
+    assert [e["choices"][0]["token_ids"] for e in events[1:]] == [[100], [101], [102]]
+    assert events[2]["choices"][0]["delta"] == {"content": ""}
 
 
 def serve_args(*flags: str) -> argparse.Namespace:

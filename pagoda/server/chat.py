@@ -316,8 +316,10 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
     for index in range(len(gen.choices)):
         yield chunk(chat_choice(index, role_delta(role)), prompt_ids if index == 0 else "")
     async for index, delta in gen.deltas():
-        wants_logprobs = num_logprobs is not None and bool(delta.token_ids)
-        if not (delta.text or delta.finish_reason or wants_logprobs):
+        # NOTE: a delta whose text is held back (a character's first bytes) still carries its
+        # token ids and logprobs, in a chunk with an empty delta, as vLLM streams it
+        carries_tokens = (num_logprobs is not None or bool(req.return_token_ids)) and bool(delta.token_ids)
+        if not (delta.text or delta.finish_reason or carries_tokens):
             continue
         logprobs = NULL
         if num_logprobs is not None:

@@ -228,8 +228,9 @@ _UNASKED = ("prompt_logprobs", "token_ids", "prompt_token_ids")
 
 
 def _drop_unasked_fields(data: dict[str, Any]) -> dict[str, Any]:
-    """Leaves vLLM's `prompt_logprobs`, `token_ids` and `prompt_token_ids` out unless asked
-    for: the other responses stay OpenAI's."""
+    """Leaves vLLM's `token_ids` and `prompt_token_ids` out of a stream's chunks unless asked
+    for, as vLLM's chunks leave unset fields out. (A whole response carries them, and
+    `prompt_logprobs`, as null, as vLLM's does: clients read them as attributes.)"""
     for name in _UNASKED:
         if name in data and data[name] is None:
             del data[name]
@@ -245,10 +246,6 @@ class CompletionResponseChoice(OpenAIBaseModel):
     prompt_logprobs: PromptLogprobsField = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_unasked_fields(handler(self))
 
 
 class PromptTokensDetails(OpenAIBaseModel):
@@ -269,6 +266,21 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo | None = None
+
+
+class CompletionStreamChoice(CompletionResponseChoice):
+    """A streamed choice (vLLM's CompletionResponseStreamChoice): vLLM's own fields present
+    only when asked for, as vLLM's chunks leave unset fields out."""
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _drop_unasked_fields(handler(self))
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """One chunk of a streamed completion (server/chunks.py writes it without pydantic)."""
+
+    choices: list[CompletionStreamChoice]  # type: ignore[assignment]
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------
@@ -366,10 +378,6 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_unasked_fields(handler(self))
-
 
 class ChatCompletionResponse(OpenAIBaseModel):
     id: str
@@ -380,10 +388,6 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobsField = None
     prompt_token_ids: list[int] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        return _drop_unasked_fields(handler(self))
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
