@@ -16,6 +16,7 @@ from typing import Any
 from pagoda.generation_config import check_generation_values, check_source
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # NOTE: vLLM's spellings of two of them
 QUANTIZATIONS = ("int8", "int4", "gguf", "fp8", "gptq", "awq")
 INT4_GROUP_SIZES = (32, 64, 128)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -102,6 +103,7 @@ class ModelConfig:
         override = json_object(self.override_generation_config, "override_generation_config")
         object.__setattr__(self, "override_generation_config",
                            check_generation_values(override, "override_generation_config"))
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
         _check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
                self.quantization, f"must be None or one of {QUANTIZATIONS}")

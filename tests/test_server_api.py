@@ -511,6 +511,27 @@ def test_every_spelling_of_vllms_serve_flags_parses():
         assert error is not None and error.startswith(flag + ":")
 
 
+def test_vllms_dotted_config_keys_and_dtype_spellings_parse():
+    """vLLM's parser takes a JSON config flag key by key (`--structured-outputs-config.backend
+    xgrammar`, merged into one object; `key+` a comma list) and `--dtype half|float`: vLLM's own
+    function-calling tests start their server so."""
+    from pagoda.config import ModelConfig
+    from pagoda.server.serve import vllm_spelling
+
+    argv = vllm_spelling(["serve", "m", "--dtype", "half", "--structured-outputs-config.backend", "xgrammar",
+                          "--compilation-config.mode=3", "--compilation_config.pass_config.fuse+", "a,b",
+                          "--kv-transfer-config.kv_buffer_size", "1e9", "--max_model_len", "1k"])
+    assert argv[-6:] == ["--structured-outputs-config", '{"backend": "xgrammar"}', "--compilation-config",
+                         '{"mode": 3, "pass_config": {"fuse": ["a", "b"]}}', "--kv-transfer-config",
+                         '{"kv_buffer_size": 1000000000.0}']
+    args = serve_parser().parse_args(argv)
+    assert args.dtype == "half" and args.structured_outputs_config == '{"backend": "xgrammar"}'
+    assert engine_kwargs(args)["max_model_len"] == 1000
+    assert ModelConfig(dtype="half").dtype == "float16" and ModelConfig(dtype="float").dtype == "float32"
+    assert vllm_spelling(["--served_model_name=a.b", "--api-key", "x.y", "--", "--a.b", "c"]) == [
+        "--served-model-name=a.b", "--api-key", "x.y", "--", "--a.b", "c"]
+
+
 def test_a_yaml_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
     """vLLM's `--config FILE.yaml`: keys are flags (underscores or dashes), booleans switch,
     lists and mappings pass as vLLM passes them, the command line wins, `model:` serves when
@@ -645,3 +666,29 @@ def test_cors_only_where_the_flags_allow(engine: FakeEngine):
     assert "access-control-allow-origin" not in closed.headers
     with pytest.raises(SystemExit):
         serve_parser().parse_args(["serve", "m", "--allowed-origins", "https://a.example"])
+
+
+def test_root_path_routes_answer_with_and_without_the_prefix_and_keys_still_hold(
+        engine: FakeEngine, monkeypatch: pytest.MonkeyPatch):
+    """vLLM's --root-path (FastAPI's root_path): /llm/v1/models and /v1/models both answer, the
+    API key is asked for on both, /health is open on both; VLLM_API_KEY is the key where no
+    --api-key is given (vLLM's test_root_path)."""
+    from pagoda.server.serve import api_keys
+
+    monkeypatch.setenv("VLLM_API_KEY", "abc-123")
+    monkeypatch.delenv("PAGODA_API_KEY", raising=False)
+    assert api_keys(serve_parser().parse_args(["serve", "m"])) == ["abc-123"]
+    assert api_keys(serve_parser().parse_args(["serve", "m", "--api-key", "k"])) == ["k"]
+    ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake", max_model_len=64,
+                        api_keys=["abc-123"])
+
+    async def get(path: str, key: str | None) -> int:
+        transport = httpx.ASGITransport(app=build_app(ctx, root_path="/llm"))  # type: ignore[arg-type]
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return (await client.get(path, headers=headers)).status_code
+
+    for prefix in ("", "/llm"):
+        assert asyncio.run(get(f"{prefix}/v1/models", "abc-123")) == 200
+        assert asyncio.run(get(f"{prefix}/v1/models", "abc")) == 401
+        assert asyncio.run(get(f"{prefix}/health", None)) == 200

@@ -364,13 +364,15 @@ def test_response_role_names_the_answer_after_a_generation_prompt(engine: AsyncL
 ])
 def test_forced_usage_ends_every_stream_with_a_usage_chunk(engine: AsyncLLM, path: str, body: dict):
     """vLLM's --enable-force-include-usage: a stream's last chunk before [DONE] is its usage,
-    asked for or not."""
-    def usage_chunks(**ctx: object) -> list[dict]:
+    asked for or not, and every chunk before carries the usage so far (vLLM's
+    should_include_usage: continuous usage too)."""
+    def events(**ctx: object) -> list[dict]:
         r = post(engine, path, {**body, "max_tokens": 3, "stream": True}, **ctx)
         assert r.status_code == 200, r.text
-        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-        return [e["usage"] for e in events if not e["choices"] and e.get("usage")]
+        return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
 
-    assert usage_chunks() == []
-    forced = usage_chunks(force_include_usage=True)
-    assert len(forced) == 1 and forced[0]["completion_tokens"] == 3
+    plain = events()
+    assert [e for e in plain if not e["choices"]] == [] and all(e.get("usage") is None for e in plain)
+    forced = events(force_include_usage=True)
+    assert [e["usage"]["completion_tokens"] for e in forced if not e["choices"]] == [3]
+    assert all(e.get("usage") is not None for e in forced)

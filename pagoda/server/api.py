@@ -31,7 +31,7 @@ from pagoda.server.chat import create_chat_completion, render_chat
 from pagoda.server.completions import create_completion
 from pagoda.server.embeddings import create_embedding, create_pooling, create_rerank, create_score
 from pagoda.server.errors import APIError, bad_request, error_response, install_error_handlers
-from pagoda.server.middleware import GateMiddleware, RequestIdHeaders
+from pagoda.server.middleware import GateMiddleware, RequestIdHeaders, RootPath
 from pagoda.server.pooling_protocol import (
     EmbeddingRequest,
     PoolingRequest,
@@ -316,7 +316,7 @@ async def unload_lora_adapter(req: UnloadLoRAAdapterRequest, ctx: Ctx) -> Respon
 def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
               web_ui: bool = True, request_id_headers: bool = False, api_docs: bool = True,
               cors: CorsPolicy | None = None, log_error_stack: bool = False,
-              runtime_lora: bool = False) -> FastAPI:
+              runtime_lora: bool = False, root_path: str = "") -> FastAPI:
     """The app serving `ctx.engine`; `ctx` is shared with the launcher (draining, counts).
 
     Args:
@@ -330,6 +330,8 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
             CORS headers (vLLM allows every origin unless told otherwise).
         runtime_lora: serve `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's
             VLLM_ALLOW_RUNTIME_LORA_UPDATING).
+        root_path: the prefix a proxy serves the app under (`--root-path`), FastAPI's as vLLM
+            sets it: each route answers with the prefix and without it.
     """
     app = FastAPI(title="pagoda", version=pagoda_version(),
                   description="OpenAI-compatible LLM server (vLLM-style).",
@@ -345,6 +347,8 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
         app.add_middleware(WebUIAssets)
     if request_id_headers:
         app.add_middleware(RequestIdHeaders)
+    if root_path:
+        app.add_middleware(RootPath, root_path=root_path)
     if cors is not None:
         app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
                            allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,

@@ -48,6 +48,7 @@ from pagoda.server.serving import (
     prompt_logprobs_field,
     request_fields,
     run_beam_search,
+    stream_usage,
     tokenize_text,
     top_entries,
     truncate_prompt,
@@ -302,10 +303,10 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
     """The chunks' JSON: a role chunk per choice, then one per content or tool-call delta,
     then the usage chunk if asked for."""
     chunks = ChunkEncoder(gen.request_id, "chat.completion.chunk", gen.created, model)
+    final_usage, continuous = stream_usage(gen.ctx, req)
 
     def chunk(choice: str, extra: str = "") -> str:
-        return chunks.encode(choice, part_json(gen.usage() if req.continuous_usage else None),
-                             extra)
+        return chunks.encode(choice, part_json(gen.usage() if continuous else None), extra)
 
     streams = [ToolStream(plan) for _ in gen.choices]
     parser = gen.ctx.reasoning_parser
@@ -343,7 +344,7 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
                 index, piece, logprobs if i == 0 else NULL,
                 _finish_reason(plan, delta.finish_reason, called) if last else None,
                 delta.stop_reason if last else None, ids if i == 0 else ""))
-    if req.include_usage or gen.ctx.force_include_usage:
+    if final_usage:
         yield chunks.encode(None, part_json(gen.usage()))
 
 

@@ -35,6 +35,7 @@ from pagoda.server.serving import (
     prompt_logprobs_field,
     request_fields,
     run_beam_search,
+    stream_usage,
     tokenize_text,
     top_entries,
     truncate_prompt,
@@ -170,6 +171,7 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
     scores, as vLLM streams it), then the usage chunk if asked for."""
     ctx, echoed = gen.ctx, set()
     chunks = ChunkEncoder(gen.request_id, "text_completion", gen.created, model)
+    final_usage, continuous = stream_usage(ctx, req)
     async for index, delta in gen.deltas():
         first = index not in echoed
         echo = req.echo and first
@@ -188,8 +190,8 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
             prompt_ids = gen.prompts[index // gen.n].token_ids if first else None
             extra = ids_members(token_ids=list(delta.token_ids), prompt_token_ids=prompt_ids)
         choice = completion_choice(index, text, logprobs, reason, stop_reason, extra)
-        yield chunks.encode(choice, part_json(gen.usage() if req.continuous_usage else None))
-    if req.include_usage or ctx.force_include_usage:
+        yield chunks.encode(choice, part_json(gen.usage() if continuous else None))
+    if final_usage:
         yield chunks.encode(None, part_json(gen.usage()))
 
 

@@ -14,6 +14,7 @@ import hmac
 import uuid
 
 from starlette.responses import JSONResponse
+from starlette.routing import get_route_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.server.errors import error_body
@@ -66,7 +67,7 @@ class GateMiddleware:
         if refusal is not None:
             await refusal(scope, receive, send)
             return
-        load = int(self.ctx.enable_server_load_tracking and counts_as_load(scope["path"]))
+        load = int(self.ctx.enable_server_load_tracking and counts_as_load(get_route_path(scope)))
         self.ctx.num_active_requests += 1
         self.ctx.server_load += load
         try:
@@ -76,7 +77,7 @@ class GateMiddleware:
             self.ctx.server_load -= load
 
     def _refusal(self, scope: Scope) -> JSONResponse | None:
-        path: str = scope["path"]
+        path = get_route_path(scope)  # NOTE: without --root-path's prefix, where the request has it
         if self.ctx.draining and path not in OPEN_WHILE_DRAINING:
             body = error_body(503, "The server is shutting down and accepts no new requests.")
             return JSONResponse(body, status_code=503, headers={"Connection": "close"})
@@ -155,3 +156,18 @@ class RequestIdHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class RootPath:
+    """vLLM's --root-path (FastAPI's root_path, set on the app as vLLM sets it): a request's
+    path may carry the prefix a proxy serves the app under, or not; the routes and the gate
+    read it without (`get_route_path`)."""
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path.rstrip("/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)

@@ -31,6 +31,7 @@ import uvicorn
 from pagoda.config import (
     BLOCK_SIZES,
     DEFAULT_MODEL,
+    DTYPE_ALIASES,
     DTYPES,
     INT4_GROUP_SIZES,
     KV_CACHE_DTYPES,
@@ -271,7 +272,9 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model")
-    model.add_argument("--dtype", choices=DTYPES, default=None)
+    model.add_argument("--dtype", choices=(*DTYPES, *DTYPE_ALIASES), default=None,
+                       help="auto (bfloat16 where this CPU or GPU computes it, else float32), "
+                            "float32 (float), bfloat16, float16 (half)")
     model.add_argument("--max-model-len", type=human_int, default=None)
     model.add_argument("--seed", type=int, default=None)
     model.add_argument("--chat-template", default=None, help="a Jinja template or a file path")
@@ -744,18 +747,58 @@ def _flag_value(args: argparse.Namespace, flag: str) -> Any:
 
 
 def vllm_spelling(argv: list[str]) -> list[str]:
-    """vLLM's parser's spelling rule: an option named with underscores (`--max_model_len`,
-    `--max_model_len=512`) is the dashed one; values are left as they are."""
+    """vLLM's parser's spelling rules: an option named with underscores (`--max_model_len`,
+    `--max_model_len=512`) is the dashed one; a JSON config flag may come key by key
+    (`--compilation-config.mode 3`, `--structured-outputs-config.backend=xgrammar`, a `+` after
+    the key for a comma-separated list), the keys merged into one JSON object as vLLM merges
+    them. Values are left as they are."""
     out: list[str] = []
-    for arg in argv:
+    dotted: dict[str, dict[str, Any]] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
         if arg == "--":
-            out.extend(argv[len(out):])
+            rest = argv[i - 1:]
             break
-        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
-            key, sep, value = arg.partition("=")
-            arg = key.replace("_", "-") + sep + value
-        out.append(arg)
-    return out
+        key, sep, value = arg.partition("=")
+        name, dot, path = key.partition(".")
+        if not arg.startswith("--"):
+            out.append(arg)
+        elif not dot:
+            out.append(key.replace("_", "-") + sep + value)
+        elif not path or (not sep and i >= len(argv)):
+            out.append(arg)  # NOTE: not a key, or no value: argparse names it
+        else:
+            if not sep:
+                value, i = argv[i], i + 1
+            _merge_dotted(dotted.setdefault(name.replace("_", "-"), {}), path, value)
+    for name, tree in dotted.items():
+        out += [name, json.dumps(tree)]
+    return out + rest
+
+
+def _merge_dotted(tree: dict[str, Any], path: str, text: str) -> None:
+    """One `--flag.a.b VALUE` into the flag's tree: the value as JSON where it parses (a number,
+    true, a list), else a size such as 80g, else the text; `a.b+` splits it at commas."""
+    keys = path.split(".")
+    value: Any
+    if keys[-1].endswith("+"):
+        keys[-1], value = keys[-1][:-1], text.split(",")
+    else:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            try:
+                value = human_int(text)
+            except argparse.ArgumentTypeError:
+                value = text
+    for key in keys[:-1]:
+        if not isinstance(tree.get(key), dict):
+            tree[key] = {}
+        tree = tree[key]
+    tree[keys[-1]] = value
 
 
 def unsupported_flag_error(args: argparse.Namespace) -> str | None:
@@ -910,10 +953,10 @@ class AccessLogFilter(logging.Filter):
 
 
 def api_keys(args: argparse.Namespace) -> list[str]:
-    keys = list(args.api_key or [])
-    env = os.environ.get("PAGODA_API_KEY")
-    if env:
-        keys.append(env)
+    """--api-key's keys and PAGODA_API_KEY's; vLLM's VLLM_API_KEY where no --api-key is given
+    (vLLM's rule: the flag takes precedence)."""
+    keys = list(args.api_key or []) or [os.environ.get("VLLM_API_KEY", "")]
+    keys.append(os.environ.get("PAGODA_API_KEY", ""))
     return [k for k in keys if k]
 
 
@@ -1036,7 +1079,8 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
         app = build_app(ctx, live, web_ui=not args.disable_web_ui,
                         request_id_headers=args.enable_request_id_headers,
                         api_docs=not args.disable_fastapi_docs, cors=cors_policy(args),
-                        log_error_stack=args.log_error_stack, runtime_lora=runtime_lora_updating())
+                        log_error_stack=args.log_error_stack, runtime_lora=runtime_lora_updating(),
+                        root_path=args.root_path or "")
         add_middlewares(app, middlewares or [])
         quiet_paths = [p.strip() for p in (args.disable_access_log_for_endpoints or "").split(",") if p.strip()]
         if quiet_paths:
@@ -1044,7 +1088,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
         uv_config = uvicorn.Config(app, host=args.host, port=args.port,
                                    log_level=args.uvicorn_log_level, lifespan="off",
                                    access_log=not args.disable_uvicorn_access_log,
-                                   timeout_graceful_shutdown=2, root_path=args.root_path or "",
+                                   timeout_graceful_shutdown=2,
                                    ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                                    **uvicorn_tls_kwargs(args))
         server = DrainingServer(uv_config, ctx, args.drain_timeout)

@@ -102,7 +102,9 @@ class ServerContext:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     response_role: str = "assistant"  # NOTE: a chat answer's role after a generation prompt
     exclude_tools_when_tool_choice_none: bool = False
-    force_include_usage: bool = False  # NOTE: a stream's usage chunk without stream_options
+    # NOTE: --enable-force-include-usage: usage in every chunk of every stream and a usage chunk
+    # at its end, whatever stream_options say (vLLM's should_include_usage)
+    force_include_usage: bool = False
     tool_parser: ToolParser | None = None
     reasoning_parser: ReasoningParser | None = None
     api_keys: list[str] = field(default_factory=list)
@@ -417,6 +419,14 @@ class Generation:
                     _abort_quietly(self.ctx.engine, req.request_id))
                 _background_tasks.add(task)
                 task.add_done_callback(_background_tasks.discard)
+
+
+def stream_usage(ctx: ServerContext, req: SamplingFields) -> tuple[bool, bool]:
+    """Whether a stream ends with a usage chunk, and whether every chunk carries the usage so
+    far: as stream_options ask, or both under --enable-force-include-usage (vLLM's rule)."""
+    if ctx.force_include_usage:
+        return True, True
+    return req.include_usage, req.continuous_usage
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.exceptions import HTTPException
 from starlette.responses import FileResponse, PlainTextResponse, Response
+from starlette.routing import get_route_path
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -63,7 +64,7 @@ class WebUIAssets:
     async def _response(self, scope: Scope) -> Response | None:
         if scope["method"] not in ("GET", "HEAD"):
             return None
-        path: str = scope["path"]
+        path = get_route_path(scope)
         if path == "/":
             return FileResponse(STATIC_DIR / "index.html", headers=PAGE_HEADERS)
         if not path.startswith(ASSET_PREFIX):
