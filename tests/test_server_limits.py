@@ -100,7 +100,7 @@ def error_of(r: httpx.Response, status: int) -> dict:
     ({"n": 1_000_000, "temperature": 1}, "n", "--max-n"),
     ({"max_tokens": 16, "min_tokens": 1, "stop_token_ids": [999999999]}, "stop_token_ids",
      "out of vocabulary"),
-    ({"seed": 2**64}, "seed", "integer in"),
+    ({"seed": 2**64}, "seed", "less than or equal to 9223372036854775807"),
     ({"top_k": 1e30}, "top_k", "top_k: Unable to parse input string as an integer"),
     ({"prompt": "hi\ud800"}, None, "not valid Unicode"),
     ({"prompt": "x" * 2001}, "prompt", "--max-prompt-chars"),

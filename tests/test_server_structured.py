@@ -111,6 +111,9 @@ def test_logit_bias_through_the_api(engine: AsyncLLM):
     ("/v1/completions", {"prompt": "x", "guided_decoding_backend": "xgrammar"},
      "guided_decoding_backend", "llguidance"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    # NOTE: pydantic's bound and its error type in the words, as vLLM's (its test_long_seed)
+    ("/v1/chat/completions", chat(seed=2**63), "seed", "less_than_equal"),
+    ("/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, "seed", "greater_than_equal"),
     # NOTE: every bad key at once, as vLLM (its test_chat_logit_bias_multiple_non_integer_keys)
     ("/v1/chat/completions", chat(logit_bias={"bad1": 50.0, "5": 1, "bad2": 20.0}), "logit_bias",
      "['bad1', 'bad2']"),
@@ -156,6 +159,28 @@ def test_named_tool_call(engine: AsyncLLM):
     assert "".join(c["function"].get("arguments", "") for c in calls) == \
         call["function"]["arguments"]
     assert deltas[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_required_tool_call_with_refs_to_defs(engine: AsyncLLM):
+    """A tool's parameters with `$defs` and `$ref`s into them (pydantic writes them so): under
+    "required" its defs are lifted to the calls' schema root, as vLLM's _get_tool_schema_defs
+    lifts them (they were "Pointer '/$defs/Unit' does not exist" here); one name with two
+    schemas is a 400 naming it."""
+    unit = {"enum": ["C", "F"]}
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "additionalProperties": False, "required": ["unit"],
+        "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": unit}}}}
+    body = chat("Weather?", tools=[tool, TIME], tool_choice="required", parallel_tool_calls=False,
+                max_tokens=60)
+    r = post(engine, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
+    if call["name"] == "get_weather":
+        assert json.loads(call["arguments"])["unit"] in ("C", "F")
+    other = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}, "$defs": {"Unit": {"enum": ["K"]}}}}}
+    err = error(post(engine, "/v1/chat/completions", {**body, "tools": [tool, other]}))
+    assert err["param"] == "tools" and "'Unit' has multiple schemas" in err["message"]
 
 
 def test_required_tool_call(engine: AsyncLLM):

@@ -112,7 +112,9 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
         param = param or (loc[0] if loc else None)
         where = ".".join(loc) or "body"
-        parts.append(f"{where}: {error.get('msg', 'invalid')}")
+        # NOTE: pydantic's error type too (e.g. greater_than_equal), as vLLM's messages carry it
+        kind = f" ({error['type']})" if error.get("type") else ""
+        parts.append(f"{where}: {error.get('msg', 'invalid')}{kind}")
     return "; ".join(parts) or "Invalid request.", param
 
 

@@ -20,6 +20,8 @@ from pydantic import (
     model_validator,
 )
 
+from pagoda.sampling_params import INT64_MAX, INT64_MIN
+
 
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -136,7 +138,8 @@ class SamplingFields(RequestModel):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    # NOTE: bounded here, as vLLM's protocol bounds it, so the 400 is pydantic's
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False

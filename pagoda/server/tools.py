@@ -91,7 +91,7 @@ class ToolPlan:
     def constraint(self) -> StructuredOutputsParams | None:
         """The output constraint named and required calls generate under."""
         if self.mode == "named":
-            return StructuredOutputsParams(json=_parameters(self._tool(self.named)))
+            return StructuredOutputsParams(json=_schema(self._tool(self.named)))
         if self.mode == "required":
             return StructuredOutputsParams(json=required_schema(self.tools, self.parallel))
         return None
@@ -145,8 +145,30 @@ def plan_tools(req: ChatCompletionRequest, parser: ToolParser | None) -> ToolPla
     return plan
 
 
-def _parameters(tool: ChatCompletionTool) -> dict[str, Any]:
+def _schema(tool: ChatCompletionTool) -> dict[str, Any]:
+    """The tool's parameters schema (an empty object where it has none)."""
     return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def _parameters(tool: ChatCompletionTool) -> dict[str, Any]:
+    """The tool's parameters schema without its `$defs` (which `_shared_defs` lifts)."""
+    return {k: v for k, v in _schema(tool).items() if k != "$defs"}
+
+
+def _shared_defs(tools: list[ChatCompletionTool]) -> dict[str, Any]:
+    """Every tool's `$defs`, lifted to the root of the calls' schema where their `$ref`s
+    ("#/$defs/X") point, as vLLM lifts them; one name with two schemas is a 400."""
+    shared: dict[str, Any] = {}
+    for tool in tools:
+        defs = (tool.function.parameters or {}).get("$defs", {})
+        if not isinstance(defs, dict):
+            raise bad_request(f"`$defs` in the parameters of tool {tool.function.name!r} must be an "
+                              f"object, got {type(defs).__name__}.", "tools")
+        for name, schema in defs.items():
+            if shared.setdefault(name, schema) != schema:
+                raise bad_request(f"Tool definition {name!r} has multiple schemas, which is not "
+                                  "supported.", "tools")
+    return shared
 
 
 def required_schema(tools: list[ChatCompletionTool], parallel: bool) -> dict[str, Any]:
@@ -159,6 +181,9 @@ def required_schema(tools: list[ChatCompletionTool], parallel: bool) -> dict[str
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    defs = _shared_defs(tools)
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 
