@@ -19,7 +19,7 @@ import pytest
 
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.server import protocol, tool_parsers, tools
-from pagoda.server.chat import _num_logprobs, stream_chat
+from pagoda.server.chat import ChatInputs, _num_logprobs, stream_chat
 from pagoda.server.completions import stream_completion
 from pagoda.server.protocol import (
     ChatCompletionLogProbs,
@@ -100,8 +100,8 @@ def completion_events(deltas: list[CompletionOutput], **request: Any) -> list[An
 def chat_events(deltas: list[CompletionOutput], n: int = 1, **request: Any) -> list[Any]:
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True, n=n,
                                 **request)
-    plan = plan_tools(req, HermesToolParser())
-    return events(stream_chat(generation(deltas, n), req, MODEL, _num_logprobs(req), plan))
+    inputs = ChatInputs(plan_tools(req, HermesToolParser()), {}, "", Prompt(PROMPT_IDS), None)
+    return events(stream_chat(generation(deltas, n), req, MODEL, _num_logprobs(req), inputs))
 
 
 def as_json(models: list[CompletionStreamResponse] | list[ChatCompletionStreamResponse]) -> list[Any]:
@@ -291,5 +291,5 @@ def test_plain_text_chunks_keep_their_bytes():
         index=0, text=text, finish_reason="stop", stop_reason=2)]).model_dump_json()]
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True)
     chat = event_data(stream_chat(generation([CompletionOutput(0, text, [5])]), req, MODEL, None,
-                                  plan_tools(req, HermesToolParser())))
+                                  ChatInputs(plan_tools(req, HermesToolParser()), {}, "", Prompt(PROMPT_IDS), None)))
     assert chat == [role_chunk().model_dump_json(), content_chunk(text).model_dump_json()]

@@ -105,7 +105,8 @@ def test_logit_bias_through_the_api(engine: AsyncLLM):
     ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]},
      "guided_choice", "Only one output constraint"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, "best_of", "Unsupported parameter"),
-    ("/v1/chat/completions", chat(echo=True), "echo", "Unsupported parameter"),
+    ("/v1/chat/completions", chat(continue_final_message=True), "continue_final_message",
+     "Cannot set both `continue_final_message` and `add_generation_prompt` to True."),
     ("/v1/chat/completions", chat(functions=[{"name": "f"}]), "functions",
      "Unsupported parameter"),
     ("/v1/completions", {"prompt": "x", "guided_decoding_backend": "xgrammar"},
@@ -401,3 +402,32 @@ def test_forced_usage_ends_every_stream_with_a_usage_chunk(engine: AsyncLLM, pat
     forced = events(force_include_usage=True)
     assert [e["usage"]["completion_tokens"] for e in forced if not e["choices"]] == [3]
     assert all(e.get("usage") is not None for e in forced)
+
+
+def test_continue_final_message_and_echo(engine: AsyncLLM):
+    """vLLM's chat `continue_final_message` (the last message left open: no end of turn after
+    it) and `echo` (the answer starts with that message's text where it has the answer's role),
+    streamed or not; echo leaves another role's last message out (vLLM's test_chat_echo)."""
+    saying = "An apple a day, keeps"
+    messages = [{"role": "user", "content": "a saying?"}, {"role": "assistant", "content": saying}]
+    open_end = post(engine, "/tokenize", {"messages": messages, "add_generation_prompt": False,
+                                          "continue_final_message": True}).json()["tokens"]
+    closed = post(engine, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    tokenizer = engine.tokenizer
+    assert tokenizer.decode(open_end).endswith(saying) and not tokenizer.decode(closed).endswith(saying)
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+            "echo": True, "max_tokens": 4, "temperature": 0}
+    r = post(engine, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["content"].startswith(saying)
+    assert r.json()["usage"]["prompt_tokens"] == len(open_end)
+    streamed = post(engine, "/v1/chat/completions", {**body, "stream": True})
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert deltas[1] == {"content": saying}
+    assert "".join(d.get("content") or "" for d in deltas) == message["content"]
+    plain = post(engine, "/v1/chat/completions", {**body, "echo": False}).json()["choices"][0]["message"]
+    assert message["content"] == saying + plain["content"]
+    other_role = post(engine, "/v1/chat/completions", {**chat("hi"), "echo": True, "max_tokens": 4}).json()
+    assert not other_role["choices"][0]["message"]["content"].startswith("hi")

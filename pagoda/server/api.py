@@ -215,7 +215,8 @@ async def invocations(raw: Request, ctx: Ctx) -> Response:
 async def tokenize(req: TokenizeRequest, ctx: Ctx) -> TokenizeResponse:
     ctx.check_model(req.model)
     if req.messages is not None:
-        text = await render_chat(ctx, req.messages, req.add_generation_prompt)
+        text = await render_chat(ctx, req.messages, req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message)
         add_special, param = bool(req.add_special_tokens), "messages"
     elif req.prompt is not None:
         text = req.prompt

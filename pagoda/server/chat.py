@@ -113,14 +113,20 @@ def template_has_tools(ctx: ServerContext, template: str | None = None) -> bool:
 
 async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool,
                       template_kwargs: dict[str, Any] | None = None,
-                      tools: ToolPlan | None = None, template: str | None = None) -> str:
+                      tools: ToolPlan | None = None, template: str | None = None,
+                      continue_final_message: bool = False) -> str:
     """Applies the chat template (--chat-template, else the tokenizer's), in a worker thread.
 
     The messages' text is size-checked first (`--max-prompt-chars`), so a huge conversation
     is refused before any templating or tokenizing. `template_kwargs` (the request's) go over
     the server's `--default-chat-template-kwargs`. Tools go to a template that renders them;
     for one that cannot, a call's tools are described in a system message.
+    `continue_final_message` (vLLM's): the last message is left open for the model to continue.
     """
+    if continue_final_message and add_generation_prompt:
+        # NOTE: vLLM's words
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          "continue_final_message")
     template = template or ctx.chat_template
     fmt = content_format(ctx.chat_template_content_format, _template_source(ctx, template))
     conversation = [_message_dict(m, fmt) for m in messages]
@@ -136,6 +142,8 @@ async def render_chat(ctx: ServerContext, messages: list[ChatMessage], add_gener
         ctx.processor.check_num_chars(num_chars, "messages")
     except ValueError as e:
         raise invalid_input(e) from e
+    if continue_final_message:
+        template_kwargs["continue_final_message"] = True
     return await asyncio.to_thread(_apply_template, ctx, template, conversation, add_generation_prompt,
                                    template_kwargs)
 
@@ -193,6 +201,7 @@ class ChatInputs:
     prompt: Prompt
     max_tokens: int | None
     role: str = "assistant"
+    echo: str = ""  # NOTE: vLLM's chat `echo`: the last message's text, which the answer starts with
 
 
 async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInputs:
@@ -209,14 +218,24 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInp
     # NOTE: vLLM's --exclude-tools-when-tool-choice-none: such a request's template sees no tools
     shown = None if req.tool_choice == "none" and ctx.exclude_tools_when_tool_choice_none else plan
     text = await render_chat(ctx, req.messages, req.add_generation_prompt,
-                             req.chat_template_kwargs, shown, chat_template_for(ctx, req))
+                             req.chat_template_kwargs, shown, chat_template_for(ctx, req),
+                             req.continue_final_message)
     prompt = truncate_prompt(Prompt(await tokenize_text(ctx, text, False, "messages"), text),
                              req.truncate_prompt_tokens, ctx.max_model_len,
                              req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     role = ctx.response_role if req.add_generation_prompt else req.messages[-1].role
-    return ChatInputs(plan, fields, structured_param, prompt, max_tokens, role)
+    return ChatInputs(plan, fields, structured_param, prompt, max_tokens, role, _echo(req, role))
+
+
+def _echo(req: ChatCompletionRequest, role: str) -> str:
+    """vLLM's chat `echo`: the last message's text where it has the answer's role, else none."""
+    last = req.messages[-1]
+    if not req.echo or last.role != role or not last.content:
+        return ""
+    content = last.content
+    return content if isinstance(content, str) else "\n".join(str(p.get("text", "")) for p in content)
 
 
 async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, inputs: ChatInputs,
@@ -239,12 +258,12 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     model = req.model or ctx.model_name
     num_logprobs = _num_logprobs(req)
     if req.stream:
-        return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, inputs.plan, inputs.role)),
+        return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, inputs)),
                                  media_type="text/event-stream")
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
-    return JSONResponse(full_chat(gen, model, num_logprobs, inputs.plan, TokenNames.of_request(ctx, req),
-                                  bool(req.return_token_ids), req.include_reasoning, inputs.role).model_dump())
+    return JSONResponse(full_chat(gen, model, num_logprobs, inputs, TokenNames.of_request(ctx, req),
+                                  bool(req.return_token_ids), req.include_reasoning).model_dump())
 
 
 async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request,
@@ -274,10 +293,9 @@ def _finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | No
     return "tool_calls" if called and plan.mode != "named" and reason == "stop" else reason
 
 
-def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolPlan, names: TokenNames,
-              return_token_ids: bool = False, include_reasoning: bool = True,
-              role: str = "assistant") -> ChatCompletionResponse:
-    choices = []
+def full_chat(gen: Generation, model: str, num_logprobs: int | None, inputs: ChatInputs, names: TokenNames,
+              return_token_ids: bool = False, include_reasoning: bool = True) -> ChatCompletionResponse:
+    choices, plan = [], inputs.plan
     parser = gen.ctx.reasoning_parser
     for index, state in enumerate(gen.choices):
         logprobs = None
@@ -286,8 +304,9 @@ def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolP
         thought, text = split(parser, state.text) if parser is not None else (None, state.text)
         thought = thought if include_reasoning else None
         content, calls = parse_calls(plan, text or "") if plan.calls_tools else (text, [])
+        content = inputs.echo + (content or "") if inputs.echo else content
         choices.append(ChatCompletionResponseChoice(
-            index=index, message=AssistantMessage(role=role, content=content, tool_calls=calls,
+            index=index, message=AssistantMessage(role=inputs.role, content=content, tool_calls=calls,
                                                   reasoning=thought, reasoning_content=thought),
             logprobs=logprobs, finish_reason=_finish_reason(plan, state.finish_reason, bool(calls)),
             stop_reason=state.stop_reason,
@@ -299,9 +318,10 @@ def full_chat(gen: Generation, model: str, num_logprobs: int | None, plan: ToolP
 
 
 async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
-                      num_logprobs: int | None, plan: ToolPlan, role: str = "assistant") -> AsyncIterator[str]:
-    """The chunks' JSON: a role chunk per choice, then one per content or tool-call delta,
-    then the usage chunk if asked for."""
+                      num_logprobs: int | None, inputs: ChatInputs) -> AsyncIterator[str]:
+    """The chunks' JSON: a role chunk per choice (and the echoed last message's text, when
+    asked), then one per content or tool-call delta, then the usage chunk if asked for."""
+    plan = inputs.plan
     chunks = ChunkEncoder(gen.request_id, "chat.completion.chunk", gen.created, model)
     final_usage, continuous = stream_usage(gen.ctx, req)
 
@@ -315,7 +335,9 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
     prompt_ids = ids_members(prompt_token_ids=gen.prompts[0].token_ids) \
         if req.return_token_ids else ""
     for index in range(len(gen.choices)):
-        yield chunk(chat_choice(index, role_delta(role)), prompt_ids if index == 0 else "")
+        yield chunk(chat_choice(index, role_delta(inputs.role)), prompt_ids if index == 0 else "")
+    for index in range(len(gen.choices) if inputs.echo else 0):
+        yield chunk(chat_choice(index, content_delta(inputs.echo)))
     async for index, delta in gen.deltas():
         # NOTE: a delta whose text is held back (a character's first bytes) still carries its
         # token ids and logprobs, in a chunk with an empty delta, as vLLM streams it

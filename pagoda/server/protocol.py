@@ -331,6 +331,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # NOTE: vLLM's: the answer continues the last message (its end of turn left out), and with
+    # `echo` starts with that message's text where it is the answer's role
+    continue_final_message: bool = False
+    echo: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # NOTE: refused unless --trust-request-chat-template
     tools: list[ChatCompletionTool] | None = None
@@ -478,6 +482,7 @@ class TokenizeRequest(RequestModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
