@@ -19,7 +19,7 @@ import pytest
 
 from pagoda.outputs import CompletionOutput, Logprob, RequestOutput
 from pagoda.server import protocol, tool_parsers, tools
-from pagoda.server.chat import ChatInputs, _num_logprobs, stream_chat
+from pagoda.server.chat import ChatInputs, num_logprobs_of, stream_chat
 from pagoda.server.completions import stream_completion
 from pagoda.server.protocol import (
     ChatCompletionLogProbs,
@@ -101,7 +101,7 @@ def chat_events(deltas: list[CompletionOutput], n: int = 1, **request: Any) -> l
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True, n=n,
                                 **request)
     inputs = ChatInputs(plan_tools(req, HermesToolParser()), {}, "", Prompt(PROMPT_IDS), None)
-    return events(stream_chat(generation(deltas, n), req, MODEL, _num_logprobs(req), inputs))
+    return events(stream_chat(generation(deltas, n), req, MODEL, num_logprobs_of(req), inputs))
 
 
 def as_json(models: list[CompletionStreamResponse] | list[ChatCompletionStreamResponse]) -> list[Any]:

@@ -431,3 +431,26 @@ def test_continue_final_message_and_echo(engine: AsyncLLM):
     assert message["content"] == saying + plain["content"]
     other_role = post(engine, "/v1/chat/completions", {**chat("hi"), "echo": True, "max_tokens": 4}).json()
     assert not other_role["choices"][0]["message"]["content"].startswith("hi")
+
+
+def test_batch_chat_completions(engine: AsyncLLM):
+    """vLLM's POST /v1/chat/completions/batch: choice i answers conversation i exactly as the
+    same conversation alone (greedy), the usage summed; streaming, tools, beam search and n > 1
+    are vLLM's 400s."""
+    conversations = [[{"role": "user", "content": "alpha"}],
+                     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "beta"}]]
+    body = {"messages": conversations, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    r = post(engine, "/v1/chat/completions/batch", body)
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    alone = [post(engine, "/v1/chat/completions", {**body, "messages": conv}).json() for conv in conversations]
+    for choice, single in zip(batch["choices"], alone, strict=True):
+        assert choice["message"] == single["choices"][0]["message"]
+        assert choice["logprobs"]["content"][0]["token"] == single["choices"][0]["logprobs"]["content"][0]["token"]
+    for key in ("prompt_tokens", "completion_tokens"):
+        assert batch["usage"][key] == sum(s["usage"][key] for s in alone)
+    for extra, param in (({"stream": True}, "stream"), ({"tools": [WEATHER]}, "tools"),
+                         ({"use_beam_search": True}, "use_beam_search"), ({"n": 2}, "n")):
+        assert error(post(engine, "/v1/chat/completions/batch", {**body, **extra}))["param"] == param
+    assert post(engine, "/v1/chat/completions/batch", {**body, "messages": []}).status_code == 400

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from pagoda.lora import LoRARequest
 from pagoda.metrics import LiveStatLogger, format_kv_memory_report, render_metrics
 from pagoda.server.chat import create_chat_completion, render_chat
+from pagoda.server.chat_batch import BatchChatCompletionRequest, create_batch_chat_completion
 from pagoda.server.completions import create_completion
 from pagoda.server.embeddings import create_embedding, create_pooling, create_rerank, create_score
 from pagoda.server.errors import APIError, bad_request, error_response, install_error_handlers
@@ -125,6 +126,12 @@ async def completions(req: CompletionRequest, raw: Request, ctx: Ctx) -> Respons
 @router.post("/v1/chat/completions", dependencies=JSON_BODY)
 async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx) -> Response:
     return await create_chat_completion(ctx, req, raw)
+
+
+@router.post("/v1/chat/completions/batch", dependencies=JSON_BODY)
+async def batch_chat_completions(req: BatchChatCompletionRequest, raw: Request, ctx: Ctx) -> Response:
+    """vLLM's: several conversations in one request, choice i for conversation i."""
+    return await create_batch_chat_completion(ctx, req, raw)
 
 
 @router.post("/v1/responses", dependencies=JSON_BODY)

@@ -36,6 +36,7 @@ from pagoda.server.protocol import (
 )
 from pagoda.server.reasoning import ReasoningStream, split
 from pagoda.server.serving import (
+    ChoiceState,
     Generation,
     Prompt,
     ServerContext,
@@ -181,7 +182,7 @@ def chat_logprobs(names: TokenNames, token_ids: list[int], entries: list[dict[in
     return ChatCompletionLogProbs(content=content)
 
 
-def _num_logprobs(req: ChatCompletionRequest) -> int | None:
+def num_logprobs_of(req: ChatCompletionRequest) -> int | None:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.",
                           "top_logprobs")
@@ -242,7 +243,7 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, inputs: Cha
                      request_id: str) -> Generation:
     """The chat's `Generation`, validated and admitted (400s, 429)."""
     params = build_sampling_params(ctx, inputs.fields, len(inputs.prompt.token_ids),
-                                   inputs.max_tokens, _num_logprobs(req))
+                                   inputs.max_tokens, num_logprobs_of(req))
     return await Generation.create(ctx, request_id, [inputs.prompt], [params],
                                    inputs.structured_param, req.priority, req.user, req.cache_salt,
                                    ctx.lora_for(req.model))
@@ -256,7 +257,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
         return await _beam_search_chat(ctx, req, raw, inputs)
     gen = await start_chat(ctx, req, inputs, random_id("chatcmpl"))
     model = req.model or ctx.model_name
-    num_logprobs = _num_logprobs(req)
+    num_logprobs = num_logprobs_of(req)
     if req.stream:
         return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, inputs)),
                                  media_type="text/event-stream")
@@ -295,26 +296,33 @@ def _finish_reason(plan: ToolPlan, reason: str | None, called: bool) -> str | No
 
 def full_chat(gen: Generation, model: str, num_logprobs: int | None, inputs: ChatInputs, names: TokenNames,
               return_token_ids: bool = False, include_reasoning: bool = True) -> ChatCompletionResponse:
-    choices, plan = [], inputs.plan
-    parser = gen.ctx.reasoning_parser
-    for index, state in enumerate(gen.choices):
-        logprobs = None
-        if num_logprobs is not None:
-            logprobs = chat_logprobs(names, state.token_ids, state.logprobs, num_logprobs)
-        thought, text = split(parser, state.text) if parser is not None else (None, state.text)
-        thought = thought if include_reasoning else None
-        content, calls = parse_calls(plan, text or "") if plan.calls_tools else (text, [])
-        content = inputs.echo + (content or "") if inputs.echo else content
-        choices.append(ChatCompletionResponseChoice(
-            index=index, message=AssistantMessage(role=inputs.role, content=content, tool_calls=calls,
-                                                  reasoning=thought, reasoning_content=thought),
-            logprobs=logprobs, finish_reason=_finish_reason(plan, state.finish_reason, bool(calls)),
-            stop_reason=state.stop_reason,
-            token_ids=list(state.token_ids) if return_token_ids else None))
+    choices = [chat_choice_of(gen.ctx, index, state, inputs, names, num_logprobs, return_token_ids,
+                              include_reasoning)
+               for index, state in enumerate(gen.choices)]
     return ChatCompletionResponse(
         id=gen.request_id, created=gen.created, model=model, choices=choices, usage=gen.usage(),
         prompt_logprobs=prompt_logprobs_field(gen.prompt_logprobs[0]),
         prompt_token_ids=list(gen.prompts[0].token_ids) if return_token_ids else None)
+
+
+def chat_choice_of(ctx: ServerContext, index: int, state: ChoiceState, inputs: ChatInputs, names: TokenNames,
+                   num_logprobs: int | None, return_token_ids: bool,
+                   include_reasoning: bool) -> ChatCompletionResponseChoice:
+    """One finished choice as the response's: its reasoning split off, its tool calls parsed,
+    the echoed text first, its logprobs and token ids where asked."""
+    plan, parser = inputs.plan, ctx.reasoning_parser
+    logprobs = None
+    if num_logprobs is not None:
+        logprobs = chat_logprobs(names, state.token_ids, state.logprobs, num_logprobs)
+    thought, text = split(parser, state.text) if parser is not None else (None, state.text)
+    thought = thought if include_reasoning else None
+    content, calls = parse_calls(plan, text or "") if plan.calls_tools else (text, [])
+    content = inputs.echo + (content or "") if inputs.echo else content
+    return ChatCompletionResponseChoice(
+        index=index, message=AssistantMessage(role=inputs.role, content=content, tool_calls=calls,
+                                              reasoning=thought, reasoning_content=thought),
+        logprobs=logprobs, finish_reason=_finish_reason(plan, state.finish_reason, bool(calls)),
+        stop_reason=state.stop_reason, token_ids=list(state.token_ids) if return_token_ids else None)
 
 
 async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
