@@ -195,7 +195,8 @@ class InputProcessor:
                 "logit_bias", f"logit_bias may hold at most {self.limits.max_logit_bias} "
                               f"entries (--max-logit-bias), got {len(bias)}.")
         for name, ids in (("logit_bias", list(bias)),
-                          ("allowed_token_ids", params.allowed_token_ids or [])):
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logprob_token_ids", params.logprob_token_ids or [])):
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise SamplingParamError(

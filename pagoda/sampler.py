@@ -241,17 +241,29 @@ class Sampler:
 
 
 def compute_logprobs(logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[TokenLogprobs | None]:
-    """The sampled token's log-probability and rank plus the top-N, per row (raw logits)."""
+    """The sampled token's log-probability and rank plus the top-N, per row (raw logits); for a
+    request naming `logprob_token_ids`, those tokens' instead of the top-N (vLLM's)."""
     wanted = [r.sampling_params.logprobs for r in requests]
     rows = [i for i, n in enumerate(wanted) if n is not None]
     result: list[TokenLogprobs | None] = [None] * len(requests)
     if not rows:
         return result
-    entries = top_logprobs(logits[rows].float().log_softmax(dim=-1), [token_ids[i] for i in rows],
-                           [wanted[i] or 0 for i in rows])
-    for i, entry in zip(rows, entries, strict=True):
-        result[i] = entry
+    chosen = [requests[i].sampling_params.logprob_token_ids for i in rows]
+    logprobs = logits[rows].float().log_softmax(dim=-1)
+    entries = top_logprobs(logprobs, [token_ids[i] for i in rows],
+                           [0 if ids else wanted[i] or 0 for i, ids in zip(rows, chosen, strict=True)])
+    for row, (i, entry, ids) in enumerate(zip(rows, entries, chosen, strict=True)):
+        result[i] = entry if not ids else {**chosen_logprobs(logprobs[row], ids), **entry}
     return result
+
+
+def chosen_logprobs(logprobs: torch.Tensor, token_ids: list[int]) -> TokenLogprobs:
+    """One row's log-probabilities of `token_ids`, each with its rank (1 + the tokens strictly
+    more likely)."""
+    ids = torch.tensor(token_ids, dtype=torch.long, device=logprobs.device)
+    values = logprobs[ids]
+    ranks = ((logprobs[None, :] > values[:, None]).sum(dim=-1) + 1).tolist()
+    return {t: (v, r) for t, v, r in zip(token_ids, values.tolist(), ranks, strict=True)}
 
 
 def top_logprobs(logprobs: torch.Tensor, token_ids: list[int], nums: list[int]) -> list[TokenLogprobs]:

@@ -17,6 +17,7 @@ from pagoda.structured_output import StructuredOutputsParams
 SAMPLING_EPS = 1e-5
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 WHOLE_VOCABULARY = -1  # logprobs / prompt_logprobs: every token (vLLM's -1)
+MAX_LOGPROB_TOKEN_IDS = 128  # NOTE: vLLM's bound on logprob_token_ids
 
 
 class SamplingParamError(ValueError):
@@ -71,6 +72,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # NOTE: vLLM's: with `logprobs`, these tokens' log-probabilities (and the sampled one's)
+    # at each position instead of the top N
+    logprob_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +135,12 @@ class SamplingParams:
         _require(allowed is None or (len(allowed) > 0 and all(
             isinstance(t, int) and t >= 0 for t in allowed)), "allowed_token_ids",
             "allowed_token_ids must be a non-empty list of non-negative token ids.")
+        chosen = self.logprob_token_ids
+        _require(chosen is None or (0 < len(chosen) <= MAX_LOGPROB_TOKEN_IDS and all(
+            isinstance(t, int) and t >= 0 for t in chosen)), "logprob_token_ids",
+            f"logprob_token_ids must be 1 to {MAX_LOGPROB_TOKEN_IDS} non-negative token ids.")
+        _require(chosen is None or self.logprobs is not None, "logprob_token_ids",
+                 "when using `logprob_token_ids`, `logprobs` must be set.")
 
     @property
     def constrains_tokens(self) -> bool:

@@ -323,3 +323,38 @@ def test_a_requests_return_tokens_as_token_ids_overrides_the_servers(engine: Asy
     content = chat.json()["choices"][0]["logprobs"]["content"]
     assert content and all(c["token"].startswith("token_id:") and c["top_logprobs"][0]["token"].startswith("token_id:")
                            for c in content)
+
+
+def test_logprob_token_ids_replace_the_top_n(engine: AsyncLLM):
+    """vLLM's `logprob_token_ids`: with logprobs, each position shows the sampled token and
+    exactly the named ones, their log-probabilities those the top-N would have shown (vLLM's
+    test_logprob_token_ids; chat needs logprobs true, completions logprobs set)."""
+    prompt = [1, 504, 3575]
+    top = post(engine, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 3,
+                                           "return_tokens_as_token_ids": True}).json()["choices"][0]["logprobs"]
+    first = {int(k.split(":")[1]): v for k, v in top["top_logprobs"][0].items()}
+    named = sorted(first)[:2]
+    r = post(engine, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0, "logprobs": 5,
+                                         "logprob_token_ids": named, "return_tokens_as_token_ids": True})
+    assert r.status_code == 200, r.text
+    shown = r.json()["choices"][0]["logprobs"]
+    assert shown["tokens"] == top["tokens"]
+    got = {int(k.split(":")[1]): v for k, v in shown["top_logprobs"][0].items()}
+    sampled = int(shown["tokens"][0].split(":")[1])
+    assert set(got) == {*named, sampled}
+    assert all(abs(got[t] - first[t]) < 1e-5 for t in named)
+    forced = post(engine, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "logprobs": 5, "allowed_token_ids": [42],
+                                              "logprob_token_ids": [50], "return_tokens_as_token_ids": True})
+    assert set(forced.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == {"token_id:42", "token_id:50"}
+    chat = post(engine, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                 "logprobs": True, "logprob_token_ids": [50, 60]})
+    content = chat.json()["choices"][0]["logprobs"]["content"]
+    assert all(len(c["top_logprobs"]) in (2, 3) for c in content)
+    for body, words in (({"prompt": prompt, "logprob_token_ids": [50]}, "`logprobs` must be set"),
+                        ({"prompt": prompt, "logprobs": 1, "logprob_token_ids": [10**6]}, "out of vocabulary"),
+                        ({"prompt": prompt, "logprobs": 1, "echo": True, "max_tokens": 0, "logprob_token_ids": [5]},
+                         "no output tokens")):
+        err = post(engine, "/v1/completions", body)
+        assert err.status_code == 400 and words in err.json()["error"]["message"], err.text
+    err = post(engine, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprob_token_ids": [5]})
+    assert err.status_code == 400 and "`logprobs` must be set to true" in err.json()["error"]["message"]

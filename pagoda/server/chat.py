@@ -49,6 +49,7 @@ from pagoda.server.serving import (
     prompt_logprobs_field,
     request_fields,
     run_beam_search,
+    shown_logprobs,
     stream_usage,
     tokenize_text,
     top_entries,
@@ -186,6 +187,9 @@ def num_logprobs_of(req: ChatCompletionRequest) -> int | None:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("when using `top_logprobs`, `logprobs` must be set to true.",
                           "top_logprobs")
+    if req.logprob_token_ids and not req.logprobs:
+        raise bad_request("when using `logprob_token_ids`, `logprobs` must be set to true.",
+                          "logprob_token_ids")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
@@ -258,6 +262,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     gen = await start_chat(ctx, req, inputs, random_id("chatcmpl"))
     model = req.model or ctx.model_name
     num_logprobs = num_logprobs_of(req)
+    num_logprobs = None if num_logprobs is None else shown_logprobs(req, num_logprobs)
     if req.stream:
         return StreamingResponse(sse(stream_chat(gen, req, model, num_logprobs, inputs)),
                                  media_type="text/event-stream")

@@ -29,6 +29,7 @@ from pagoda.server.serving import (
     TokenNames,
     build_sampling_params,
     check_lora_model,
+    shown_logprobs,
 )
 from pagoda.server.streaming import until_disconnect
 
@@ -75,7 +76,8 @@ async def create_batch_chat_completion(ctx: ServerContext, req: BatchChatComplet
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
     names = TokenNames.of_request(ctx, req)
-    choices = [chat_choice_of(ctx, i, state, inputs[i], names, num_logprobs, bool(req.return_token_ids),
+    shown = None if num_logprobs is None else shown_logprobs(req, num_logprobs)
+    choices = [chat_choice_of(ctx, i, state, inputs[i], names, shown, bool(req.return_token_ids),
                               req.include_reasoning)
                for i, state in enumerate(gen.choices)]
     response = ChatCompletionResponse(id=gen.request_id, created=gen.created, model=req.model or ctx.model_name,

@@ -35,6 +35,7 @@ from pagoda.server.serving import (
     prompt_logprobs_field,
     request_fields,
     run_beam_search,
+    shown_logprobs,
     stream_usage,
     tokenize_text,
     top_entries,
@@ -124,6 +125,9 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
     if req.suffix:
         raise bad_request("suffix is not supported.", "suffix")
     fields, structured_param = request_fields(req)
+    if req.logprob_token_ids and scores_prompt_only(req):
+        raise bad_request("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` because "
+                          "no output tokens are generated.", "logprob_token_ids")
     if req.echo and fields.get("prompt_logprobs") is None:
         # NOTE: vLLM's rule: an echoed prompt is scored with as many alternatives as `logprobs`.
         fields["prompt_logprobs"] = req.logprobs
@@ -152,7 +156,8 @@ def full_completion(gen: Generation, req: CompletionRequest, model: str) -> Comp
                                                  state.logprobs, req.echo)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(TokenNames.of_request(ctx, req), token_ids, entries, req.logprobs, 0)
+            logprobs = completion_logprobs(TokenNames.of_request(ctx, req), token_ids, entries,
+                                           shown_logprobs(req, req.logprobs), 0)
         reason, stop_reason = finish(req, state.finish_reason, state.stop_reason)
         prompt = gen.prompts[index // gen.n]
         choices.append(CompletionResponseChoice(
@@ -182,7 +187,7 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
         if req.logprobs is not None:
             offset = 0 if echo else len(gen.choices[index].text) - len(delta.text)
             logprobs = part_json(completion_logprobs(TokenNames.of_request(ctx, req), token_ids, entries,
-                                                     req.logprobs, offset))
+                                                     shown_logprobs(req, req.logprobs), offset))
         reason, stop_reason = finish(req, delta.finish_reason, delta.stop_reason)
         extra = ""
         if req.return_token_ids:

@@ -169,6 +169,8 @@ class SamplingFields(RequestModel):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     prompt_logprobs: int | None = None
+    # NOTE: vLLM's: with logprobs, these tokens' log-probabilities in place of the top N
+    logprob_token_ids: list[int] | None = None
     return_token_ids: bool | None = None
     # NOTE: vLLM's: logprobs name tokens "token_id:N"; None: as --return-tokens-as-token-ids says
     return_tokens_as_token_ids: bool | None = None
@@ -181,7 +183,7 @@ class SamplingFields(RequestModel):
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-                 "allowed_token_ids", "prompt_logprobs")
+                 "allowed_token_ids", "prompt_logprobs", "logprob_token_ids")
         values = {name: getattr(self, name) for name in names}
         return {name: value for name, value in values.items() if value is not None}
 

@@ -192,6 +192,8 @@ def request_fields(req: SamplingFields) -> tuple[dict[str, Any], str]:
     if req.stream_options is not None and not req.stream:
         # NOTE: vLLM's answer, word for word: a client that sets it expects a stream.
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
+    if req.logprob_token_ids and req.use_beam_search:
+        raise bad_request("`logprob_token_ids` is not supported with beam search.", "logprob_token_ids")
     if req.stream and req.prompt_logprobs is not None and req.prompt_logprobs != 0:
         # NOTE: vLLM's rule and words; echo with logprobs still streams the prompt's scores.
         raise bad_request("`prompt_logprobs` are not available when `stream=True`.",
@@ -463,9 +465,17 @@ def prompt_logprobs_field(lps: PromptLogprobs | None) -> list[dict[int, PromptLo
 
 
 def top_entries(entry: dict[int, Logprob], num: int) -> list[Logprob]:
-    """The top-`num` candidates of one position, best first (all of them for -1)."""
-    num = len(entry) if num == WHOLE_VOCABULARY else num
+    """The top-`num` candidates of one position, best first (every one the entry holds for -1:
+    the whole vocabulary, or a request's `logprob_token_ids`)."""
+    if num == WHOLE_VOCABULARY:
+        return sorted(entry.values(), key=lambda lp: lp.rank)
     return sorted((lp for lp in entry.values() if lp.rank <= num), key=lambda lp: lp.rank)[:num]
+
+
+def shown_logprobs(req: SamplingFields, num: int) -> int:
+    """How many candidates a position's logprobs show: `num`, or all the entry holds (the
+    sampled token and the request's `logprob_token_ids`) where the request names tokens."""
+    return WHOLE_VOCABULARY if req.logprob_token_ids else num
 
 
 # ---- beam search (vLLM's `use_beam_search`, pagoda/beam_search.py) ---------------------------
