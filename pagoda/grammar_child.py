@@ -22,6 +22,40 @@ import sys
 import threading
 from typing import Any
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "contains", "additionalItems",
+               "unevaluatedItems", "not", "if", "then", "else", "contentSchema", "items", "prefixItems",
+               "anyOf", "oneOf")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of `schema` whose objects allow only the properties they name: `additionalProperties:
+    false` wherever `properties` (or `patternProperties`) is given and `additionalProperties` is
+    not, as vLLM's default (xgrammar's strict mode) compiles a schema. An `allOf` and its parts
+    are left open, since each part names only its share of the properties. Walked without
+    recursion."""
+    root: Any = {"_": schema}
+    stack: list[tuple[Any, Any, bool]] = [(root, "_", False)]
+    while stack:
+        parent, key, open_ = stack.pop()
+        value = parent[key]
+        if isinstance(value, list):
+            parent[key] = value = list(value)
+            stack.extend((value, i, open_) for i in range(len(value)))
+        elif isinstance(value, dict):
+            parent[key] = value = dict(value)
+            if not open_ and "additionalProperties" not in value and "allOf" not in value and (
+                    isinstance(value.get("properties"), dict) or isinstance(value.get("patternProperties"), dict)):
+                value["additionalProperties"] = False
+            for name in _SCHEMA_MAPS:
+                if isinstance(value.get(name), dict):
+                    value[name] = members = dict(value[name])
+                    stack.extend((members, k, False) for k, v in members.items() if isinstance(v, dict))
+            stack.extend((value, name, False) for name in _SUBSCHEMAS if isinstance(value.get(name), (dict, list)))
+            if isinstance(value.get("allOf"), list):
+                stack.append((value, "allOf", True))
+    return root["_"]
+
 
 def grammar_text(kind: str, spec: Any, disable_any_whitespace: bool = True,
                  whitespace_pattern: str | None = None) -> str:
@@ -34,6 +68,7 @@ def grammar_text(kind: str, spec: Any, disable_any_whitespace: bool = True,
             schema = json.loads(schema)
         if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be an object")
+        schema = closed_objects(schema) if kind == "json" else schema
         options: dict[str, Any] = {"whitespace_flexible": not disable_any_whitespace}
         if whitespace_pattern is not None:
             options["whitespace_pattern"] = whitespace_pattern

@@ -74,6 +74,10 @@ class LLM:
         self.engine = LLMEngine.from_engine_args(model, (), **engine_args)
         self.tokenizer = self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's: the model's tokenizer (the Hugging Face one this engine tokenizes with)."""
+        return self.tokenizer
+
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the params of a prompt given none, with the model's generation-config
         defaults (generation_config.py; plain SamplingParams under generation_config='vllm')."""

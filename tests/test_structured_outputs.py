@@ -110,6 +110,25 @@ def test_masks_hold_whatever_the_model_prefers(llm: LLM):
     jsonschema.validate(json.loads(obj), schema)
 
 
+def test_objects_allow_only_their_properties_unless_told_otherwise(llm: LLM):
+    """As vLLM's default backend (xgrammar's strict mode): a schema's objects take no property
+    they do not name unless `additionalProperties` says so; `allOf` parts stay open."""
+    from pagoda.grammar_child import closed_objects
+
+    schema = {"type": "object", "required": ["ok"], "properties": {"ok": {"type": "boolean"}}}
+    # NOTE: a comma pushed up, so that an open object would go on to keys of the model's own
+    comma = {t: 30.0 for t in llm.get_tokenizer().encode(",", add_special_tokens=False)}
+    [out] = text_of(llm, "x", constrained(StructuredOutputsParams(json=schema), max_tokens=60, logit_bias=comma))
+    assert set(json.loads(out)) == {"ok"}
+    nested = {"properties": {"a": {"properties": {"b": {}}}, "c": {"additionalProperties": True, "properties": {}}},
+              "allOf": [{"properties": {"d": {}}}], "$defs": {"E": {"properties": {"e": {}}}}}
+    closed = closed_objects(nested)
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] is True and closed["$defs"]["E"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed and "additionalProperties" not in closed["allOf"][0]
+    assert "additionalProperties" not in nested["properties"]["a"]  # NOTE: the request's own schema untouched
+
+
 def test_a_constrained_and_a_free_request_share_a_batch_exactly(llm: LLM):
     free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = llm.generate(["The quick brown fox"], free, use_tqdm=False)[0].outputs[0].token_ids
