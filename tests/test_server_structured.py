@@ -454,3 +454,22 @@ def test_batch_chat_completions(engine: AsyncLLM):
                          ({"use_beam_search": True}, "use_beam_search"), ({"n": 2}, "n")):
         assert error(post(engine, "/v1/chat/completions/batch", {**body, **extra}))["param"] == param
     assert post(engine, "/v1/chat/completions/batch", {**body, "messages": []}).status_code == 400
+
+
+def test_kv_transfer_params_prompt_token_ids_are_the_prompt(engine: AsyncLLM):
+    """vLLM's disaggregated serving hands the decode stage the prefill stage's prompt ids in
+    `kv_transfer_params`: the answer continues those ids, not the request's own messages
+    (vLLM's test_kv_transfer_prompt_token_ids_round_trip); greedy, the same answer."""
+    first = post(engine, "/v1/chat/completions", {**chat("Hello, how are you?"), "max_tokens": 8,
+                                                   "return_token_ids": True}).json()
+    ids = first["prompt_token_ids"]
+    body = {**chat("unrelated"), "max_tokens": 8, "return_token_ids": True, "kv_transfer_params": {"prompt_token_ids": ids}}
+    again = post(engine, "/v1/chat/completions", body).json()
+    assert again["prompt_token_ids"] == ids
+    assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    streamed = post(engine, "/v1/chat/completions", {**body, "stream": True})
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: {")]
+    assert events[0]["prompt_token_ids"] == ids
+    for bad in ([], ["a"], [10**7]):
+        r = post(engine, "/v1/chat/completions", {**body, "kv_transfer_params": {"prompt_token_ids": bad}})
+        assert r.status_code == 400, r.text

@@ -222,16 +222,29 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInp
         fields["structured_outputs"], structured_param = plan.constraint(), "tools"
     # NOTE: vLLM's --exclude-tools-when-tool-choice-none: such a request's template sees no tools
     shown = None if req.tool_choice == "none" and ctx.exclude_tools_when_tool_choice_none else plan
-    text = await render_chat(ctx, req.messages, req.add_generation_prompt,
-                             req.chat_template_kwargs, shown, chat_template_for(ctx, req),
-                             req.continue_final_message)
-    prompt = truncate_prompt(Prompt(await tokenize_text(ctx, text, False, "messages"), text),
-                             req.truncate_prompt_tokens, ctx.max_model_len,
-                             req.truncation_side)
+    forwarded = _forwarded_prompt(req)
+    if forwarded is None:
+        text = await render_chat(ctx, req.messages, req.add_generation_prompt,
+                                 req.chat_template_kwargs, shown, chat_template_for(ctx, req),
+                                 req.continue_final_message)
+        forwarded = Prompt(await tokenize_text(ctx, text, False, "messages"), text)
+    prompt = truncate_prompt(forwarded, req.truncate_prompt_tokens, ctx.max_model_len, req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     role = ctx.response_role if req.add_generation_prompt else req.messages[-1].role
     return ChatInputs(plan, fields, structured_param, prompt, max_tokens, role, _echo(req, role))
+
+
+def _forwarded_prompt(req: ChatCompletionRequest) -> Prompt | None:
+    """vLLM's `kv_transfer_params.prompt_token_ids`: the prefill stage's prompt, taken as it is
+    (the messages are not rendered); None where the request forwards none."""
+    ids = (req.kv_transfer_params or {}).get("prompt_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request("kv_transfer_params.prompt_token_ids must be a non-empty list of token ids.",
+                          "kv_transfer_params")
+    return Prompt(ids)
 
 
 def _echo(req: ChatCompletionRequest, role: str) -> str:

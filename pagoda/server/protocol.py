@@ -337,6 +337,10 @@ class ChatCompletionRequest(SamplingFields):
     # `echo` starts with that message's text where it is the answer's role
     continue_final_message: bool = False
     echo: bool = False
+    # NOTE: vLLM's disaggregated serving: a router forwards the prefill stage's prompt ids here
+    # (`prompt_token_ids`), which the answer then continues as they are; pagoda moves no KV
+    # between instances (--kv-transfer-config is refused), so its other keys mean nothing here
+    kv_transfer_params: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # NOTE: refused unless --trust-request-chat-template
     tools: list[ChatCompletionTool] | None = None
