@@ -473,3 +473,15 @@ def test_kv_transfer_params_prompt_token_ids_are_the_prompt(engine: AsyncLLM):
     for bad in ([], ["a"], [10**7]):
         r = post(engine, "/v1/chat/completions", {**body, "kv_transfer_params": {"prompt_token_ids": bad}})
         assert r.status_code == 400, r.text
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_by_max_tokens_is_no_call(engine: AsyncLLM, tool_choice: object):
+    """vLLM's test_max_tokens_with_tool_choice_required: one token of a forced call is a
+    "length" answer with empty content and no tool_calls (OpenAI's), not a call of '{"'."""
+    r = post(engine, "/v1/chat/completions", chat("Weather?", tools=[WEATHER, TIME], tool_choice=tool_choice,
+                                                  max_tokens=1))
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
+    assert "tool_calls" not in choice["message"]

@@ -335,6 +335,8 @@ def chat_choice_of(ctx: ServerContext, index: int, state: ChoiceState, inputs: C
     thought, text = split(parser, state.text) if parser is not None else (None, state.text)
     thought = thought if include_reasoning else None
     content, calls = parse_calls(plan, text or "") if plan.calls_tools else (text, [])
+    if plan.mode in ("named", "required") and state.finish_reason == "length":
+        content, calls = "", []  # NOTE: a forced call cut by max_tokens is no call (OpenAI's, vLLM's)
     content = inputs.echo + (content or "") if inputs.echo else content
     return ChatCompletionResponseChoice(
         index=index, message=AssistantMessage(role=inputs.role, content=content, tool_calls=calls,

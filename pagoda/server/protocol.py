@@ -382,6 +382,14 @@ class AssistantMessage(OpenAIBaseModel):
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
+    @model_serializer(mode="wrap")
+    def _drop_no_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """No `tool_calls` member where the answer called none, as OpenAI and vLLM send it."""
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)
+        return data
+
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
     index: int
