@@ -335,8 +335,9 @@ def chat_choice_of(ctx: ServerContext, index: int, state: ChoiceState, inputs: C
     thought, text = split(parser, state.text) if parser is not None else (None, state.text)
     thought = thought if include_reasoning else None
     content, calls = parse_calls(plan, text or "") if plan.calls_tools else (text, [])
-    if plan.mode in ("named", "required") and state.finish_reason == "length":
-        content, calls = "", []  # NOTE: a forced call cut by max_tokens is no call (OpenAI's, vLLM's)
+    if plan.mode in ("named", "required"):
+        # NOTE: a forced call's content is "" (vLLM's), and one cut by max_tokens is no call (OpenAI's)
+        content, calls = (content or "", calls) if state.finish_reason != "length" else ("", [])
     content = inputs.echo + (content or "") if inputs.echo else content
     return ChatCompletionResponseChoice(
         index=index, message=AssistantMessage(role=inputs.role, content=content, tool_calls=calls,
