@@ -59,6 +59,8 @@ class EngineRequest:
     pooling_params: PoolingParams | None = None  # a pooled request (pooling.py): no tokens
     cache_salt: str | None = None  # only requests with the same salt share cached prefixes
     lora_request: LoRARequest | None = None  # the adapter it runs with (lora.py)
+    # NOTE: a reasoning model's end of thinking (`</think>`'s tokens): the grammar holds after it
+    reasoning_end: tuple[int, ...] = ()
 
 
 def check_unicode(text: str, param: str) -> None:
@@ -244,7 +246,7 @@ class InputProcessor:
                 arrival_time: float | None = None, prompt_text: str | None = None,
                 structured_param: str = "structured_outputs", priority: int = 0,
                 group: str | None = None, cache_salt: str | None = None,
-                lora_request: LoRARequest | None = None) -> EngineRequest:
+                lora_request: LoRARequest | None = None, reasoning_end: tuple[int, ...] = ()) -> EngineRequest:
         """Tokenizes (when given text), validates and compiles one request's constraint.
 
         Args:
@@ -253,6 +255,8 @@ class InputProcessor:
             group: the requests one client sent at once share one (default: this request).
             cache_salt: vLLM's; only requests with the same salt share cached prefixes.
             lora_request: the LoRA adapter it runs with (the engine core loads and checks it).
+            reasoning_end: the tokens that end a reasoning model's thinking, after which the
+                constraint holds (none: from the first token).
 
         Raises:
             ValueError: with `param` naming the offending field.
@@ -272,4 +276,5 @@ class InputProcessor:
             grammar = self.grammars.compile(params.structured_outputs, structured_param)
         return EngineRequest(request_id, token_ids, params,
                              time.time() if arrival_time is None else arrival_time, prompt_text,
-                             grammar, priority, group, cache_salt=cache_salt, lora_request=lora_request)
+                             grammar, priority, group, cache_salt=cache_salt, lora_request=lora_request,
+                             reasoning_end=reasoning_end if grammar is not None else ())

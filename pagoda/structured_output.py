@@ -141,6 +141,55 @@ class Grammar:
         return str(self._matcher.get_error())
 
 
+class AfterReasoning(Grammar):
+    """A grammar that holds only once a reasoning model's thinking has ended (the tokens of
+    `</think>`, `end`, were generated), as vLLM applies a request's structured output after
+    the reasoning: until then every token is allowed and none is fed to the grammar."""
+
+    def __init__(self, grammar: Grammar, end: tuple[int, ...], seen: tuple[int, ...] = ()) -> None:
+        # NOTE: Grammar's own __init__ not called: every method goes to `grammar`
+        self.grammar = grammar
+        self.end = end
+        self._seen = seen  # NOTE: the last len(end) tokens while thinking
+        self.thinking = True
+        self.source = grammar.source
+
+    def fork(self) -> AfterReasoning:
+        twin = AfterReasoning(self.grammar.fork(), self.end, self._seen)
+        twin.thinking = self.thinking
+        return twin
+
+    def fill_bitmask(self, row: torch.Tensor) -> None:
+        if not self.thinking:
+            self.grammar.fill_bitmask(row)
+
+    def accept(self, token_id: int) -> bool:
+        if not self.thinking:
+            return self.grammar.accept(token_id)
+        self._seen = (*self._seen, token_id)[-len(self.end):]
+        self.thinking = self._seen != self.end
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        self.grammar.rollback(num_tokens)
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """No draft is taken while thinking (its end could fall inside it)."""
+        return self.grammar.valid_prefix(tokens) if not self.thinking else 0
+
+    def fill_bitmasks_along(self, tokens: list[int], bitmask: torch.Tensor) -> None:
+        if not self.thinking:
+            self.grammar.fill_bitmasks_along(tokens, bitmask)
+
+    @property
+    def terminated(self) -> bool:
+        return not self.thinking and self.grammar.terminated
+
+    @property
+    def error(self) -> str:
+        return self.grammar.error
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and vocabulary, with an LRU cache.
 

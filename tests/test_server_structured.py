@@ -259,26 +259,68 @@ def _stream_deltas(engine: AsyncLLM, body: dict, **ctx: object) -> list[dict]:
 ])
 def test_reasoning_parser_splits_whole_and_streamed_answers(engine: AsyncLLM, parser, choices, expected):
     """vLLM's --reasoning-parser: the thinking in `reasoning` (and `reasoning_content`), the
-    rest in `content`; a stream's deltas add up to the same. The tiny model's answer is forced
-    by guided_choice."""
+    rest in `content`; a stream's deltas add up to the same. The answer is scripted (an output
+    constraint holds only after the thinking, so it cannot force one)."""
+    from test_server_tools import ScriptedText
+
     from pagoda.server.reasoning import get_reasoning_parser
 
+    scripted = ScriptedText(engine, choices)
     ctx = {"reasoning_parser": get_reasoning_parser(parser)}
-    body = chat(guided_choice=choices)
-    r = post(engine, "/v1/chat/completions", body, **ctx)
+    body = chat()
+    r = post(scripted, "/v1/chat/completions", body, **ctx)  # type: ignore[arg-type]
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert (message["reasoning"], message["content"]) == expected
     assert message["reasoning_content"] == message["reasoning"]
-    deltas = _stream_deltas(engine, body, **ctx)
+    deltas = _stream_deltas(scripted, body, **ctx)  # type: ignore[arg-type]
     assert "".join(d.get("reasoning") or "" for d in deltas) == (expected[0] or "")
     assert "".join(d.get("content") or "" for d in deltas) == (expected[1] or "")
     assert all(d.get("reasoning_content") == d.get("reasoning") for d in deltas)
-    hidden = post(engine, "/v1/chat/completions", {**body, "include_reasoning": False}, **ctx)
+    hidden = post(scripted, "/v1/chat/completions", {**body, "include_reasoning": False}, **ctx)  # type: ignore[arg-type]
     assert hidden.json()["choices"][0]["message"]["reasoning"] is None
-    assert not any(d.get("reasoning") for d in _stream_deltas(engine, {**body, "include_reasoning": False}, **ctx))
-    plain = post(engine, "/v1/chat/completions", body)  # NOTE: without a parser, the text as is
-    assert plain.json()["choices"][0]["message"]["content"] == choices[0]
+    assert not any(d.get("reasoning") for d in _stream_deltas(scripted, {**body, "include_reasoning": False}, **ctx))  # type: ignore[arg-type]
+    plain = post(scripted, "/v1/chat/completions", body)  # type: ignore[arg-type]  # NOTE: without a parser, as is
+    assert plain.json()["choices"][0]["message"]["content"] == "".join(choices)
+
+
+def test_a_constraint_holds_once_the_thinking_ends(engine: AsyncLLM):
+    """As vLLM with a reasoning parser: an output constraint (tools, response_format) holds
+    only after the model's end of thinking (`reasoning_end`, here one token pushed up by a
+    bias); before it every token is free. Without it the constraint holds from the first
+    token. The server passes `</think>`'s tokens where the parser says the answer starts
+    thinking (qwen3 unless enable_thinking is false; deepseek_r1 always)."""
+    from pagoda.sampling_params import SamplingParams
+    from pagoda.server.chat import reasoning_end
+    from pagoda.server.protocol import ChatCompletionRequest
+    from pagoda.server.reasoning import get_reasoning_parser
+    from pagoda.server.serving import ServerContext
+    from pagoda.structured_output import StructuredOutputsParams
+
+    tokenizer = engine.tokenizer
+    end = tokenizer.encode(" Paris", add_special_tokens=False)[-1]
+    params = SamplingParams(max_tokens=8, temperature=0, logit_bias={end: 100.0},
+                            structured_outputs=StructuredOutputsParams(choice=["alpha", "beta"]))
+
+    async def run(request_id: str, ends: tuple[int, ...]) -> list[int]:
+        req = engine.processor.process(request_id, [1, 504, 3575], params, reasoning_end=ends)
+        return [t async for out in engine.generate_request(req) for t in out.outputs[0].token_ids]
+
+    thinking_first = asyncio.run(run("think", (end,)))
+    assert thinking_first[0] == end and tokenizer.decode(thinking_first[1:]) in ("alpha", "beta")
+    constrained = asyncio.run(run("plain", ()))
+    assert end not in constrained and tokenizer.decode(constrained) in ("alpha", "beta")
+    ctx = ServerContext(engine=engine, served_model_names=["tiny"], model_path="tiny", max_model_len=64,
+                        reasoning_parser=get_reasoning_parser("qwen3"))
+    marks = tuple(tokenizer.encode("</think>", add_special_tokens=False))
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    off = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                chat_template_kwargs={"enable_thinking": False})
+    assert reasoning_end(ctx, req) == marks and reasoning_end(ctx, off) == ()
+    ctx.reasoning_parser = get_reasoning_parser("deepseek_r1")
+    assert reasoning_end(ctx, off) == marks
+    ctx.reasoning_parser = None
+    assert reasoning_end(ctx, req) == ()
 
 
 def _rendered(engine: AsyncLLM, body: dict, **ctx: object) -> str:

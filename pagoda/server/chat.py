@@ -34,7 +34,7 @@ from pagoda.server.protocol import (
     ChatMessage,
     random_id,
 )
-from pagoda.server.reasoning import ReasoningStream, split
+from pagoda.server.reasoning import END, ReasoningStream, split
 from pagoda.server.serving import (
     ChoiceState,
     Generation,
@@ -263,7 +263,20 @@ async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, inputs: Cha
                                    inputs.max_tokens, num_logprobs_of(req))
     return await Generation.create(ctx, request_id, [inputs.prompt], [params],
                                    inputs.structured_param, req.priority, req.user, req.cache_salt,
-                                   ctx.lora_for(req.model))
+                                   ctx.lora_for(req.model), reasoning_end(ctx, req))
+
+
+def reasoning_end(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[int, ...]:
+    """The tokens that end the model's thinking where the chat's answer starts with it (a
+    reasoning parser, and for qwen3 `enable_thinking` not false): as vLLM, an output constraint
+    (tools, response_format) holds only after them; none otherwise."""
+    parser = ctx.reasoning_parser
+    if parser is None:
+        return ()
+    kwargs = {**ctx.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    if not parser.opens_in_reasoning and kwargs.get("enable_thinking", True) is False:
+        return ()
+    return tuple(ctx.tokenizer.encode(END, add_special_tokens=False))
 
 
 async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest, raw: Request

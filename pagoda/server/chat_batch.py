@@ -15,7 +15,13 @@ from pydantic import Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagoda.server.chat import ChatInputs, chat_choice_of, chat_inputs, num_logprobs_of
+from pagoda.server.chat import (
+    ChatInputs,
+    chat_choice_of,
+    chat_inputs,
+    num_logprobs_of,
+    reasoning_end,
+)
 from pagoda.server.errors import bad_request
 from pagoda.server.protocol import (
     ChatCompletionRequest,
@@ -72,7 +78,7 @@ async def create_batch_chat_completion(ctx: ServerContext, req: BatchChatComplet
               for one in inputs]
     gen = await Generation.create(ctx, random_id("chatcmpl"), [one.prompt for one in inputs], params,
                                   inputs[0].structured_param, req.priority, req.user, req.cache_salt,
-                                  ctx.lora_for(req.model))
+                                  ctx.lora_for(req.model), reasoning_end(ctx, singles[0]))
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
     names = TokenNames.of_request(ctx, req)

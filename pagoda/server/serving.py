@@ -307,12 +307,14 @@ class Generation:
     async def create(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
                      params: list[SamplingParams], structured_param: str = "structured_outputs",
                      priority: int = 0, user: str | None = None,
-                     cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> Generation:
+                     cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+                     reasoning_end: tuple[int, ...] = ()) -> Generation:
         """Validates and compiles every prompt's request. The prompts share one scheduling
         group (they take turns with other requests), and so do all requests naming the same
         OpenAI `user`: one client's many requests cannot starve another's. `cache_salt`: only
         requests with the same salt share cached prefixes. `lora_request`: the adapter they
-        run with."""
+        run with. `reasoning_end`: a reasoning model's end of thinking, after which their
+        output constraint holds."""
         try:
             # NOTE: grammars compile on their own threads first, never holding tokenizing ones.
             for sp in params:
@@ -324,7 +326,7 @@ class Generation:
             return ctx.processor.process(request_id, prompts[i].token_ids, params[i],
                                          prompt_text=prompts[i].text, structured_param=structured_param,
                                          priority=priority, group=group, cache_salt=cache_salt,
-                                         lora_request=lora_request)
+                                         lora_request=lora_request, reasoning_end=reasoning_end)
 
         return await cls._start(ctx, request_id, prompts, one, params[0].n, user)
 
