@@ -70,6 +70,16 @@ def test_samples_logprobs_stop_strings_and_grammars_cross_the_pipe(in_process, a
     assert apart.generate(["Answer:"], choice, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
 
     engine = apart.engine
+    # NOTE: a reasoning model's end of thinking crosses too: the choice holds after it
+    end = in_process.tokenizer.encode(" Paris", add_special_tokens=False)[-1]
+    thinking = SamplingParams(temperature=0, max_tokens=8, logit_bias={end: 100.0},
+                              structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    engine.add_processed(engine.processor.process("think", PROMPTS[0], thinking, reasoning_end=(end,)))
+    tokens: list[int] = []
+    while engine.core.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.outputs[0].token_ids]
+    assert tokens[0] == end and in_process.tokenizer.decode(tokens[1:]) in ("yes", "no")
+
     engine.add_request("gone", PROMPTS[0], GREEDY)
     engine.step()
     assert engine.abort_request("gone").finished
