@@ -37,7 +37,7 @@ from pagoda.scheduler import Scheduler, SchedulerOutput
 from pagoda.spec_decode import Drafts, build_proposer
 from pagoda.spec_decode.eligibility import trim_to_grammar
 from pagoda.stats import IterationStats, SchedulerStats, SpecDecodingStats
-from pagoda.structured_output import AfterReasoning, GrammarError
+from pagoda.structured_output import GrammarError
 
 logger = logging.getLogger("pagoda")
 
@@ -117,7 +117,7 @@ class EngineCore:
         if req.lora_request is not None:
             self.add_lora(req.lora_request)
         samples = req.sampling_params.per_sample()
-        first = AfterReasoning(req.grammar, req.reasoning_end) if req.grammar and req.reasoning_end else req.grammar
+        first = req.grammar.after_thinking(req.reasoning_end) if req.grammar and req.reasoning_end else req.grammar
         grammars = [first] + [first.fork() if first else None for _ in range(len(samples) - 1)]
         children = [
             Request(req.request_id, req.prompt_token_ids, params, self.eos_token_ids,

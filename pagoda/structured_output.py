@@ -95,30 +95,50 @@ class Grammar:
     Args:
         source: the grammar text it was compiled from (llguidance's format), with which
             another process rebuilds it (`GrammarCompiler.from_source`).
+        thinking_end: a reasoning model's end of thinking (`</think>`'s tokens): until they
+            are generated every token is allowed and none reaches the grammar, as vLLM applies
+            a structured output after the reasoning (`after_thinking`); empty: it holds from
+            the first token.
     """
 
-    def __init__(self, matcher: Any, source: str) -> None:
+    def __init__(self, matcher: Any, source: str, thinking_end: tuple[int, ...] = ()) -> None:
         self._matcher = matcher
         self.source = source
+        self.thinking_end = thinking_end
+        self.thinking = bool(thinking_end)
+        self._last: tuple[int, ...] = ()  # NOTE: while thinking, the last len(thinking_end) tokens
+
+    def after_thinking(self, end: tuple[int, ...]) -> Grammar:
+        """This grammar (fresh, nothing accepted yet), holding only once `end` is generated."""
+        return Grammar(self._matcher, self.source, end)
 
     def fork(self) -> Grammar:
         """An independent copy in the same state (one per sample of n > 1)."""
-        return Grammar(self._matcher.deep_copy(), self.source)
+        twin = Grammar(self._matcher.deep_copy(), self.source, self.thinking_end)
+        twin.thinking, twin._last = self.thinking, self._last
+        return twin
 
     def fill_bitmask(self, row: torch.Tensor) -> None:
-        """Writes the allowed next tokens into `row` (int32, one bit a token)."""
-        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        """Writes the allowed next tokens into `row` (int32, one bit a token; left as it is,
+        every token allowed, while thinking)."""
+        if not self.thinking:
+            self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
     def accept(self, token_id: int) -> bool:
         """Advances past `token_id`; False if the grammar did not allow it."""
+        if self.thinking:
+            self._last = (*self._last, token_id)[-len(self.thinking_end):]
+            self.thinking = self._last != self.thinking_end
+            return True
         return bool(self._matcher.consume_token(token_id)) and not self._matcher.is_error()
 
     def rollback(self, num_tokens: int) -> None:
         self._matcher.rollback(num_tokens)
 
     def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of `tokens` the grammar would accept in turn from here (state unchanged)."""
-        return int(self._matcher.validate_tokens(tokens))
+        """How many of `tokens` the grammar would accept in turn from here (state unchanged);
+        none while thinking (the end of thinking could fall inside them)."""
+        return 0 if self.thinking else int(self._matcher.validate_tokens(tokens))
 
     def fill_bitmasks_along(self, tokens: list[int], bitmask: torch.Tensor) -> None:
         """Row j of `bitmask`: the allowed tokens after accepting `tokens[:j]`, for j = 0 ..
@@ -134,60 +154,11 @@ class Grammar:
 
     @property
     def terminated(self) -> bool:
-        return bool(self._matcher.is_stopped())
+        return not self.thinking and bool(self._matcher.is_stopped())
 
     @property
     def error(self) -> str:
         return str(self._matcher.get_error())
-
-
-class AfterReasoning(Grammar):
-    """A grammar that holds only once a reasoning model's thinking has ended (the tokens of
-    `</think>`, `end`, were generated), as vLLM applies a request's structured output after
-    the reasoning: until then every token is allowed and none is fed to the grammar."""
-
-    def __init__(self, grammar: Grammar, end: tuple[int, ...], seen: tuple[int, ...] = ()) -> None:
-        # NOTE: Grammar's own __init__ not called: every method goes to `grammar`
-        self.grammar = grammar
-        self.end = end
-        self._seen = seen  # NOTE: the last len(end) tokens while thinking
-        self.thinking = True
-        self.source = grammar.source
-
-    def fork(self) -> AfterReasoning:
-        twin = AfterReasoning(self.grammar.fork(), self.end, self._seen)
-        twin.thinking = self.thinking
-        return twin
-
-    def fill_bitmask(self, row: torch.Tensor) -> None:
-        if not self.thinking:
-            self.grammar.fill_bitmask(row)
-
-    def accept(self, token_id: int) -> bool:
-        if not self.thinking:
-            return self.grammar.accept(token_id)
-        self._seen = (*self._seen, token_id)[-len(self.end):]
-        self.thinking = self._seen != self.end
-        return True
-
-    def rollback(self, num_tokens: int) -> None:
-        self.grammar.rollback(num_tokens)
-
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """No draft is taken while thinking (its end could fall inside it)."""
-        return self.grammar.valid_prefix(tokens) if not self.thinking else 0
-
-    def fill_bitmasks_along(self, tokens: list[int], bitmask: torch.Tensor) -> None:
-        if not self.thinking:
-            self.grammar.fill_bitmasks_along(tokens, bitmask)
-
-    @property
-    def terminated(self) -> bool:
-        return not self.thinking and self.grammar.terminated
-
-    @property
-    def error(self) -> str:
-        return self.grammar.error
 
 
 class GrammarCompiler:

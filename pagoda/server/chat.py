@@ -363,7 +363,7 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
                       num_logprobs: int | None, inputs: ChatInputs) -> AsyncIterator[str]:
     """The chunks' JSON: a role chunk per choice (and the echoed last message's text, when
     asked), then one per content or tool-call delta, then the usage chunk if asked for."""
-    plan = inputs.plan
+    plan, names = inputs.plan, TokenNames.of_request(gen.ctx, req)
     chunks = ChunkEncoder(gen.request_id, "chat.completion.chunk", gen.created, model)
     final_usage, continuous = stream_usage(gen.ctx, req)
 
@@ -388,7 +388,7 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
             continue
         logprobs = NULL
         if num_logprobs is not None:
-            logprobs = part_json(chat_logprobs(TokenNames.of_request(gen.ctx, req), delta.token_ids, delta.logprobs or [],
+            logprobs = part_json(chat_logprobs(names, delta.token_ids, delta.logprobs or [],
                                                num_logprobs))
         final, text, pieces, called = delta.finish_reason is not None, delta.text, [], False
         if thinking is not None:

@@ -177,6 +177,7 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
     ctx, echoed = gen.ctx, set()
     chunks = ChunkEncoder(gen.request_id, "text_completion", gen.created, model)
     final_usage, continuous = stream_usage(ctx, req)
+    names = TokenNames.of_request(ctx, req)
     async for index, delta in gen.deltas():
         first = index not in echoed
         echo = req.echo and first
@@ -186,8 +187,8 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
         logprobs = NULL
         if req.logprobs is not None:
             offset = 0 if echo else len(gen.choices[index].text) - len(delta.text)
-            logprobs = part_json(completion_logprobs(TokenNames.of_request(ctx, req), token_ids, entries,
-                                                     shown_logprobs(req, req.logprobs), offset))
+            logprobs = part_json(completion_logprobs(names, token_ids, entries, shown_logprobs(req, req.logprobs),
+                                                     offset))
         reason, stop_reason = finish(req, delta.finish_reason, delta.stop_reason)
         extra = ""
         if req.return_token_ids:
