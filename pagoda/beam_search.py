@@ -49,8 +49,9 @@ class BeamSearchParams:
 
     def step_params(self) -> SamplingParams:
         """What each beam asks of the engine in a step."""
+        # NOTE: as vLLM's, beams are never watermarked (their tokens are ranked, not sampled)
         return SamplingParams(temperature=self.temperature, max_tokens=1, ignore_eos=True,
-                              logprobs=2 * self.beam_width)
+                              logprobs=2 * self.beam_width, watermarking=False)
 
 
 @dataclass

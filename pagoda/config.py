@@ -42,19 +42,21 @@ def parse_bytes(text: str | int, name: str = "kv_cache_memory") -> int:
     return int(number * base ** " KMGT".index(unit or " "))
 
 
-def json_object(value: dict | str, name: str) -> dict:
+def json_object(value: dict | str, name: str, secret: bool = False) -> dict:
     """A dict, or a JSON object's text (the CLI's form), as a dict.
 
     Raises:
-        ValueError: naming `name`, when the text is not JSON or not an object.
+        ValueError: naming `name`, when the text is not JSON or not an object; the text is
+            quoted in the message unless it is `secret` (a config holding a key).
     """
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{name} must be JSON, got {value!r}: {e}") from None
+            shown = f"{e.msg} (column {e.colno})" if secret else f"got {value!r}: {e}"
+            raise ValueError(f"{name} must be JSON, {shown}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{name} must be a JSON object, got {value!r}.")
+        raise ValueError(f"{name} must be a JSON object" + ("." if secret else f", got {value!r}."))
     return value
 
 
@@ -414,6 +416,75 @@ class LoRAConfig:
         _check(self.max_loras is None or self.max_loras >= 1, "max_loras", self.max_loras, "must be >= 1")
 
 
+WATERMARK_ALGORITHMS = ("gumbel", "dual_key_gumbel")
+WATERMARK_DEDUPLICATION = ("none", "single_turn", "all")
+
+
+@dataclass(frozen=True)
+class WatermarkConfig:
+    """vLLM's text watermark (`--watermark-config '{"algorithm": "gumbel", "key": 42}'`;
+    watermark.py generates and detects it).
+
+    Attributes:
+        key: the secret key (0 to 2^64 - 1); never logged, shown or echoed in an error.
+        algorithm: "gumbel" or "dual_key_gumbel".
+        alpha: dual-key only: the probability of key B for a token.
+        context_width: the generated tokens before a token that seed its noise.
+        deduplicate_contexts: "single_turn" (default): a context already seen in this answer
+            samples without the watermark; "all": the prompt's contexts count too, and the
+            first `context_width` tokens sample without it; "none": never deduplicated.
+        deduplicate_contexts_max_history: the most recent positions searched (None: all).
+        prf: the pseudorandom function ("philox", vLLM's only one).
+        allow_target_only_watermarking: vLLM's escape for speculative decoding; pagoda's draft
+            methods (ngram, draft_model) are ones vLLM refuses with a watermark, and so does pagoda.
+    """
+
+    key: int = field(repr=False)
+    algorithm: str = "gumbel"
+    alpha: float = 0.1
+    context_width: int = 4
+    deduplicate_contexts: str = "single_turn"
+    deduplicate_contexts_max_history: int | None = 8192
+    prf: str = "philox"
+    allow_target_only_watermarking: bool = False
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.key, int) and not isinstance(self.key, bool) and 0 <= self.key <= 2**64 - 1):
+            raise ValueError("watermark_config: key must be an integer in [0, 2^64 - 1].")
+        _check(self.algorithm in WATERMARK_ALGORITHMS, "watermark_config: algorithm", self.algorithm,
+               f"must be one of {WATERMARK_ALGORITHMS}")
+        _check(0.0 <= self.alpha <= 1.0, "watermark_config: alpha", self.alpha, "must be in [0, 1]")
+        _check(isinstance(self.context_width, int) and self.context_width >= 1,
+               "watermark_config: context_width", self.context_width, "must be a positive integer")
+        _check(self.deduplicate_contexts in WATERMARK_DEDUPLICATION, "watermark_config: deduplicate_contexts",
+               self.deduplicate_contexts, f"must be one of {WATERMARK_DEDUPLICATION}")
+        history = self.deduplicate_contexts_max_history
+        _check(history is None or (isinstance(history, int) and history >= 1),
+               "watermark_config: deduplicate_contexts_max_history", history,
+               "must be a positive integer or null")
+        _check(self.prf == "philox", "watermark_config: prf", self.prf, "must be 'philox'")
+
+    @classmethod
+    def parse(cls, value: WatermarkConfig | dict | str | None) -> WatermarkConfig | None:
+        """From a dict, a JSON string (the CLI's form) or None; unknown keys are an error.
+        NOTE: the text is never echoed (it holds the key)."""
+        if value is None or isinstance(value, WatermarkConfig):
+            return value
+        value = json_object(value, "watermark_config", secret=True)
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"Unknown watermark_config key(s) {unknown}; known: {sorted(known)}.")
+        if "key" not in value:
+            raise ValueError("watermark_config needs 'key': the secret the watermark is keyed by.")
+        return cls(**value)
+
+    @property
+    def weak_deduplication(self) -> bool:
+        """vLLM warns: Gumbel-max without (enough) deduplication breeds repetition loops."""
+        history = self.deduplicate_contexts_max_history
+        return self.deduplicate_contexts == "none" or (history is not None and history < 1024)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -423,7 +494,15 @@ class EngineConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None
+    watermark: WatermarkConfig | None = None
     log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        if self.watermark is not None and self.speculative is not None:
+            raise ValueError(
+                f"watermark_config cannot be combined with speculative decoding here: its drafts "
+                f"({self.speculative.method}) would not be watermarked (vLLM refuses these methods "
+                f"with a watermark too; it watermarks drafts of eagle/mtp models only).")
 
     @classmethod
     def from_kwargs(cls, model: str = DEFAULT_MODEL, **kwargs: object) -> EngineConfig:
@@ -446,13 +525,15 @@ class EngineConfig:
                 top[key] = value
             elif key == "speculative_config":
                 top["speculative"] = SpeculativeConfig.parse(value)  # type: ignore[arg-type]
+            elif key == "watermark_config":
+                top["watermark"] = WatermarkConfig.parse(value)  # type: ignore[arg-type]
             elif key in known and key != "max_model_len":
                 parts.setdefault(known[key], {})[key] = value
             elif key == "max_model_len":
                 parts.setdefault("model", {})[key] = value
             else:
                 names = sorted([*known, "log_stats", "kv_cache_memory", "kv_cache_dtype",
-                                "speculative_config"])
+                                "speculative_config", "watermark_config"])
                 raise ValueError(f"Unknown engine argument {key!r}; known arguments: {names}.")
         parts.setdefault("model", {})["model"] = model
         built = {part: owners[part](**values) for part, values in parts.items()}  # type: ignore[arg-type]

@@ -33,11 +33,13 @@ from pagoda.outputs import RequestMetrics
 from pagoda.pooling import PooledPart, finish_vector
 from pagoda.request import Request, RequestStatus
 from pagoda.sampler import TokenLogprobs
+from pagoda.sampling_params import SamplingParams
 from pagoda.scheduler import Scheduler, SchedulerOutput
 from pagoda.spec_decode import Drafts, build_proposer
 from pagoda.spec_decode.eligibility import trim_to_grammar
 from pagoda.stats import IterationStats, SchedulerStats, SpecDecodingStats
 from pagoda.structured_output import GrammarError
+from pagoda.watermark import ContextHistory
 
 logger = logging.getLogger("pagoda")
 
@@ -123,13 +125,19 @@ class EngineCore:
             Request(req.request_id, req.prompt_token_ids, params, self.eos_token_ids,
                     req.arrival_time, self.max_model_len, sample_index=i, grammar=grammars[i],
                     priority=req.priority, group=req.group, pooling_params=req.pooling_params,
-                    cache_salt=req.cache_salt, lora_request=req.lora_request)
+                    cache_salt=req.cache_salt, lora_request=req.lora_request,
+                    watermark=self._watermark_history(params))
             for i, params in enumerate(samples)
         ]
         self._requests[req.request_id] = children
         for child in children:
             self.scheduler.add_request(child)
         return [child.metrics for child in children]
+
+    def _watermark_history(self, params: SamplingParams) -> ContextHistory | None:
+        """A sequence's own watermark contexts, if it carries the engine's watermark."""
+        watermark = self.config.watermark
+        return ContextHistory(watermark) if watermark is not None and params.watermarking else None
 
     def add_lora(self, request: LoRARequest) -> None:
         """Loads a LoRA adapter now, if it is not loaded (a bad one is the caller's error: a

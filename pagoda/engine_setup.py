@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pagoda import heap
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, WatermarkConfig
 from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
 from pagoda.kv_cache import (
     KVCacheSpec,
@@ -80,6 +80,9 @@ class EngineParts:
         return sum(n * spec.block_bytes(bs) for spec, n in zip(self.kv_specs, self.kv_num_blocks, strict=True))
 
 
+KEEP_FLOAT16_ENV = "PAGODA_CPU_FLOAT16"
+
+
 def resolve_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,16 +92,31 @@ def resolve_device(requested: str) -> torch.device:
 def resolve_dtype(requested: str, device: torch.device, hf_config: object) -> torch.dtype:
     """'auto' is bfloat16 where the hardware computes it natively, or where pagoda's CPU kernels
     multiply it with vector instructions (AVX2 widens bf16 in registers: half the bytes of fp32
-    per token, 2.5x faster decoding on a Zen 3, docs/performance.md), else float32."""
+    per token, 2.5x faster decoding on a Zen 3, docs/performance.md), else float32. On such a
+    CPU 'float16' (a GPU launch script's `--dtype half`) runs as bfloat16 too, with a warning:
+    the kernels take no float16 (KEEP_FLOAT16_ENV=keep keeps it)."""
+    if requested == "float16" and device.type == "cpu" and _cpu_bf16_is_fast():
+        if os.environ.get(KEEP_FLOAT16_ENV) != "keep":
+            logger.warning(
+                "--dtype float16 on this CPU runs as bfloat16: pagoda's CPU kernels compute bfloat16 "
+                "(the whole layer stack in one native call a step), float16 only layer by layer in "
+                "torch, 3-5x slower (docs/benchmarks.md, \"float16 on a CPU\"). bfloat16 keeps "
+                "float32's range with 3 fewer mantissa bits. %s=keep serves float16 as asked.",
+                KEEP_FLOAT16_ENV)
+            return torch.bfloat16
     if requested != "auto":
         return _DTYPES[requested]
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_bf16_is_fast() else torch.float32
+
+
+def _cpu_bf16_is_fast() -> bool:
+    """Whether this CPU multiplies bf16 natively (oneDNN) or with pagoda's vector kernels."""
     from pagoda.layers import cpu_kernels
 
-    fast = torch.ops.mkldnn._is_mkldnn_bf16_supported() or (
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) or (
         not os.environ.get("PAGODA_DISABLE_CPU_KERNELS") and cpu_kernels.computes_bf16())
-    return torch.bfloat16 if fast else torch.float32
 
 
 def resolve_max_model_len(requested: int | None, hf_config: object) -> int:
@@ -172,7 +190,8 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
                              enable=agree is None and not config.cache.disable_hybrid_kv_cache_manager)
     specs = [group_spec for group_spec, _ in groups]
     runner = ModelRunner(model, config.cache.block_size, device,
-                         LoRAManager(model, config.lora) if config.lora.enable_lora else None)
+                         LoRAManager(model, config.lora) if config.lora.enable_lora else None,
+                         config.watermark)
     num_blocks = num_blocks_for_groups(specs, config.cache, device, max_model_len, config.scheduler,
                                        _available_cuda_bytes(config, runner, spec, device, baseline))
     if agree is not None:
@@ -182,6 +201,8 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
                                           runner.attention_backend.zeroed_pool))
     log_capacity(specs, num_blocks, config.cache.block_size, max_model_len)
     log_decoder(runner)
+    if config.watermark is not None:
+        log_watermark(config.watermark)
     heap.freeze_objects()
     # NOTE: loading's temporaries (dequantized and repacked copies) are freed by now but sit in
     # malloc's arenas: handed back, Gemma 3's served RSS drops by ~340 MiB (docs/performance.md).
@@ -192,6 +213,19 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
                        eos_token_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, plan, runner),
                        PoolerConfig.from_hf_config(hf_config), specs if hybrid else [],
                        num_blocks if hybrid else [])
+
+
+def log_watermark(watermark: WatermarkConfig) -> None:
+    """The watermark's settings (never its key), and vLLM's warning on weak deduplication."""
+    logger.info("Watermark: %s, context width %d, contexts deduplicated: %s (history %s); "
+                "greedy requests and those sending watermarking=false are not watermarked",
+                watermark.algorithm, watermark.context_width, watermark.deduplicate_contexts,
+                watermark.deduplicate_contexts_max_history or "whole")
+    if watermark.weak_deduplication:
+        logger.warning("Gumbel-max watermarking with context deduplication disabled or limited to "
+                       "fewer than 1024 positions may increase degenerate generations, including "
+                       "repetition loops: use deduplicate_contexts 'single_turn' or 'all' with a "
+                       "history of at least 1024 (or null).")
 
 
 def log_decoder(runner: ModelRunner) -> None:

@@ -20,15 +20,18 @@ error, so a step never fails because of one request's inputs. Errors are `ValueE
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.config import LimitsConfig
+from pagoda.config import LimitsConfig, WatermarkConfig
 from pagoda.lora import LoRARequest
 from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParamError, SamplingParams
 from pagoda.structured_output import Grammar, GrammarCompiler
+
+logger = logging.getLogger("pagoda")
 
 
 class PromptTooLongError(ValueError):
@@ -82,12 +85,15 @@ class InputProcessor:
         limits: resolved limits (`LimitsConfig.resolved`).
         scheduling_policy: the scheduler's; a nonzero `priority` needs "priority".
         pooler: the model's embedding width and Matryoshka support (pooled requests).
+        watermark: the engine's watermark, if any (requests resolve whether they carry it).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
                  limits: LimitsConfig, scheduling_policy: str = "fcfs",
-                 pooler: PoolerConfig | None = None) -> None:
+                 pooler: PoolerConfig | None = None, watermark: WatermarkConfig | None = None) -> None:
         self.tokenizer = tokenizer
+        self.watermark = watermark
+        self._warned: dict[str, bool] = {}
         self.pooler = pooler or PoolerConfig(0)
         self.scheduling_policy = scheduling_policy
         self.vocab_size = vocab_size
@@ -168,11 +174,31 @@ class InputProcessor:
                 "stop_token_ids", f"Stop token id {bad} is out of vocabulary (size {self.vocab_size}).")
         self._check_token_controls(params)
         params = self._check_logprobs(params)
+        params = self._resolve_watermarking(params)
         if params.top_k >= self.vocab_size:
             # NOTE: vLLM treats a top_k at or above the vocabulary as "off"; a huge value (2**63,
             # 1e30) would otherwise overflow the sampler's int64 tensor.
             params = dataclasses.replace(params, top_k=-1)
         return params
+
+    def _resolve_watermarking(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's rule: with a watermark configured, every request carries it unless it says
+        `watermarking: false` or is greedy (whose argmax has no randomness to replace: it
+        samples as usual, counted as "skipped"); without one, nothing does."""
+        if self.watermark is None:
+            if params.watermarking and not self._warned.get("unconfigured"):
+                self._warned["unconfigured"] = True
+                logger.warning("A request asked for watermarking, but this server has no "
+                               "--watermark-config; such requests run without a watermark.")
+            return dataclasses.replace(params, watermarking=False) if params.watermarking else params
+        asked = params.watermarking is not False
+        applied = asked and not params.greedy
+        if asked and not applied and not self._warned.get("greedy"):
+            self._warned["greedy"] = True
+            logger.warning("Watermarking is enabled, but greedy decoding (temperature=0) cannot be "
+                           "watermarked: greedy requests use ordinary greedy sampling.")
+        status = "watermarked" if applied else "skipped" if asked else "not_watermarked"
+        return dataclasses.replace(params, watermarking=applied, watermark_status=status)
 
     def _check_logprobs(self, params: SamplingParams) -> SamplingParams:
         """logprobs and prompt_logprobs within --max-logprobs; a -1 (the whole vocabulary,

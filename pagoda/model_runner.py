@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.config import WatermarkConfig
 from pagoda.layers import cpu_kernels
 from pagoda.layers.attention_backend import (
     AttentionBackend,
@@ -32,6 +33,7 @@ from pagoda.request import Request
 from pagoda.sampler import Sampler, SamplerOutput
 from pagoda.scheduler import SchedulerOutput
 from pagoda.spec_decode.rejection import sample_with_drafts
+from pagoda.watermark import Watermarker
 
 SMALL_STEP_TOKENS = 12
 
@@ -65,10 +67,11 @@ def attention_backend_for(model: CausalLM, block_size: int, device: torch.device
 class ModelRunner:
     """Args:
         lora: the LoRA adapters it serves (lora.py), or None.
+        watermark: the engine's text watermark (watermark.py), or None.
     """
 
     def __init__(self, model: CausalLM, block_size: int, device: torch.device,
-                 lora: LoRAManager | None = None) -> None:
+                 lora: LoRAManager | None = None, watermark: WatermarkConfig | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -76,7 +79,7 @@ class ModelRunner:
         # NOTE: the whole layer stack in one native call, built once the KV pool is bound.
         self.native_decoder: NativeDecoder | None = None
         self.native_refusal: str | None = None  # why the model has no native decoder stack
-        self.sampler = Sampler()
+        self.sampler = Sampler(Watermarker(watermark) if watermark is not None else None)
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
 
         self.attention_backend = attention_backend_for(model, block_size, device, self.use_cpu_kernel)

@@ -191,4 +191,5 @@ def finished_stats(request: Request) -> FinishedRequestStats:
         prefill_time=first - scheduled, decode_time=now - first, inference_time=now - scheduled,
         mean_time_per_output_token=(now - first) / (n_out - 1) if n_out > 1 else 0.0,
         num_cached_tokens=request.num_cached_tokens,
+        watermark_status=request.sampling_params.watermark_status,
     )

@@ -18,6 +18,7 @@ from pagoda.outputs import RequestMetrics
 from pagoda.pooling import PoolingParams
 from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import Grammar
+from pagoda.watermark import ContextHistory
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +53,7 @@ class Request:
         pooling_params: PoolingParams | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        watermark: ContextHistory | None = None,
     ) -> None:
         self.request_id = request_id
         self.sample_index = sample_index
@@ -78,6 +80,7 @@ class Request:
         self.max_tokens = self._max_tokens(max_model_len)
         self.generator = self._make_generator()
         self.grammar = grammar
+        self.watermark = watermark  # NOTE: its watermark's context history (watermark.py), if it carries one
         # NOTE: prompt positions whose logprobs were reported (prompt_logprobs.py); a recompute
         # after preemption does not report them again.
         self.num_prompt_logprobs = 0
@@ -108,6 +111,11 @@ class Request:
     def key(self) -> tuple[str, int]:
         """The sequence's identity: its user request's id and its sample index (n > 1)."""
         return self.request_id, self.sample_index
+
+    @property
+    def watermark_context(self) -> tuple[int, ...] | None:
+        """The watermark context its next token samples with; None: it samples without one."""
+        return self.watermark.next_context(self) if self.watermark is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

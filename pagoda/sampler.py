@@ -3,8 +3,10 @@
 Token constraints come first: grammar bitmasks (structured outputs), allowed_token_ids and
 logit_bias. Greedy requests without penalties then take an argmax fast path. Otherwise, in
 vLLM's order: penalties, min-tokens suppression, temperature, top-k / top-p / min-p, then an
-exponential race (Gumbel-max) per row. A request with a seed draws only from its own generator, so its
-tokens do not depend on what else is in the batch. Log-probabilities are of the raw logits.
+exponential race (Gumbel-max) per row, or, for a request carrying the engine's watermark, a
+Gumbel-max whose noise is the watermark's keyed function of its context (watermark.py). A request
+with a seed draws only from its own generator, so its tokens do not depend on what else is in
+the batch. Log-probabilities are of the raw logits.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pagoda.layers import cpu_kernels
 from pagoda.pooling import PooledPart
 from pagoda.request import Request
 from pagoda.structured_output import apply_bitmask
+from pagoda.watermark import Watermarker
 
 # NOTE: the largest logits a row's top-k / top-p set is looked for among before a whole sort.
 TOP_CANDIDATES = 256
@@ -103,6 +106,14 @@ def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> No
 
 
 class Sampler:
+    """Args:
+        watermarker: the engine's watermark (watermark.py), applied to the rows whose request
+            carries it (`watermark_context`), or None.
+    """
+
+    def __init__(self, watermarker: Watermarker | None = None) -> None:
+        self.watermarker = watermarker
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """`logits` (any float dtype) stay as they are: log-probabilities are of these."""
         constrained = any(r.sampling_params.constrains_tokens for r in requests)
@@ -173,22 +184,42 @@ class Sampler:
         if not rows:
             return tokens
         sampled = [requests[i] for i in rows]
-        probs = self.distributions(logits[rows], sampled)
-        unseeded = [j for j, r in enumerate(sampled) if r.generator is None]
+        processed = self.processed(logits[rows], sampled)
+        marked = self._watermarked(processed, sampled)
+        for j, token in marked.items():
+            tokens[rows[j]] = token
+        probs = processed.softmax(dim=-1)
+        unseeded = [j for j, r in enumerate(sampled) if r.generator is None and j not in marked]
         if unseeded:
             q = torch.empty_like(probs[unseeded]).exponential_()
             for j, t in zip(unseeded, (probs[unseeded] / q).argmax(dim=-1).tolist(), strict=True):
                 tokens[rows[j]] = t
         for j, r in enumerate(sampled):
-            if r.generator is not None:
+            if r.generator is not None and j not in marked:
                 q = torch.empty_like(probs[j]).exponential_(generator=r.generator)
                 tokens[rows[j]] = int((probs[j] / q).argmax())
         return tokens
 
+    def _watermarked(self, processed: torch.Tensor, requests: list[Request]) -> dict[int, int]:
+        """row -> token, for the rows sampled with the watermark (each with its context)."""
+        if self.watermarker is None:
+            return {}
+        contexts = {j: c for j, r in enumerate(requests) if (c := r.watermark_context) is not None}
+        if not contexts:
+            return {}
+        rows = list(contexts)
+        tokens = self.watermarker.sample(processed[rows], [contexts[j] for j in rows],
+                                         [requests[j].generator for j in rows])
+        return dict(zip(rows, tokens, strict=True))
+
     def distributions(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each row's sampling distribution: temperature, then top-k / top-p / min-p."""
+        return self.processed(logits, requests).softmax(dim=-1)
+
+    def processed(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's logits divided by its temperature, -inf outside its top-k / top-p / min-p."""
         temps = torch.tensor([r.sampling_params.temperature for r in requests])
-        return self._filter(logits / temps[:, None], requests).softmax(dim=-1)
+        return self._filter(logits / temps[:, None], requests)
 
     def _filter(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]

@@ -75,6 +75,11 @@ class SamplingParams:
     # NOTE: vLLM's: with `logprobs`, these tokens' log-probabilities (and the sampled one's)
     # at each position instead of the top N
     logprob_token_ids: list[int] | None = None
+    # NOTE: vLLM's: whether the engine's watermark (--watermark-config) applies; None: it does.
+    # InputProcessor resolves it (False for greedy requests, which cannot carry one) and
+    # records the outcome for the metrics in `watermark_status`.
+    watermarking: bool | None = None
+    watermark_status: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

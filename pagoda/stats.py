@@ -45,6 +45,9 @@ class FinishedRequestStats:
     inference_time: float
     mean_time_per_output_token: float
     num_cached_tokens: int = 0
+    # NOTE: with a watermark configured: "watermarked", "skipped" (asked, but greedy) or
+    # "not_watermarked" (it said `watermarking: false`); None without one
+    watermark_status: str | None = None
 
 
 @dataclass

@@ -71,6 +71,7 @@ class WorkerRequest:
     pooling_params: PoolingParams | None = None
     num_pooled_tokens: int = 0
     lora_request: LoRARequest | None = None
+    watermark_context: tuple[int, ...] | None = None  # NOTE: computed in the engine, as `Request.watermark_context`
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     @property
@@ -128,7 +129,8 @@ def worker_request(request: Request, num_tokens: int, draft: list[int],
         request.num_prompt_logprobs,
         request.prompt_token_ids if params.prompt_logprobs is not None else [],
         state_bytes(request.generator) if samples and request.generator is not None else None,
-        grammar, request.pooling_params, request.num_pooled_tokens, request.lora_request)
+        grammar, request.pooling_params, request.num_pooled_tokens, request.lora_request,
+        request.watermark_context if samples else None)
 
 
 def for_workers(out: SchedulerOutput, vocab_size: int) -> SchedulerOutput:

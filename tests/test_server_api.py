@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 
 from pagoda.config import EngineConfig, LimitsConfig
 from pagoda.input_processor import EngineRequest, InputProcessor
@@ -532,6 +533,27 @@ def test_vllms_dotted_config_keys_and_dtype_spellings_parse():
         "--served-model-name=a.b", "--api-key", "x.y", "--", "--a.b", "c"]
 
 
+@pytest.mark.parametrize(("fast", "env", "expected"), [
+    (True, None, torch.bfloat16), (True, "keep", torch.float16), (False, None, torch.float16)])
+def test_float16_on_a_cpu_runs_as_bfloat16_where_bf16_is_fast(fast, env, expected, monkeypatch, caplog):
+    """A GPU launch script's `--dtype half` on a CPU whose kernels compute bf16: bfloat16 (float16
+    would run layer by layer, 3-5x slower), said in a warning; PAGODA_CPU_FLOAT16=keep keeps it;
+    a CPU without fast bf16 keeps float16. Other dtypes are as asked."""
+    import pagoda.engine_setup as setup
+
+    monkeypatch.setattr(setup, "_cpu_bf16_is_fast", lambda: fast)
+    if env is None:
+        monkeypatch.delenv(setup.KEEP_FLOAT16_ENV, raising=False)
+    else:
+        monkeypatch.setenv(setup.KEEP_FLOAT16_ENV, env)
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger="pagoda"):
+        assert setup.resolve_dtype("float16", cpu, None) == expected
+    assert ("runs as bfloat16" in caplog.text) == (expected == torch.bfloat16)
+    assert setup.resolve_dtype("float32", cpu, None) == torch.float32
+    assert setup.resolve_dtype("auto", cpu, None) == (torch.bfloat16 if fast else torch.float32)
+
+
 def test_a_yaml_config_file_gives_flags_that_the_command_line_overrides(tmp_path):
     """vLLM's `--config FILE.yaml`: keys are flags (underscores or dashes), booleans switch,
     lists and mappings pass as vLLM passes them, the command line wins, `model:` serves when
@@ -630,6 +652,21 @@ def test_entrypoint_rejects_unknown_flag():
     r = subprocess.run([sys.executable, "-m", "pagoda.entrypoints.openai.api_server", "--bogus"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
+
+
+def test_entrypoint_takes_every_spelling_serve_takes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """vLLM's old entry point reads the flags as `pagoda serve` does: underscores, dotted config
+    keys, and a --config file."""
+    from pagoda.entrypoints.openai import api_server
+
+    seen: list[argparse.Namespace] = []
+    monkeypatch.setattr(api_server, "run_serve", lambda args: seen.append(args) or 0)
+    config = tmp_path / "serve.yaml"
+    config.write_text("max-num-seqs: 7\n")
+    assert api_server.main(["--model", "m", "--max_model_len", "512", "--watermark-config.key", "5",
+                            "--config", str(config)]) == 0
+    args = seen[0]
+    assert (args.max_model_len, args.max_num_seqs, json.loads(args.watermark_config)) == (512, 7, {"key": 5})
 
 
 def test_unloadable_model_exits_1(capsys: pytest.CaptureFixture[str]):

@@ -49,6 +49,7 @@ ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8
 STEP_DURATION_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                          0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+WATERMARK_STATUSES = ("watermarked", "skipped", "not_watermarked")  # NOTE: vLLM's labels
 LABEL_NAMES = ["model_name", "engine"]
 # vLLM's histogram bucket families (vllm/v1/metrics/buckets.py), which --custom-histogram-buckets
 # keys; request_params_n, request_num_preemptions and kv_cache_residency have no histogram here.
@@ -213,6 +214,13 @@ class PrometheusStatLogger(StatLoggerBase):
             "pagoda:requests_rejected", "Requests refused before reaching the engine, by reason "
             "(queue_full: --max-queued-requests).", [*LABEL_NAMES, "reason"], registry=None))
         self._rejections.labels(**self.labels, reason="queue_full")
+        self._watermarks: Counter | None = None
+        if config.watermark is not None:
+            self._watermarks = self._register(Counter(
+                "vllm:watermark_requests", "Finished requests by watermark status "
+                "(only with watermark_config).", [*LABEL_NAMES, "status"], registry=None))
+            for status in WATERMARK_STATUSES:
+                self._watermarks.labels(**self.labels, status=status)
         self._cache_info = self._register(Gauge(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             sorted([*self._cache_info_labels(), "engine"]), registry=None))
@@ -291,6 +299,8 @@ class PrometheusStatLogger(StatLoggerBase):
 
     def _record_finished(self, req: FinishedRequestStats) -> None:
         self._success.labels(**self.labels, finished_reason=req.finish_reason).inc()
+        if self._watermarks is not None and req.watermark_status is not None:
+            self._watermarks.labels(**self.labels, status=req.watermark_status).inc()
         self.e2e.observe(req.e2e_latency)
         self.queue.observe(req.queue_time)
         self.req_prompt_tokens.observe(req.num_prompt_tokens)

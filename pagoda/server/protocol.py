@@ -177,13 +177,15 @@ class SamplingFields(RequestModel):
     # NOTE: vLLM's: salts the prefix cache's block hashes, so that requests without the same
     # salt never share (or time) each other's cached prefixes.
     cache_salt: str | None = Field(default=None, min_length=1)
+    # NOTE: vLLM's: whether the server's watermark (--watermark-config) applies; None: it does
+    watermarking: bool | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The fields that map one to one onto `SamplingParams`, without unset ones."""
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-                 "allowed_token_ids", "prompt_logprobs", "logprob_token_ids")
+                 "allowed_token_ids", "prompt_logprobs", "logprob_token_ids", "watermarking")
         values = {name: getattr(self, name) for name in names}
         return {name: value for name, value in values.items() if value is not None}
 

@@ -68,7 +68,8 @@ from pagoda.server.tools import ToolPlan, ToolStream
 CHAT_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
                "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
 VLLM_EXTRAS = ("top_k", "seed", "stop", "repetition_penalty", "ignore_eos", "skip_special_tokens",
-               "include_stop_str_in_output", "logit_bias", "structured_outputs", "priority")
+               "include_stop_str_in_output", "logit_bias", "structured_outputs", "priority",
+               "watermarking")
 
 
 def not_found(response_id: str, param: str) -> APIError:

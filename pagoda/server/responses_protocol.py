@@ -161,6 +161,7 @@ class ResponsesRequest(RequestModel):
     logit_bias: dict[str, float] | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     priority: int = 0
+    watermarking: bool | None = None
 
     @field_validator("metadata")
     @classmethod

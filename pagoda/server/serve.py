@@ -86,7 +86,8 @@ ENGINE_FLAGS = {
     "grammar_compile_workers": "grammar_compile_workers",
     "grammar_compile_timeout": "grammar_compile_timeout",
     "grammar_compile_memory": "grammar_compile_memory",
-    "speculative_config": "speculative_config", "quantization": "quantization",
+    "speculative_config": "speculative_config", "watermark_config": "watermark_config",
+    "quantization": "quantization",
     "quantization_group_size": "quantization_group_size", "kv_cache_dtype": "kv_cache_dtype",
     "max_logprobs": "max_logprobs", "tokenizer": "tokenizer",
     "generation_config": "generation_config",
@@ -371,6 +372,12 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
                        help='speculative decoding, as vLLM: \'{"method": "ngram", '
                             '"num_speculative_tokens": 4}\' or \'{"model": "PATH", '
                             '"num_speculative_tokens": 3}\'')
+    cache.add_argument("--watermark-config", default=None, metavar="JSON",
+                       help='vLLM\'s text watermark: \'{"algorithm": "gumbel", "key": 42}\' (keys: '
+                            'algorithm gumbel|dual_key_gumbel, key, alpha, context_width, '
+                            'deduplicate_contexts, deduplicate_contexts_max_history, prf); sampled '
+                            'requests carry it unless they send "watermarking": false '
+                            '(pagoda.watermark.WatermarkDetector finds it)')
     cache.add_argument("--spec-method", default=None, help="vLLM's shorthand: speculative_config's method")
     cache.add_argument("--spec-model", default=None, help="vLLM's shorthand: speculative_config's model")
     cache.add_argument("--spec-tokens", type=int, default=None,
@@ -714,7 +721,7 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--tool-strict-level", "value", "auto", "tool calls are constrained by tool_choice (required or "
                                              "named), per request"),
     ("--logging-config", "value", None, "use --log-level and --log-config-file"),
-    *_refused_flags("--tool-server --tokens-only? --enable-scale-out? --grpc-port --enable-ssl-refresh? --hf-config-path --quantization-config --enable-return-routed-experts? --return-sampling-mask? --enable-trace-replay? --device-ids --enable-fault-tolerance? --fault-tolerance-config --watermark-config --ec-transfer-config --weight-transfer-config --enable-tokenizer-info-endpoint? --convert=auto --profiler-config --pooler-config --enable-mm-embeds? --mm-encoder-only? --max-num-queued-reqs --max-num-queued-tokens --sse-keep-alive-interval=0 --h11-max-header-count=256",
+    *_refused_flags("--tool-server --tokens-only? --enable-scale-out? --grpc-port --enable-ssl-refresh? --hf-config-path --quantization-config --enable-return-routed-experts? --return-sampling-mask? --enable-trace-replay? --device-ids --enable-fault-tolerance? --fault-tolerance-config --ec-transfer-config --weight-transfer-config --enable-tokenizer-info-endpoint? --convert=auto --profiler-config --pooler-config --enable-mm-embeds? --mm-encoder-only? --max-num-queued-reqs --max-num-queued-tokens --sse-keep-alive-interval=0 --h11-max-header-count=256",
                   "not supported by pagoda"),
 )
 

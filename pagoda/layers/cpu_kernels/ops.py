@@ -114,6 +114,16 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def philox_uniform(key: int, contexts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab_size] fp32 uniforms of the watermark's PRF (pagoda/watermark.py's
+    `philox_uniform`, the same bits) for int64 contexts [rows, width]."""
+    contexts = contexts.to(torch.int64).contiguous()
+    out = torch.empty(contexts.shape[0], vocab_size, dtype=torch.float32)
+    _lib().fn("philox_uniform")(key, contexts.data_ptr(), contexts.shape[0], contexts.shape[1],
+                                        vocab_size, out.data_ptr())
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's RMSNorm over the last dimension of a 2-D x (rows may be strided)."""
     return _norm("rms_norm", x, weight, eps)

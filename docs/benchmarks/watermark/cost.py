@@ -1,0 +1,36 @@
+"""What the watermark costs a served batch: SmolLM2, 16 prompts sampled at temperature 1 to
+128 tokens each, with and without `--watermark-config`, alternating (output tok/s each round).
+
+    .venv/bin/python docs/benchmarks/watermark/cost.py [ROUNDS]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from pagoda import LLM, SamplingParams
+
+TOPICS = ["a lighthouse", "rainbows", "a weekend trip", "a favourite meal", "the moon", "bees",
+          "a train journey", "chess", "the sea", "bread", "a library", "winter", "rivers",
+          "a garden", "clocks", "mountains"]
+
+
+def main(rounds: int) -> None:
+    chats = [[{"role": "user", "content": f"Write a paragraph about {t}."}] for t in TOPICS]
+    params = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True, seed=1)
+    engines = {"plain": LLM("smollm2", max_model_len=1024),
+               "watermarked": LLM("smollm2", max_model_len=1024, watermark_config={"key": 42})}
+    for name, llm in engines.items():
+        llm.chat(chats[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # NOTE: warm-up
+    for r in range(rounds):
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            outs = llm.chat(chats, params, use_tqdm=False)
+            took = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            print(f"round {r + 1} {name:12s} {tokens} tokens in {took:.2f} s: {tokens / took:.1f} tok/s", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
