@@ -3,10 +3,10 @@
 Token constraints come first: grammar bitmasks (structured outputs), allowed_token_ids and
 logit_bias. Greedy requests without penalties then take an argmax fast path. Otherwise, in
 vLLM's order: penalties, min-tokens suppression, temperature, top-k / top-p / min-p, then an
-exponential race (Gumbel-max) per row, or, for a request carrying the engine's watermark, a
-Gumbel-max whose noise is the watermark's keyed function of its context (watermark.py). A request
-with a seed draws only from its own generator, so its tokens do not depend on what else is in
-the batch. Log-probabilities are of the raw logits.
+draw per row from one uniform by the inverse of its cumulative distribution, or, for a request
+carrying the engine's watermark, a Gumbel-max whose noise is the watermark's keyed function of
+its context (watermark.py). A request with a seed draws only from its own generator, so its
+tokens do not depend on what else is in the batch. Log-probabilities are of the raw logits.
 """
 
 from __future__ import annotations
@@ -80,6 +80,36 @@ def argmax_rows(x: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     # own position, so the first maximum is still found first.
     idx = (start + torch.arange(chunk, device=x.device)).clamp_(max=vocab - 1)
     return start.squeeze(1) + x.gather(1, idx).argmax(dim=-1)
+
+
+def draw_uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row: a seeded request's from its own generator (so its
+    tokens do not depend on the batch), the others' in one draw."""
+    uniforms = torch.empty(len(generators), dtype=torch.float64)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        uniforms[unseeded] = torch.rand(len(unseeded), dtype=torch.float64)
+    for i, g in enumerate(generators):
+        if g is not None:
+            uniforms[i] = torch.rand((), generator=g, dtype=torch.float64)
+    return uniforms
+
+
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """A token per row of (unnormalized, non-negative) probabilities: the one whose interval
+    of the running sum holds uniform x total, a sample of the row's distribution from one
+    uniform; never a token of probability 0.
+
+    NOTE: the exponential race (argmax p / q, q ~ Exp(1) per token, vLLM's CPU sampler and
+    pagoda's before) draws a random number per token, and torch's CPU `exponential_` takes
+    ~18 ns each: 14.6 ms for 16 rows of SmolLM2's 49,152, as long as the model's own 16-row
+    decode step; here 1.2 ms (the sums in float64, so that no token's interval is lost to
+    rounding)."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:].contiguous()
+    index = torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * total, right=True)
+    # NOTE: u x total may round up to the total: the last token of nonzero probability then
+    return index.minimum(torch.searchsorted(cdf, total)).squeeze(1).tolist()
 
 
 def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -188,16 +218,12 @@ class Sampler:
         marked = self._watermarked(processed, sampled)
         for j, token in marked.items():
             tokens[rows[j]] = token
-        probs = processed.softmax(dim=-1)
-        unseeded = [j for j, r in enumerate(sampled) if r.generator is None and j not in marked]
-        if unseeded:
-            q = torch.empty_like(probs[unseeded]).exponential_()
-            for j, t in zip(unseeded, (probs[unseeded] / q).argmax(dim=-1).tolist(), strict=True):
+        drawn = [j for j in range(len(sampled)) if j not in marked]
+        if drawn:
+            probs = processed[drawn].softmax(dim=-1)
+            uniforms = draw_uniforms([sampled[j].generator for j in drawn])
+            for j, t in zip(drawn, inverse_cdf(probs, uniforms), strict=True):
                 tokens[rows[j]] = t
-        for j, r in enumerate(sampled):
-            if r.generator is not None and j not in marked:
-                q = torch.empty_like(probs[j]).exponential_(generator=r.generator)
-                tokens[rows[j]] = int((probs[j] / q).argmax())
         return tokens
 
     def _watermarked(self, processed: torch.Tensor, requests: list[Request]) -> dict[int, int]:

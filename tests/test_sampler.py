@@ -119,3 +119,36 @@ def test_logprobs_rank_and_topn():
     ref = _logits()[0].log_softmax(-1)
     assert set(entry) == {3, 7}
     assert entry[3] == (float(ref[3]), 1) and entry[7][1] == 2
+
+
+def test_sampled_tokens_follow_the_distribution():
+    """Temperature and top-k shape the distribution; the draws (one uniform a row, inverse
+    CDF) match it within a chi-square bound and never pick a token top-k removed."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0] + [-0.5] * (VOCAB - 5)])
+    requests = [_request([], temperature=0.7, top_k=4) for _ in range(4000)]
+    torch.manual_seed(0)
+    tokens = torch.tensor(Sampler()(logits.expand(len(requests), -1).clone(), requests).token_ids)
+    counts = torch.bincount(tokens, minlength=VOCAB).double()
+    probs = (logits[0, :4] / 0.7).softmax(-1).double()
+    assert counts[4:].sum() == 0
+    expected = probs * len(requests)
+    chi2 = float(((counts[:4] - expected) ** 2 / expected).sum())
+    assert chi2 < 16.3, (counts, chi2)  # 3 degrees of freedom: P(chi2 > 16.3) < 0.001
+
+
+def test_inverse_cdf_never_lands_on_a_token_of_probability_zero():
+    from pagoda.sampler import inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    for u in (0.0, 0.25, 0.4999999999, 0.5, 0.75, 1.0 - 2**-53):
+        got = inverse_cdf(probs, torch.tensor([u, u], dtype=torch.float64))
+        assert got == [1 if u < 0.5 else 3, 2]
+
+
+def test_a_seeded_row_draws_from_its_own_generator_only():
+    logits = torch.zeros(3, VOCAB)
+    seeded = lambda: _request([], temperature=1.0, seed=42)  # noqa: E731
+    alone = [Sampler()(logits[:1].clone(), [seeded()]).token_ids[0] for _ in range(3)]
+    mixed = [Sampler()(logits.clone(), [_request([], temperature=1.0), seeded(), _request([], temperature=1.0)]).token_ids[1]
+             for _ in range(3)]
+    assert alone == mixed and len(set(alone)) == 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.request import Request
-from pagoda.sampler import Sampler, SamplerOutput, argmax_rows
+from pagoda.sampler import Sampler, SamplerOutput, argmax_rows, draw_uniforms, inverse_cdf
 from pagoda.structured_output import apply_bitmask
 
 
@@ -52,9 +52,8 @@ def verify(logits: torch.Tensor, draft: list[int], request: Request,
 
 
 def _draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
-    """One token from (unnormalized) probabilities, by an exponential race."""
-    q = torch.empty_like(probs).exponential_(generator=gen)
-    return int((probs / q).argmax())
+    """One token from (unnormalized) probabilities, as the sampler draws one."""
+    return inverse_cdf(probs[None, :], draw_uniforms([gen]))[0]
 
 
 def sample_with_drafts(sampler: Sampler, logits: torch.Tensor, requests: list[Request],

@@ -26,7 +26,7 @@ CHATS = [[{"role": "user", "content": p}] for p in PROMPTS]
 def make(path: str) -> None:
     from pagoda import LLM, SamplingParams
     from pagoda.config import WatermarkConfig
-    from pagoda.watermark import Watermarker, WatermarkDetector, philox_uniform
+    from pagoda.watermark import WatermarkDetector, Watermarker, philox_uniform
 
     g = torch.Generator().manual_seed(0)
     vocab = 49152

@@ -18,13 +18,15 @@ TOPICS = ["a lighthouse", "rainbows", "a weekend trip", "a favourite meal", "the
 
 def main(rounds: int) -> None:
     chats = [[{"role": "user", "content": f"Write a paragraph about {t}."}] for t in TOPICS]
-    params = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True, seed=1)
-    engines = {"plain": LLM("smollm2", max_model_len=1024),
-               "watermarked": LLM("smollm2", max_model_len=1024, watermark_config={"key": 42})}
-    for name, llm in engines.items():
+    sampled = SamplingParams(temperature=1.0, max_tokens=128, ignore_eos=True, seed=1)
+    plain = LLM("smollm2", max_model_len=1024)
+    runs = {"greedy": (plain, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)),
+            "sampled": (plain, sampled),
+            "watermarked": (LLM("smollm2", max_model_len=1024, watermark_config={"key": 42}), sampled)}
+    for llm, _ in runs.values():
         llm.chat(chats[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # NOTE: warm-up
     for r in range(rounds):
-        for name, llm in engines.items():
+        for name, (llm, params) in runs.items():
             start = time.perf_counter()
             outs = llm.chat(chats, params, use_tqdm=False)
             took = time.perf_counter() - start
