@@ -35,7 +35,7 @@ def successes(server: ServerProcess) -> float:
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> Iterator[tuple[str, list[ServerProcess]]]:
-    replicas = [start_server(tiny_llama, "--max-model-len", "256", "--num-kv-blocks", "64")
+    replicas = [start_server(tiny_llama, "--max-model-len", "512", "--num-kv-blocks", "160")
                 for _ in range(2)]
     run = tmp_path_factory.mktemp("nginx")
     port = free_port()
@@ -60,6 +60,10 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
         replica.stop()
 
 
+def running(server: ServerProcess) -> float:
+    return metric(httpx.get(f"{server.base_url}/metrics").text, "vllm:num_requests_running")
+
+
 def complete(url: str, max_tokens: int = 24) -> int:
     body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True}
     try:
@@ -82,8 +86,12 @@ def test_least_connections_spreads_the_load(cluster: tuple[str, list[ServerProce
 def test_a_dead_replica_loses_only_its_own_requests(cluster: tuple[str, list[ServerProcess]]):
     url, replicas = cluster
     with ThreadPoolExecutor(8) as pool:
-        in_flight = [pool.submit(complete, url, 200) for _ in range(8)]
-        time.sleep(1.0)
+        # NOTE: long answers, and the kill once the replica runs some: a fixed pause let a fast
+        # host finish them all first
+        in_flight = [pool.submit(complete, url, 480) for _ in range(8)]
+        deadline = time.monotonic() + 30
+        while running(replicas[0]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
         replicas[0].proc.kill()
         codes = [f.result() for f in in_flight]
     lost = sum(1 for c in codes if c != 200)
