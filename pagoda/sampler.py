@@ -109,7 +109,13 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     total = cdf[:, -1:].contiguous()
     index = torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * total, right=True)
     # NOTE: u x total may round up to the total: the last token of nonzero probability then
-    return index.minimum(torch.searchsorted(cdf, total)).squeeze(1).tolist()
+    index = index.minimum(torch.searchsorted(cdf, total)).squeeze(1)
+    broken = ~(total.squeeze(1) > 0) | ~torch.isfinite(total.squeeze(1))
+    if broken.any():
+        # NOTE: a row of NaNs (logits overflowed by an extreme but valid penalty) has no sums to
+        # search: its argmax, a NaN's position, as torch's argmax (and the race before) gives
+        index[broken] = probs[broken].argmax(dim=-1)
+    return index.tolist()
 
 
 def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> None:

@@ -145,6 +145,17 @@ def test_inverse_cdf_never_lands_on_a_token_of_probability_zero():
         assert got == [1 if u < 0.5 else 3, 2]
 
 
+def test_a_row_without_a_distribution_still_gets_a_token_of_the_vocabulary():
+    """repetition_penalty 5e-324 (valid: above 0) overflows logits to inf, the softmax to NaN."""
+    from pagoda.sampler import inverse_cdf
+
+    probs = torch.tensor([[float("nan")] * 6, [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    assert inverse_cdf(probs, torch.tensor([0.3, 0.3], dtype=torch.float64)) == [0, 2]
+    logits = torch.full((1, VOCAB), 1.0)
+    tokens = Sampler()(logits, [_request([5, 6], temperature=1.0, repetition_penalty=5e-324)]).token_ids
+    assert 0 <= tokens[0] < VOCAB
+
+
 def test_a_seeded_row_draws_from_its_own_generator_only():
     logits = torch.zeros(3, VOCAB)
     seeded = lambda: _request([], temperature=1.0, seed=42)  # noqa: E731
