@@ -23,6 +23,7 @@ from pagoda.watermark import Watermarker
 
 # NOTE: the largest logits a row's top-k / top-p set is looked for among before a whole sort.
 TOP_CANDIDATES = 256
+CDF_BLOCK = 1024  # tokens a block of the sampler's two-level running sum
 
 # token id -> (logprob, rank), for the sampled token and the top-N
 TokenLogprobs = dict[int, tuple[float, int]]
@@ -103,13 +104,27 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     NOTE: the exponential race (argmax p / q, q ~ Exp(1) per token, vLLM's CPU sampler and
     pagoda's before) draws a random number per token, and torch's CPU `exponential_` takes
     ~18 ns each: 14.6 ms for 16 rows of SmolLM2's 49,152, as long as the model's own 16-row
-    decode step; here 1.2 ms (the sums in float64, so that no token's interval is lost to
-    rounding)."""
-    cdf = probs.double().cumsum(dim=-1)
-    total = cdf[:, -1:].contiguous()
-    index = torch.searchsorted(cdf, uniforms.to(cdf)[:, None] * total, right=True)
-    # NOTE: u x total may round up to the total: the last token of nonzero probability then
-    index = index.minimum(torch.searchsorted(cdf, total)).squeeze(1)
+    decode step. Here the running sum is taken in two levels: the sums of blocks of
+    `CDF_BLOCK` tokens, then the sums inside the one block the uniform falls in (float64, so
+    that no token's interval is lost to rounding)."""
+    rows, vocab = probs.shape
+    blocks = -(-vocab // CDF_BLOCK)
+    p = probs.float()
+    if blocks * CDF_BLOCK != vocab:
+        p = torch.nn.functional.pad(p, (0, blocks * CDF_BLOCK - vocab))
+    p = p.view(rows, blocks, CDF_BLOCK)
+    ends = p.sum(dim=-1).double().cumsum(dim=-1)
+    total = ends[:, -1:].contiguous()
+    target = uniforms.to(ends)[:, None] * total
+    # NOTE: u x total may round up to the total: the last block of nonzero mass then
+    block = torch.searchsorted(ends, target, right=True).minimum(torch.searchsorted(ends, total))
+    block = block.clamp_(max=blocks - 1)
+    start = torch.where(block > 0, ends.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inside = p.gather(1, block[:, :, None].expand(-1, -1, CDF_BLOCK)).squeeze(1).double().cumsum(dim=-1)
+    offset = torch.searchsorted(inside, target - start, right=True)
+    # NOTE: the block's own sums may round below its sum in `ends`: its last token of nonzero mass
+    offset = offset.minimum(torch.searchsorted(inside, inside[:, -1:].contiguous()))
+    index = (block * CDF_BLOCK + offset).squeeze(1)
     broken = ~(total.squeeze(1) > 0) | ~torch.isfinite(total.squeeze(1))
     if broken.any():
         # NOTE: a row of NaNs (logits overflowed by an extreme but valid penalty) has no sums to
@@ -220,13 +235,13 @@ class Sampler:
         if not rows:
             return tokens
         sampled = [requests[i] for i in rows]
-        processed = self.processed(logits[rows], sampled)
+        processed = self.processed(logits if len(rows) == len(requests) else logits[rows], sampled)
         marked = self._watermarked(processed, sampled)
         for j, token in marked.items():
             tokens[rows[j]] = token
         drawn = [j for j in range(len(sampled)) if j not in marked]
         if drawn:
-            probs = processed[drawn].softmax(dim=-1)
+            probs = (processed if len(drawn) == len(sampled) else processed[drawn]).softmax(dim=-1)
             uniforms = draw_uniforms([sampled[j].generator for j in drawn])
             for j, t in zip(drawn, inverse_cdf(probs, uniforms), strict=True):
                 tokens[rows[j]] = t

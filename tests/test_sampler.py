@@ -145,6 +145,27 @@ def test_inverse_cdf_never_lands_on_a_token_of_probability_zero():
         assert got == [1 if u < 0.5 else 3, 2]
 
 
+@pytest.mark.parametrize("vocab", [700, 2048, 2500])
+def test_the_two_level_running_sum_picks_the_flat_ones_token(vocab):
+    """Blocks' sums, then sums inside one block: the token a flat float64 running sum picks,
+    across block edges, a padded last block, zeros at block edges and mass in one block only."""
+    from pagoda.sampler import inverse_cdf
+
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(4, vocab, generator=g) * (torch.rand(4, vocab, generator=g) < 0.3)
+    probs[1, :] = 0.0
+    probs[1, vocab - 3] = 2.0  # NOTE: all the mass in the last (padded) block
+    probs[2, 1020:1030] = 0.0
+    probs[3, : vocab // 2] = 0.0
+    for _ in range(50):
+        u = torch.rand(4, generator=g, dtype=torch.float64)
+        cdf = probs.double().cumsum(dim=-1)
+        flat = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(1).tolist()
+        got = inverse_cdf(probs, u)
+        assert got == flat
+        assert all(probs[r, t] > 0 for r, t in enumerate(got))
+
+
 def test_a_row_without_a_distribution_still_gets_a_token_of_the_vocabulary():
     """repetition_penalty 5e-324 (valid: above 0) overflows logits to inf, the softmax to NaN."""
     from pagoda.sampler import inverse_cdf
