@@ -151,13 +151,13 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
 
 def full_completion(gen: Generation, req: CompletionRequest, model: str) -> CompletionResponse:
     ctx, choices = gen.ctx, []
+    names = TokenNames.of_request(ctx, req)
     for index, state in enumerate(gen.choices):
         text, token_ids, entries = choice_tokens(gen, req, index, state.text, state.token_ids,
                                                  state.logprobs, req.echo)
         logprobs = None
         if req.logprobs is not None:
-            logprobs = completion_logprobs(TokenNames.of_request(ctx, req), token_ids, entries,
-                                           shown_logprobs(req, req.logprobs), 0)
+            logprobs = completion_logprobs(names, token_ids, entries, shown_logprobs(req, req.logprobs), 0)
         reason, stop_reason = finish(req, state.finish_reason, state.stop_reason)
         prompt = gen.prompts[index // gen.n]
         choices.append(CompletionResponseChoice(
