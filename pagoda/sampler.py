@@ -102,9 +102,9 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     uniform; never a token of probability 0.
 
     NOTE: the exponential race (argmax p / q, q ~ Exp(1) per token, vLLM's CPU sampler and
-    pagoda's before) draws a random number per token, and torch's CPU `exponential_` takes
-    ~18 ns each: 14.6 ms for 16 rows of SmolLM2's 49,152, as long as the model's own 16-row
-    decode step. Here the running sum is taken in two levels: the sums of blocks of
+    pagoda's before) draws a random number per token with torch's CPU `exponential_`: 14.55 ms
+    for 16 rows of SmolLM2's 49,152 on one thread, as long as the model's own 16-row decode step
+    (0.27 ms here; docs/benchmarks/sampling/draw_time.py). Here the running sum is taken in two levels: the sums of blocks of
     `CDF_BLOCK` tokens, then the sums inside the one block the uniform falls in (float64, so
     that no token's interval is lost to rounding)."""
     rows, vocab = probs.shape
