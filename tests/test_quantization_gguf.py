@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -346,9 +347,13 @@ def test_a_gguf_of_every_kind_runs_the_native_stack(tmp_path: Path, monkeypatch)
 
     def emulated(linear: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
         method, x = linear.method, args[0]
-        group = method.panels.x_group(x.shape[0]) if method.panels is not None else method._gemv_x_group()
+        panels, rows = method.panels, x.shape[0]
+        group = panels.x_group(rows) if panels is not None else method._gemv_x_group()
         xr = packing.round_to_int8_groups(x, group) if group else x.float()
-        return F.linear(xr, method.dequantize(torch.float32)).to(out.dtype)
+        w = method.dequantize(torch.float32)
+        if panels is not None and panels.amx_at(rows):  # NOTE: AMX tiles read the weight widened to bf16
+            w = w.to(torch.bfloat16).float()
+        return F.linear(xr, w).to(out.dtype)
 
     packed.engine.runner.native_decoder = None
     for module in packed.engine.runner.model.modules():
@@ -365,12 +370,31 @@ def test_a_gguf_of_every_kind_runs_the_native_stack(tmp_path: Path, monkeypatch)
     assert (got - want).abs().max().item() <= 0.3, (got - want).abs()
 
 
+@pytest.fixture(params=["vpdpbusd", "amx"])
+def same_integer_tiles(request: pytest.FixtureRequest) -> Iterator[str]:
+    """int8 and int4-layout panels (int5's too) on the same tiles at every row count: vpdpbusd
+    (x rounded to int8 codes) or, where granted, AMX (x as it is); the start's measured choice,
+    which may put the two kinds on different tiles at some rows, restored after."""
+    before = dict(cpu_kernels.ops.GEMM_AMX_INTEGER_ROWS)
+    rows = 1 if request.param == "amx" else 1 << 62
+    granted = [cpu_kernels.ops.set_gemm_amx_integer_rows(bits, rows) for bits in (8, 4)]
+    try:
+        if request.param == "amx" and not all(granted):
+            pytest.skip("this CPU or build has no AMX tiles (amx_bf16), or Linux refused the tile data")
+        yield request.param
+    finally:
+        for bits, was in before.items():
+            cpu_kernels.ops.set_gemm_amx_integer_rows(bits, was)
+
+
 @pytest.mark.skipif(not (cpu_kernels.available() and cpu_kernels.ops.int5_tiles()),
                     reason="needs int5 panels (the avx512bf16 kernels)")
-def test_q5_0_layers_on_int5_panels_give_the_int8_panels_tokens(tmp_path: Path, monkeypatch) -> None:
+def test_q5_0_layers_on_int5_panels_give_the_int8_panels_tokens(tmp_path: Path, monkeypatch,
+                                                                 same_integer_tiles: str) -> None:
     """Q5_0 layers (qkv, o, gate/up) as int5 panels, 5 bits a weight: the weight memory shrinks by
     3 bits a weight and the model's prompt logprobs and greedy tokens are those of the same file
-    on int8 panels (`int5_tiles` off), exactly (the same products: test_quantization_kernels)."""
+    on int8 panels (`int5_tiles` off), exactly, where both kinds run on the same tiles (the same
+    products: test_quantization_kernels; AMX's widened weights and vpdpbusd's rounded x differ)."""
     from pagoda import LLM, SamplingParams
     from pagoda.layers.quantization import method_bytes
     from pagoda.models import loader
