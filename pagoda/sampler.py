@@ -18,6 +18,7 @@ import torch
 from pagoda.layers import cpu_kernels
 from pagoda.pooling import PooledPart
 from pagoda.request import Request
+from pagoda.sampling_params import SamplingParams
 from pagoda.structured_output import apply_bitmask
 from pagoda.watermark import Watermarker
 
@@ -133,6 +134,72 @@ def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
     return index.tolist()
 
 
+def _top_k_and_p(params: list[SamplingParams], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])[:, None]
+    return top_k, torch.tensor([p.top_p for p in params])[:, None]
+
+
+def top_candidates(logits: torch.Tensor, temps: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of `logits` divided by its temperature: its `width` largest values (descending),
+    their token ids, and the log-sum-exp of the whole divided row; on the CPU kernels in one
+    pass over the row (`cpu_kernels.ops.top_candidates`), elsewhere by torch's topk."""
+    if cpu_kernels.takes(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        return cpu_kernels.ops.top_candidates(logits, temps, width)
+    scaled = logits / temps.to(logits)[:, None]
+    values, index = scaled.topk(width, dim=-1)
+    return values, index, scaled.logsumexp(dim=-1)
+
+
+def candidate_sets(logits: torch.Tensor, temps: torch.Tensor, params: list[SamplingParams],
+                   width: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's top-k, then top-p set among its `width` (default `TOP_CANDIDATES`) largest
+    logits (divided by `temps`): (values, -inf outside the set; their token ids; whether the set
+    is complete there).
+
+    NOTE: sorting the whole vocabulary is the cost (16 rows of SmolLM2's 49,152: ~150 ms on one
+    Zen 3 core, against 5 ms for their top 256 by torch's topk, less on the kernels). The
+    candidates' probabilities are normalized over the whole row (or over its top k): where the
+    set ends inside them, it is the set a full sort gives (up to rounding at the boundary and the
+    order of tied logits); not where the distribution is flat, or a top k lies between the
+    candidates and the vocabulary, or the row holds no finite logit or a NaN."""
+    vocab = logits.shape[-1]
+    width = min(width or TOP_CANDIDATES, vocab)
+    top_k, top_p = _top_k_and_p(params, vocab)
+    values, index, lse = top_candidates(logits, temps, width)
+    drop = torch.arange(width)[None, :] >= top_k
+    masked = values.masked_fill(drop, float("-inf"))
+    norm = torch.where(top_k < vocab, masked.logsumexp(dim=-1, keepdim=True), lse[:, None])
+    probs = (masked - norm).exp()
+    drop |= ((probs.cumsum(dim=-1) - probs) > top_p) & (top_p < 1.0)  # NOTE: 1.0 keeps all (rounding)
+    drop[:, 0] = False
+    beyond = (top_k > width) & ((top_k < vocab) | ~drop[:, -1:])
+    complete = ~beyond[:, 0] & torch.isfinite(lse)
+    return values.masked_fill(drop, float("-inf")), index, complete
+
+
+def widening_candidate_sets(logits: torch.Tensor, temps: torch.Tensor, params: list[SamplingParams]
+                            ) -> tuple[list[tuple[list[int], torch.Tensor, torch.Tensor]], list[int]]:
+    """`candidate_sets` among the `TOP_CANDIDATES` largest logits, then, for the rows whose set
+    goes past them, among 4x as many: ([(rows, kept values, token ids)] of the complete sets, the
+    rows complete at neither width, which sort their whole row).
+
+    NOTE: a flat distribution's top-p set holds hundreds of tokens (SmolLM2 at temperature 0.8,
+    top-p 0.9, on the side-by-side's word-list prompts: 20% of rows past 256, at most 901), and a
+    whole sort of 49,152 logits costs ~3 ms a row, 15x the kernels' 1,024 largest."""
+    vocab = logits.shape[-1]
+    pending, found = list(range(len(params))), []
+    for width in (TOP_CANDIDATES, 4 * TOP_CANDIDATES):
+        if width >= vocab or not pending:
+            break
+        x = logits if len(pending) == logits.shape[0] else logits[pending]
+        kept, index, complete = candidate_sets(x, temps[pending], [params[i] for i in pending], width)
+        done = complete.nonzero().flatten()
+        if len(done):
+            found.append(([pending[j] for j in done.tolist()], kept[done], index[done]))
+        pending = [i for i, c in zip(pending, complete.tolist(), strict=True) if not c]
+    return found, pending
+
+
 def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> None:
     """Grammar bitmasks, allowed_token_ids and logit_bias, in place, on the rows that ask."""
     grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
@@ -235,19 +302,57 @@ class Sampler:
         if not rows:
             return tokens
         sampled = [requests[i] for i in rows]
-        processed = self.processed(logits if len(rows) == len(requests) else logits[rows], sampled)
-        marked = self._watermarked(processed, sampled)
+        x = logits if len(rows) == len(requests) else logits[rows]
+        marked = self._watermarked(x, sampled)
         for j, token in marked.items():
             tokens[rows[j]] = token
         drawn = [j for j in range(len(sampled)) if j not in marked]
         if drawn:
-            probs = (processed if len(drawn) == len(sampled) else processed[drawn]).softmax(dim=-1)
-            uniforms = draw_uniforms([sampled[j].generator for j in drawn])
-            for j, t in zip(drawn, inverse_cdf(probs, uniforms), strict=True):
+            picked = self._draw(x if len(drawn) == len(sampled) else x[drawn], [sampled[j] for j in drawn])
+            for j, t in zip(drawn, picked, strict=True):
                 tokens[rows[j]] = t
         return tokens
 
-    def _watermarked(self, processed: torch.Tensor, requests: list[Request]) -> dict[int, int]:
+    def _draw(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """A token per row from its distribution (temperature, top-k / top-p / min-p), one uniform a
+        row. A row whose top-k / top-p set ends among its largest logits draws among those
+        alone (`widening_candidate_sets`): the softmax and the running sums over the whole
+        vocabulary, most of a sampled step's cost, are skipped. A row at a temperature alone
+        draws on the CPU kernels in one call (`cpu_kernels.ops.draw_rows`); the others take the
+        whole row in torch."""
+        uniforms = draw_uniforms([r.generator for r in requests])
+        params = [r.sampling_params for r in requests]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        tokens: list[int | None] = [None] * len(requests)
+        narrowed = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+        if narrowed:
+            picked = narrowed if len(narrowed) < len(requests) else slice(None)
+            found, _ = widening_candidate_sets(logits[picked], temps[picked], [params[i] for i in narrowed])
+            for done, kept, index in found:
+                rows = [narrowed[j] for j in done]
+                min_p = torch.tensor([params[i].min_p for i in rows])[:, None]
+                if (min_p > 0).any():
+                    probs = kept.softmax(dim=-1)
+                    kept = kept.masked_fill(probs < min_p * probs[:, :1], float("-inf"))
+                order = index.argsort(dim=-1)  # NOTE: token order, as the whole row's running sums
+                at = inverse_cdf(kept.gather(1, order).softmax(dim=-1), uniforms[rows])
+                ids = index.gather(1, order)
+                for k, (row, a) in enumerate(zip(rows, at, strict=True)):
+                    tokens[row] = int(ids[k, a])
+        plain = [i for i, t in enumerate(tokens) if t is None and not params[i].narrows]
+        if plain and cpu_kernels.takes(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            x = logits if len(plain) == len(requests) else logits[plain]
+            for i, t in zip(plain, cpu_kernels.ops.draw_rows(x, temps[plain], uniforms[plain]), strict=True):
+                tokens[i] = t
+        rest = [i for i, t in enumerate(tokens) if t is None]
+        if rest:
+            x = logits if len(rest) == len(requests) else logits[rest]
+            probs = self._filter(x / temps[rest][:, None], [requests[i] for i in rest]).softmax(dim=-1)
+            for i, t in zip(rest, inverse_cdf(probs, uniforms[rest]), strict=True):
+                tokens[i] = t
+        return [int(t) for t in tokens if t is not None]
+
+    def _watermarked(self, logits: torch.Tensor, requests: list[Request]) -> dict[int, int]:
         """row -> token, for the rows sampled with the watermark (each with its context)."""
         if self.watermarker is None:
             return {}
@@ -255,7 +360,8 @@ class Sampler:
         if not contexts:
             return {}
         rows = list(contexts)
-        tokens = self.watermarker.sample(processed[rows], [contexts[j] for j in rows],
+        processed = self.processed(logits if len(rows) == len(requests) else logits[rows], [requests[j] for j in rows])
+        tokens = self.watermarker.sample(processed, [contexts[j] for j in rows],
                                          [requests[j].generator for j in rows])
         return dict(zip(rows, tokens, strict=True))
 
@@ -280,31 +386,20 @@ class Sampler:
         return logits
 
     def _top_k_top_p(self, logits: torch.Tensor, params: list, vocab: int) -> torch.Tensor:
-        """`logits` with -inf outside each row's top-k, then top-p set (at least one token).
-
-        NOTE: sorting the whole vocabulary is the cost (16 rows of SmolLM2's 49,152: ~150 ms on
-        one Zen 3 core, against 5 ms for their top 256). A row's set is first looked for among
-        its `TOP_CANDIDATES` largest logits, normalized over the whole row (or over its top k):
-        where the set ends inside them, it is the set a full sort gives (up to rounding at the
-        boundary and the order of tied logits); the other rows (a flat distribution, a top k
-        between the candidates and the vocabulary) are sorted whole."""
-        top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])[:, None]
-        top_p = torch.tensor([p.top_p for p in params])[:, None]
-        width = min(TOP_CANDIDATES, vocab)
-        if width == vocab:
-            return self._sorted_top_k_top_p(logits, top_k, top_p)
-        values, index = logits.topk(width, dim=-1)
-        drop = torch.arange(width)[None, :] >= top_k
-        masked = values.masked_fill(drop, float("-inf"))
-        norm = torch.where(top_k < vocab, masked.logsumexp(dim=-1, keepdim=True),
-                           logits.logsumexp(dim=-1, keepdim=True))
-        probs = (masked - norm).exp()
-        drop |= (probs.cumsum(dim=-1) - probs) > top_p
-        drop[:, 0] = False
-        out = torch.full_like(logits, float("-inf")).scatter_(1, index, values.masked_fill(drop, float("-inf")))
-        rest = ((top_k > width) & ((top_k < vocab) | ~drop[:, -1:]))[:, 0].nonzero().flatten().tolist()
+        """`logits` with -inf outside each row's top-k, then top-p set (at least one token): the
+        set among the row's candidates (`candidate_sets`) where it ends there, else a whole sort."""
+        top_k, top_p = _top_k_and_p(params, vocab)
+        narrowed = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+        x = logits if len(narrowed) == len(params) else logits[narrowed]
+        found, rest = widening_candidate_sets(x, torch.ones(len(narrowed)), [params[i] for i in narrowed])
+        out = logits.clone()
+        out[narrowed] = float("-inf")
+        for rows, kept, index in found:
+            at = [narrowed[j] for j in rows]
+            out[at] = out[at].scatter_(1, index, kept)
         if rest:
-            out[rest] = self._sorted_top_k_top_p(logits[rest], top_k[rest], top_p[rest])
+            at = [narrowed[j] for j in rest]
+            out[at] = self._sorted_top_k_top_p(logits[at], top_k[at], top_p[at])
         return out
 
     @staticmethod
@@ -312,7 +407,7 @@ class Sampler:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         drop = torch.arange(logits.shape[-1])[None, :] >= top_k
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        drop |= (probs.cumsum(dim=-1) - probs) > top_p
+        drop |= ((probs.cumsum(dim=-1) - probs) > top_p) & (top_p < 1.0)
         drop[:, 0] = False
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)

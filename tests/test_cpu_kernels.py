@@ -66,6 +66,72 @@ def test_argmax_rows_equals_torch(dtype: torch.dtype, n: int) -> None:
     assert torch.equal(ops.argmax_rows(x), x.float().argmax(dim=-1))
 
 
+@pytest.mark.parametrize("n,width", [(1, 1), (17, 16), (300, 256), (4000, 256), (49152, 256), (49152, 7)])
+def test_top_candidates_equal_torchs_topk_and_logsumexp(n: int, width: int) -> None:
+    """Each row's `width` largest values of x / t (descending, the lower index first among equal
+    values) and their indices equal torch's topk of the divided row where values are distinct, the
+    log-sum-exp within 1e-5; rows strided, a row in ascending order (the buffer's worst case),
+    ties, fewer finite values than `width` (the first -inf positions fill the rest), an all -inf
+    row (those positions, lse -inf) and a NaN row (lse NaN)."""
+    gen = torch.Generator().manual_seed(n + width)
+    base = torch.randn(8, n + 5, generator=gen) * 4
+    x = base[:, :n]
+    x[1] = torch.arange(n, dtype=torch.float32) / n
+    x[2] = (x[2] * 2).round()
+    x[3, width // 2:] = float("-inf")
+    x[4, n // 2] = float("nan")
+    x[5] = float("-inf")
+    x[6, 1:] = float("-inf")
+    temps = torch.rand(8, generator=gen) * 2 + 0.1
+    values, index, lse = ops.top_candidates(x, temps, width)
+    scaled = x / temps[:, None]
+    assert torch.isnan(lse[4]) and lse[5] == float("-inf")
+    for r in (0, 1, 2, 3, 6, 7):
+        row = scaled[r]
+        order = sorted(range(n), key=lambda i: (-row[i].item(), i))[:width]
+        assert index[r].tolist() == order, r
+        assert torch.equal(values[r], row[order]), r
+        assert torch.allclose(lse[r], row.logsumexp(-1), rtol=1e-5, atol=1e-5, equal_nan=False) or lse[r] == row.logsumexp(-1), r
+    for r in (0, 7):  # NOTE: distinct random values: torch's own topk
+        want_values, want_index = scaled[r].topk(width)
+        assert torch.equal(values[r], want_values) and torch.equal(index[r], want_index)
+    with pytest.raises(ValueError, match="positive temperatures"):
+        ops.top_candidates(x, torch.zeros(8), width)
+
+
+@pytest.mark.parametrize("n", [1, 17, 1024, 1025, 49152, 262144])
+def test_draw_rows_equal_the_samplers_inverse_cdf(n: int) -> None:
+    """The kernel's draws are the sampler's `inverse_cdf` of softmax(x / t) at the same uniforms
+    (rows strided, masked -inf tokens, ties, peaked and flat rows, uniforms near 0 and 1), never a
+    token of probability 0 (a row masked but for a few tokens, whatever the uniform), and a NaN
+    row's or an all -inf row's argmax (torch's rule)."""
+    from pagoda.sampler import inverse_cdf
+
+    gen = torch.Generator().manual_seed(n)
+    rows = 12
+    base = torch.randn(rows, n + 3, generator=gen) * torch.tensor([4.0, 1.0, 0.1] * 4)[:, None]
+    x = base[:, :n]
+    x[3, ::3] = float("-inf")
+    x[4] = x[4].round()
+    x[5] = float("-inf")
+    x[5, [0, n // 2, n - 1]] = torch.tensor([1.0, 0.5, 2.0])
+    temps = torch.rand(rows, generator=gen) * 1.5 + 0.2
+    finite = [r for r in range(rows) if torch.isfinite(x[r]).any()]
+    for uniforms in (torch.rand(rows, generator=gen, dtype=torch.float64),
+                     torch.tensor([0.0, 0.25, 0.5, 0.75] * 3, dtype=torch.float64)):
+        got = ops.draw_rows(x, temps, uniforms)
+        want = inverse_cdf((x / temps[:, None]).softmax(dim=-1), uniforms)
+        assert got == want, [(r, g, w) for r, (g, w) in enumerate(zip(got, want, strict=True)) if g != w]
+    # NOTE: at the ends the two may part by a token whose interval is below rounding; both valid
+    for u in (1e-300, 1 - 2**-53):
+        got = ops.draw_rows(x, temps, torch.full((rows,), u, dtype=torch.float64))
+        assert all(x[r, got[r]] > float("-inf") for r in finite)
+    odd = x[:2].clone()
+    odd[0, n // 2] = float("nan")
+    odd[1] = float("-inf")
+    assert ops.draw_rows(odd, temps[:2], torch.tensor([0.3, 0.3], dtype=torch.float64)) == [n // 2, 0]
+
+
 # ---------------------------------------------------------------- paged attention
 
 def make_pool(lens: list[int], block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagoda.request import Request
-from pagoda.sampler import TOP_CANDIDATES, Sampler, argmax_rows
+from pagoda.sampler import TOP_CANDIDATES, Sampler, argmax_rows, widening_candidate_sets
 from pagoda.sampling_params import SamplingParams
 
 VOCAB = 16
@@ -88,7 +88,8 @@ def test_top_k_top_p_min_p_restrict_support():
 
 def test_top_k_top_p_among_candidates_equals_a_whole_sort():
     """The kept sets (and values) of the candidates' shortcut are a whole sort's, for peaked and
-    flat rows, top k below, between and above the candidates, with and without top p."""
+    flat rows, top k below, between and above the candidates (256, then 1,024), with and without
+    top p."""
     gen = torch.Generator().manual_seed(5)
     vocab = 4000
     # NOTE: the flat rows' (scale 0.05) sets go past the candidates
@@ -103,7 +104,43 @@ def test_top_k_top_p_among_candidates_equals_a_whole_sort():
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(got, want)
     kept = (~torch.isinf(got)).sum(dim=-1)
-    assert kept.min() >= 1 and kept.max() > TOP_CANDIDATES  # both paths ran
+    assert kept.min() >= 1 and kept.max() > TOP_CANDIDATES
+    narrowed = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    found, rest = widening_candidate_sets(logits[narrowed], torch.ones(len(narrowed)), [params[i] for i in narrowed])
+    assert len(found) == 2 and all(len(rows) for rows, *_ in found) and rest  # NOTE: 256, 1,024, whole sorts
+    # NOTE: neither top k nor top p: every token kept, even those whose probability rounds to 0
+    assert all(torch.equal(got[i], logits[i]) for i, p in enumerate(params) if i not in narrowed)
+
+
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+def test_candidate_draws_pick_the_whole_rows_tokens(path: str, monkeypatch) -> None:
+    """Rows whose top-k / top-p set ends among their candidates draw among those alone; given the
+    same uniforms they pick the tokens that the whole row's softmax and running sums pick, over
+    temperatures, top k below and above the candidates, top p, min p; rows whose set goes past
+    the candidates (flat, a top k between them and the vocabulary) take the whole row, and rows
+    at a temperature alone the kernels' draw (`draw_rows`) or torch's."""
+    import pagoda.sampler as sampler_module
+    from pagoda.layers import cpu_kernels
+
+    if path == "torch":
+        monkeypatch.setattr(cpu_kernels, "takes", lambda x: False)
+    elif not cpu_kernels.available():
+        pytest.skip("no CPU kernels")
+    gen = torch.Generator().manual_seed(11)
+    vocab, draws = 5000, 12
+    settings = [(t, k, p, m, scale) for t in (0.5, 1.3) for k, p in ((0, 0.9), (40, 1.0), (0, 0.5), (300, 0.95), (3, 0.99), (0, 1.0))
+                for m in (0.0, 0.05) for scale in (6.0, 0.05)]
+    rows = [s for s in settings for _ in range(draws)]
+    logits = torch.cat([torch.randn(1, vocab, generator=gen) * s[-1] for s in settings]).repeat_interleave(draws, 0)
+    requests = [_request([], temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m, _ in rows]
+    uniforms = torch.rand(len(rows), generator=gen, dtype=torch.float64)
+    monkeypatch.setattr(sampler_module, "draw_uniforms", lambda generators: uniforms.clone())
+    got = Sampler()._draw(logits.clone(), requests)
+    want = sampler_module.inverse_cdf(Sampler().distributions(logits, requests), uniforms)
+    assert got == want
+    _, _, complete = sampler_module.candidate_sets(logits, torch.tensor([r[0] for r in rows]),
+                                                   [r.sampling_params for r in requests])
+    assert 0 < int(complete.sum()) < len(rows)  # NOTE: both paths ran
 
 
 def test_seeded_rows_ignore_batch_neighbours():

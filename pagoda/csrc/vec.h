@@ -149,6 +149,7 @@ inline float reduce_max(Vf a) { return _mm512_reduce_max_ps(a.v); }
 inline Vf select(Mask keep, Vf a, float fill) { return {_mm512_mask_mov_ps(_mm512_set1_ps(fill), keep, a.v)}; }
 // The lanes where a == b (ordered), and where a is NaN.
 inline Mask equal(Vf a, Vf b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_EQ_OQ); }
+inline Mask greater(Vf a, Vf b) { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ); }
 inline Mask is_nan(Vf a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q); }
 
 inline Vf load(const float* p) { return {_mm512_loadu_ps(p)}; }
@@ -260,6 +261,9 @@ inline Mask equal(Vf a, Vf b) {
   return lanes_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ));
 }
 inline Mask is_nan(Vf a) { return lanes_of(_mm256_cmp_ps(a.lo, a.lo, _CMP_UNORD_Q), _mm256_cmp_ps(a.hi, a.hi, _CMP_UNORD_Q)); }
+inline Mask greater(Vf a, Vf b) {
+  return lanes_of(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ));
+}
 
 inline Vf widen_bf16(__m128i lo, __m128i hi) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(lo), 16)),
@@ -385,6 +389,7 @@ inline Mask lanes_where(Vf a, Vf b, bool (*pred)(float, float)) {
 }
 inline Mask equal(Vf a, Vf b) { return lanes_where(a, b, [](float x, float y) { return x == y; }); }
 inline Mask is_nan(Vf a) { return lanes_where(a, a, [](float x, float) { return std::isnan(x); }); }
+inline Mask greater(Vf a, Vf b) { return lanes_where(a, b, [](float x, float y) { return x > y; }); }
 template <typename T>
 inline Vf load(const T* p, Mask m = 0xFFFF) {
   return vmap([&](int i) { return (m >> i) & 1u ? to_float(p[i]) : 0.f; });

@@ -1,14 +1,19 @@
 """Median time of one `Sampler` call on one thread, B rows of SmolLM2's 49,152 bf16 logits:
 - greedy rows with min_tokens pending (EOS masked), as in the side-by-side workload
   (ignore_eos + min_tokens);
+- seeded rows at temperature 1 alone (OpenAI's defaults), over N(0, 1) logits;
 - seeded rows with temperature 0.8 and top_p 0.9 over peaked logits (N(0, 4^2): a few hundred
   tokens hold the top-p mass), with a row's top-p set looked for among its largest logits
   (`TOP_CANDIDATES`) and with a whole sort (`--whole-sort`), alternating.
 Run it in two checkouts to compare (docs/performance.md, Sampler).
 Usage: python docs/benchmarks/kernels/sampler_time.py [B ...]   (default 1 16 64)
 """
-import statistics, sys, time
+import statistics
+import sys
+import time
+
 import torch
+
 from pagoda import sampler as sampler_module
 from pagoda.request import Request
 from pagoda.sampler import Sampler
@@ -16,6 +21,7 @@ from pagoda.sampling_params import SamplingParams
 
 torch.set_num_threads(1)
 CASES = {"greedy": SamplingParams(max_tokens=128, min_tokens=128, ignore_eos=True, temperature=0),
+         "seeded temperature 1": SamplingParams(max_tokens=128, temperature=1.0, seed=1),
          "seeded top-p": SamplingParams(max_tokens=128, temperature=0.8, top_p=0.9, seed=1)}
 
 
@@ -35,7 +41,7 @@ for batch in [int(b) for b in sys.argv[1:]] or [1, 16, 64]:
     for name, params in CASES.items():
         requests = [Request(f"r{i}", [1, 2, 3], params, eos_token_ids={2}) for i in range(batch)]
         logits = (torch.randn(batch, 49152, generator=g) * (4 if params.top_p < 1 else 1)).to(torch.bfloat16)
-        if name == "greedy" or candidates is None:
+        if params.top_p == 1 or candidates is None:
             print(f"B={batch} {name}: {median_ms(requests, logits):.3f} ms per call")
             continue
         for whole in (False, True, False, True):

@@ -1,7 +1,8 @@
-"""What the watermark costs a served batch: SmolLM2, 16 prompts sampled at temperature 1 to
-128 tokens each, with and without `--watermark-config`, alternating (output tok/s each round).
+"""Sampling's cost in a batch: SmolLM2, 16 chat prompts to 128 tokens each, greedy, sampled at
+temperature 1, sampled with top-p (temperature 0.8, top_p 0.9, as chat clients send), and
+sampled at temperature 1 with `--watermark-config`, alternating (output tok/s each round).
 
-    .venv/bin/python docs/benchmarks/watermark/cost.py [ROUNDS]
+    .venv/bin/python docs/benchmarks/sampling/sampled.py [ROUNDS]
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ def main(rounds: int) -> None:
     plain = LLM("smollm2", max_model_len=1024)
     runs = {"greedy": (plain, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)),
             "sampled": (plain, sampled),
+            "top-p": (plain, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=128, ignore_eos=True, seed=1)),
             "watermarked": (LLM("smollm2", max_model_len=1024, watermark_config={"key": 42}), sampled)}
     for llm, _ in runs.values():
         llm.chat(chats[:2], SamplingParams(max_tokens=8), use_tqdm=False)  # NOTE: warm-up

@@ -51,6 +51,8 @@ _PLAIN: dict[str, ArgTypes] = {
     "fused_moe_bf16": [_P, _P, _P, _L],
     "abi_sizes": [_P],
     "philox_uniform": [ctypes.c_uint64, _P, _L, _L, _L, _P],
+    "top_candidates": [_P, _L, _L, _L, _P, _L, _P, _P, _P],
+    "draw_rows": [_P, _L, _L, _L, _P, _P, _P],
 }
 # NOTE: the order of `pagoda_abi_sizes`'s output (pagoda/csrc/decoder.cpp).
 ABI_STRUCTS = ("GemmWeight", "LinearWeight", "DecoderLayer", "DecoderStack", "DecodeStep", "StepGroup",

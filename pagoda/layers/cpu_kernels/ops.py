@@ -124,6 +124,45 @@ def philox_uniform(key: int, contexts: torch.Tensor, vocab_size: int) -> torch.T
     return out
 
 
+def top_candidates(x: torch.Tensor, temps: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of fp32 x [rows, n] (rows may be strided) divided by its temperature (`temps`
+    [rows]): its `width` largest values, descending (ties: the lower index first), their int64
+    indices, and the log-sum-exp of the whole divided row [rows] (-inf where no value is finite;
+    NaN where the row holds a NaN, whose candidates are not set)."""
+    _check_rows(x, x.shape[-1])
+    rows, n = x.shape
+    if x.dtype != torch.float32 or not 0 < width <= n:
+        raise ValueError(f"top_candidates takes fp32 rows and 0 < width <= {n}, got {x.dtype} and {width}")
+    temps = temps.to(torch.float32).contiguous()
+    if not bool((temps > 0).all()):
+        raise ValueError("top_candidates takes positive temperatures")
+    values = torch.empty(rows, width, dtype=torch.float32)
+    index = torch.empty(rows, width, dtype=torch.long)
+    lse = torch.empty(rows, dtype=torch.float32)
+    _lib().fn("top_candidates")(x.data_ptr(), rows, n, x.stride(0), temps.data_ptr(), width, values.data_ptr(),
+                                index.data_ptr(), lse.data_ptr())
+    return values, index, lse
+
+
+def draw_rows(x: torch.Tensor, temps: torch.Tensor, uniforms: torch.Tensor) -> list[int]:
+    """A token per row of fp32 logits x [rows, n] (rows may be strided) at its temperature
+    (`temps` [rows], positive), drawn by the inverse of its distribution at `uniforms` [rows]
+    (float64 in [0, 1)): pagoda/sampler.py's `inverse_cdf` of softmax(x / t) in one call; never a
+    token of probability 0; a row with a NaN or no finite logit gives its argmax."""
+    _check_rows(x, x.shape[-1])
+    rows, n = x.shape
+    temps = temps.to(torch.float32).contiguous()
+    uniforms = uniforms.to(torch.float64).contiguous()
+    if x.dtype != torch.float32 or temps.shape != (rows,) or uniforms.shape != (rows,):
+        raise ValueError(f"draw_rows takes fp32 rows and one temperature and uniform a row, got {x.dtype}, "
+                         f"{tuple(temps.shape)}, {tuple(uniforms.shape)} for {rows} rows")
+    if not bool((temps > 0).all()):
+        raise ValueError("draw_rows takes positive temperatures")
+    out = torch.empty(rows, dtype=torch.long)
+    _lib().fn("draw_rows")(x.data_ptr(), rows, n, x.stride(0), temps.data_ptr(), uniforms.data_ptr(), out.data_ptr())
+    return out.tolist()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face's RMSNorm over the last dimension of a 2-D x (rows may be strided)."""
     return _norm("rms_norm", x, weight, eps)
