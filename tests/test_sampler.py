@@ -117,8 +117,9 @@ def test_candidate_draws_pick_the_whole_rows_tokens(path: str, monkeypatch) -> N
     """Rows whose top-k / top-p set ends among their candidates draw among those alone; given the
     same uniforms they pick the tokens that the whole row's softmax and running sums pick, over
     temperatures, top k below and above the candidates, top p, min p; rows whose set goes past
-    the candidates (flat, a top k between them and the vocabulary) take the whole row, and rows
-    at a temperature alone the kernels' draw (`draw_rows`) or torch's."""
+    the candidates (flat, a top k between them and the vocabulary) take the whole row, rows with
+    min-p alone draw among the candidates where min-p ends their set there, and rows at a
+    temperature alone take the kernels' draw (`draw_rows`) or torch's."""
     import pagoda.sampler as sampler_module
     from pagoda.layers import cpu_kernels
 
@@ -141,6 +142,39 @@ def test_candidate_draws_pick_the_whole_rows_tokens(path: str, monkeypatch) -> N
     _, _, complete = sampler_module.candidate_sets(logits, torch.tensor([r[0] for r in rows]),
                                                    [r.sampling_params for r in requests])
     assert 0 < int(complete.sum()) < len(rows)  # NOTE: both paths ran
+    assert any(complete[i] for i, (_, k, p, m, _) in enumerate(rows) if k == 0 and p == 1.0 and m > 0)  # min-p alone
+
+
+def test_penalties_of_a_batch_equal_each_rows_own():
+    """The batched penalties (one scatter over the batch's token ids) give each row exactly what
+    vLLM's rules give it alone: repetition over prompt and answer (repeated ids once), presence
+    and frequency over the answer (counted), rows without penalties untouched."""
+    gen = torch.Generator().manual_seed(3)
+    vocab = 300
+    settings = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.25),
+                dict(repetition_penalty=0.8, frequency_penalty=-0.5), dict(), dict(presence_penalty=1.0),
+                dict(repetition_penalty=1.1, presence_penalty=0.2)]
+    requests = []
+    for i, params in enumerate(settings):
+        prompt = torch.randint(0, vocab, (20 + i,), generator=gen).tolist()
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=50, temperature=1.0, **params), eos_token_ids={2})
+        for t in (torch.randint(0, vocab, (i * 3,), generator=gen).tolist() + prompt[:2] * 2) if i != 4 else []:
+            r.append_token(t)
+        requests.append(r)
+    logits = torch.randn(len(settings), vocab, generator=gen) * 3
+    want = logits.clone()
+    for row, r in enumerate(requests):
+        p = r.sampling_params
+        if p.repetition_penalty != 1.0:
+            for t in set(r.all_token_ids):
+                v = want[row, t]
+                want[row, t] = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        for t in set(r.output_token_ids):
+            want[row, t] -= p.frequency_penalty * r.output_token_ids.count(t) + p.presence_penalty
+    got = logits.clone()
+    Sampler()._apply_penalties(got, requests)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
+    assert torch.equal(got[3], logits[3]) and not torch.equal(got[0], logits[0])
 
 
 def test_seeded_rows_ignore_batch_neighbours():
