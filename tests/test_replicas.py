@@ -80,7 +80,10 @@ def test_least_connections_spreads_the_load(cluster: tuple[str, list[ServerProce
     assert codes == [200] * 40
     shares = [successes(r) - b for r, b in zip(replicas, before, strict=True)]
     assert sum(shares) == 40
-    assert all(18 <= share <= 22 for share in shares), shares  # within 10% of even
+    # NOTE: each serves a large share, not an even one: least connections sends more to a replica
+    # the host happens to run faster (23 / 17 on a CI run), which a 10% band took for a fault;
+    # a broken balancer sends all 40 to one
+    assert all(share >= 10 for share in shares), shares
 
 
 def test_a_dead_replica_loses_only_its_own_requests(cluster: tuple[str, list[ServerProcess]]):
