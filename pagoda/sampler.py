@@ -192,7 +192,7 @@ def widening_candidate_sets(logits: torch.Tensor, temps: torch.Tensor, params: l
     rows complete at neither width, which sort their whole row).
 
     NOTE: a flat distribution's top-p set holds hundreds of tokens (SmolLM2 at temperature 0.8,
-    top-p 0.9, on the side-by-side's word-list prompts: 20% of rows past 256, at most 901), and a
+    top-p 0.9, on the side-by-side's word-list prompts: ~10% of rows past 256, at most 798), and a
     whole sort of 49,152 logits costs ~3 ms a row, 15x the kernels' 1,024 largest."""
     vocab = logits.shape[-1]
     pending, found = list(range(len(params))), []
@@ -374,7 +374,8 @@ class Sampler:
         rest = [i for i, t in enumerate(tokens) if t is None]
         if rest:
             x = logits if len(rest) == len(requests) else logits[rest]
-            probs = self._filter(x / temps[rest][:, None], [requests[i] for i in rest]).softmax(dim=-1)
+            # NOTE: these rows' candidates, where they narrow, were looked for above and fell short
+            probs = self._filter(x / temps[rest][:, None], [requests[i] for i in rest], candidates=False).softmax(dim=-1)
             for i, t in zip(rest, inverse_cdf(probs, uniforms[rest]), strict=True):
                 tokens[i] = t
         return [int(t) for t in tokens if t is not None]
@@ -401,11 +402,13 @@ class Sampler:
         temps = torch.tensor([r.sampling_params.temperature for r in requests])
         return self._filter(logits / temps[:, None], requests)
 
-    def _filter(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _filter(self, logits: torch.Tensor, requests: list[Request], candidates: bool = True) -> torch.Tensor:
+        """`candidates` False: top-k / top-p by a whole sort (rows whose candidates fell short)."""
         params = [r.sampling_params for r in requests]
         vocab = logits.shape[-1]
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            logits = self._top_k_top_p(logits, params, vocab)
+            logits = (self._top_k_top_p(logits, params, vocab) if candidates
+                      else self._sorted_top_k_top_p(logits, *_top_k_and_p(params, vocab)))
         if any(p.min_p > 0 for p in params):
             min_p = torch.tensor([p.min_p for p in params])[:, None]
             probs = logits.softmax(dim=-1)

@@ -124,6 +124,14 @@ def philox_uniform(key: int, contexts: torch.Tensor, vocab_size: int) -> torch.T
     return out
 
 
+def _temperatures(temps: torch.Tensor, kernel: str) -> torch.Tensor:
+    """fp32, contiguous; every one positive (the sampling kernels divide by them)."""
+    temps = temps.to(torch.float32).contiguous()
+    if not bool((temps > 0).all()):
+        raise ValueError(f"{kernel} takes positive temperatures")
+    return temps
+
+
 def top_candidates(x: torch.Tensor, temps: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row of fp32 x [rows, n] (rows may be strided) divided by its temperature (`temps`
     [rows]): its `width` largest values, descending (ties: the lower index first), their int64
@@ -133,9 +141,7 @@ def top_candidates(x: torch.Tensor, temps: torch.Tensor, width: int) -> tuple[to
     rows, n = x.shape
     if x.dtype != torch.float32 or not 0 < width <= n:
         raise ValueError(f"top_candidates takes fp32 rows and 0 < width <= {n}, got {x.dtype} and {width}")
-    temps = temps.to(torch.float32).contiguous()
-    if not bool((temps > 0).all()):
-        raise ValueError("top_candidates takes positive temperatures")
+    temps = _temperatures(temps, "top_candidates")
     values = torch.empty(rows, width, dtype=torch.float32)
     index = torch.empty(rows, width, dtype=torch.long)
     lse = torch.empty(rows, dtype=torch.float32)
@@ -151,13 +157,11 @@ def draw_rows(x: torch.Tensor, temps: torch.Tensor, uniforms: torch.Tensor) -> l
     token of probability 0; a row with a NaN or no finite logit gives its argmax."""
     _check_rows(x, x.shape[-1])
     rows, n = x.shape
-    temps = temps.to(torch.float32).contiguous()
+    temps = _temperatures(temps, "draw_rows")
     uniforms = uniforms.to(torch.float64).contiguous()
     if x.dtype != torch.float32 or temps.shape != (rows,) or uniforms.shape != (rows,):
         raise ValueError(f"draw_rows takes fp32 rows and one temperature and uniform a row, got {x.dtype}, "
                          f"{tuple(temps.shape)}, {tuple(uniforms.shape)} for {rows} rows")
-    if not bool((temps > 0).all()):
-        raise ValueError("draw_rows takes positive temperatures")
     out = torch.empty(rows, dtype=torch.long)
     _lib().fn("draw_rows")(x.data_ptr(), rows, n, x.stride(0), temps.data_ptr(), uniforms.data_ptr(), out.data_ptr())
     return out.tolist()
