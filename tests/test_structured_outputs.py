@@ -425,10 +425,21 @@ def test_smollm2_json_schemas_all_validate(smollm2: LLM):
     sampled = [constrained(StructuredOutputsParams(json=SCHEMAS[k][1]), max_tokens=300,
                            temperature=0.7, top_p=0.9, seed=i) for i, k in enumerate(names)]
     outs = smollm2.generate(prompts * 2, params + sampled, use_tqdm=False)
-    for name, out in zip(names * 2, outs, strict=True):
+    compiler = GrammarCompiler(smollm2.get_tokenizer(), 49152)
+    finished = []
+    for name, out, p in zip(names * 2, outs, params + sampled, strict=True):
         completion = out.outputs[0]
-        assert completion.finish_reason == "stop", (name, completion.text)
-        jsonschema.validate(json.loads(completion.text), SCHEMAS[name][1])
+        finished.append(completion.finish_reason == "stop")
+        if finished[-1]:
+            jsonschema.validate(json.loads(completion.text), SCHEMAS[name][1])
+            continue
+        # A sampled answer may run on until max_tokens (SmolLM2 sometimes writes a number's digits
+        # forever; which seed does depends on the CPU's rounding): every token is still the schema's.
+        assert completion.finish_reason == "length", (name, completion.text)
+        tokens = list(completion.token_ids)
+        assert compiler.compile(p.structured_outputs).valid_prefix(tokens) == len(tokens)
+    assert all(finished[:len(names)]), finished
+    assert sum(finished[len(names):]) >= len(names) - 1, finished
 
 
 def test_smollm2_json_object_regex_and_choice(smollm2: LLM):
