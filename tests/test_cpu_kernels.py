@@ -190,7 +190,9 @@ def run_attention(lens: list[int], qlens: list[int], block_size: int, heads: int
 
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_across_block_boundaries(block_size: int, dtype: torch.dtype) -> None:
+def test_decode_across_block_boundaries(block_size: int, dtype: torch.dtype, tile_kind: str) -> None:
+    # NOTE: tile_kind: decode's P.V runs on bf16 pairs where the GEMM's choice is vdpbf16ps, on
+    # fp32 FMAs otherwise; blocks of 8 and odd lengths give tiles of an odd number of keys.
     lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 5]
     run_attention(lens, [1] * len(lens), block_size, heads=9, kv_heads=3, head_dim=64, dtype=dtype)
 
@@ -211,7 +213,7 @@ def test_several_query_rows_causal_and_window(dtype: torch.dtype, window: int) -
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [0, 100, 300])
-def test_decode_across_score_chunks(dtype: torch.dtype, window: int) -> None:
+def test_decode_across_score_chunks(dtype: torch.dtype, window: int, tile_kind: str) -> None:
     # NOTE: a decode item scores up to 256 keys (whole tiles) before their softmax: contexts
     # just under, at and over one and several chunks, blocks of 16 and 24 keys (tiles short of
     # 16 inside a chunk), windows that end inside a chunk or span two.

@@ -250,6 +250,61 @@ void accumulate_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int rows,
   }
 }
 
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+// As accumulate_exact_rows on bf16 pairs, for a decode tile (ROWS <= 4 query vectors, n <= 16
+// keys, DC even): each key pair's values interleaved in registers (two vpermt2w a 32-dim chunk)
+// and P rounded to bf16, as the prefill's pairs path rounds it (softmax_pairs; the sums l keep the
+// fp32 probabilities): one vdpbf16ps a row per 16 dims and two keys, where the FMAs took a
+// widened value and an FMA per key.
+template <int DC, int ROWS>
+void accumulate_pairs_rows(Scratch& w, const bf16* v, int64_t v_stride, int n, int d, int j0) {
+  static_assert(DC > 0 && DC % 2 == 0);
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  alignas(32) uint16_t pb[ROWS][kKeyTile];  // each row's probabilities in bf16, zero past n
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+  __m512 x[ROWS][DC];
+  for (int r = 0; r < ROWS; ++r) {
+    const __m256bh p = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(live, &w.s[r * kScoreStride + j0]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb[r]), (__m256i)p);
+    for (int c = 0; c < DC; ++c) x[r][c] = _mm512_loadu_ps(&w.acc[r * d + c * kLanes]);
+  }
+  for (int j = 0; j < n; j += 2) {
+    const bf16* a = v + j * v_stride;
+    __m512bh vv[DC];
+#pragma GCC unroll 4
+    for (int c = 0; c < DC / 2; ++c) {
+      const __m512i xa = _mm512_loadu_si512(a + 32 * c);
+      const __m512i xb = j + 1 < n ? _mm512_loadu_si512(a + v_stride + 32 * c) : _mm512_setzero_si512();
+      vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(xa, lo, xb);
+      vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(xa, hi, xb);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, &pb[r][j], sizeof pair);
+      const __m512bh pv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 8
+      for (int c = 0; c < DC; ++c) x[r][c] = _mm512_dpbf16_ps(x[r][c], vv[c], pv);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(&w.acc[r * d + c * kLanes], x[r][c]);
+}
+
+template <int DC>
+void accumulate_pairs(Scratch& w, const bf16* v, int64_t v_stride, int rows, int n, int d, int j0) {
+  switch (rows) {
+    case 1: accumulate_pairs_rows<DC, 1>(w, v, v_stride, n, d, j0); break;
+    case 2: accumulate_pairs_rows<DC, 2>(w, v, v_stride, n, d, j0); break;
+    case 3: accumulate_pairs_rows<DC, 3>(w, v, v_stride, n, d, j0); break;
+    case 4: accumulate_pairs_rows<DC, 4>(w, v, v_stride, n, d, j0); break;
+    default: std::abort();
+  }
+}
+#endif
+
 template <int DC>
 constexpr int kRowBlock = DC > 0 && DC <= 4 ? 4 : (DC > 0 && DC <= 8 ? 2 : 1);
 
@@ -257,8 +312,17 @@ constexpr int kRowBlock = DC > 0 && DC <= 4 ? 4 : (DC > 0 && DC <= 8 ? 2 : 1);
 // from the pool: widening it into w.vf first cost a store and a reload per value, ~20% of a
 // warm decode call.
 template <int DC, typename T, typename C>
-void accumulate(const Tile<T, C>& t, Scratch& w, int rows, int d, int j0) {
+void accumulate(const Tile<T, C>& t, Scratch& w, int rows, int d, int j0, bool pairs) {
   constexpr int RB = kRowBlock<DC>;
+#if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<C, bf16> && DC > 0 && DC % 2 == 0) {
+    if (pairs && rows <= 4) {
+      accumulate_pairs<DC>(w, t.v, t.kv_stride, rows, t.n, d, j0);
+      return;
+    }
+  }
+#endif
+  (void)pairs;
   if (rows <= RB) {
     accumulate_rows<DC, RB>(w, t.v, t.kv_stride, 0, rows, t.n, d, j0);
     return;
@@ -273,7 +337,7 @@ void accumulate(const Tile<T, C>& t, Scratch& w, int rows, int d, int j0) {
 // scored, to read ahead).
 template <int DC, typename T, typename C, typename Touch>
 void attend_chunk(const Tile<T, C>& head, const std::vector<KeyTile>& tiles, int t0, int t1, const AttnArgs& a,
-                  Scratch& w, int64_t pos0, Touch&& touch) {
+                  Scratch& w, int64_t pos0, bool pairs, Touch&& touch) {
   const int d = a.head_dim, vectors = head.rows * head.group;
   const int64_t key0 = tiles[t0].key0;
   int n = 0;
@@ -293,7 +357,7 @@ void attend_chunk(const Tile<T, C>& head, const std::vector<KeyTile>& tiles, int
   for (int i = t0, j0 = 0; i < t1; j0 += tiles[i].n, ++i) {
     Tile<T, C> t = head;
     t.v += tiles[i].offset, t.n = tiles[i].n;
-    accumulate<DC>(t, w, vectors, d, j0);
+    accumulate<DC>(t, w, vectors, d, j0, pairs);
   }
 }
 
@@ -365,6 +429,9 @@ void attend_item(const T* q, const C* k_cache, const C* v_cache, T* out, const A
     }
   };
   for (int i = 0; i < kPrefetchTiles; ++i) touch(i);
+  // NOTE: P.V on bf16 pairs where vdpbf16ps wins this CPU's GEMM at this many rows (the measured
+  // choice the prefill tiles follow too); Q.K is on bf16 pairs wherever the build has them.
+  const bool pairs = kNativeBf16Dot && std::is_same_v<C, bf16> && bf16_dot_wins(rows * group);
   for (int t0 = 0; t0 < num_tiles;) {
     int t1 = t0, n = 0;
     for (; t1 < num_tiles && n + tiles[t1].n <= kChunkKeys; ++t1) n += tiles[t1].n;
@@ -373,7 +440,7 @@ void attend_item(const T* q, const C* k_cache, const C* v_cache, T* out, const A
       const Tile<T, C> head{q_rows + int64_t(h0 + h) * group * d, k_cache + offset, v_cache + offset,
                             kv_stride, rows, group, 0};
       // NOTE: the first head's scores read ahead for every head (the rows hold all nh heads)
-      attend_chunk<DC>(head, tiles, t0, t1, a, heads[h], pos0, [&](int i) {
+      attend_chunk<DC>(head, tiles, t0, t1, a, heads[h], pos0, pairs, [&](int i) {
         if (h == 0) touch(i + kPrefetchTiles);
       });
     }
