@@ -251,6 +251,16 @@ void accumulate_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int rows,
 }
 
 #if defined(PAGODA_AVX512) && defined(__AVX512BF16__)
+// 32 dims of two keys' values, a and b, as bf16 key pairs (a[i], b[i]): dims 0-15 into lo, 16-31
+// into hi (what vdpbf16ps takes against a probability pair).
+inline void interleave_pairs(__m512i a, __m512i b, __m512i& lo, __m512i& hi) {
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i order = _mm512_load_si512(kLo);
+  lo = _mm512_permutex2var_epi16(a, order, b);
+  hi = _mm512_permutex2var_epi16(a, _mm512_add_epi16(order, _mm512_set1_epi16(16)), b);
+}
+
 // As accumulate_exact_rows on bf16 pairs, for a decode tile (ROWS <= 4 query vectors, n <= 16
 // keys, DC even): each key pair's values interleaved in registers (two vpermt2w a 32-dim chunk)
 // and P rounded to bf16, as the prefill's pairs path rounds it (softmax_pairs; the sums l keep the
@@ -259,9 +269,6 @@ void accumulate_rows(Scratch& w, const V* v, int64_t v_stride, int r0, int rows,
 template <int DC, int ROWS>
 void accumulate_pairs_rows(Scratch& w, const bf16* v, int64_t v_stride, int n, int d, int j0) {
   static_assert(DC > 0 && DC % 2 == 0);
-  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   alignas(32) uint16_t pb[ROWS][kKeyTile];  // each row's probabilities in bf16, zero past n
   const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
   __m512 x[ROWS][DC];
@@ -275,10 +282,11 @@ void accumulate_pairs_rows(Scratch& w, const bf16* v, int64_t v_stride, int n, i
     __m512bh vv[DC];
 #pragma GCC unroll 4
     for (int c = 0; c < DC / 2; ++c) {
-      const __m512i xa = _mm512_loadu_si512(a + 32 * c);
-      const __m512i xb = j + 1 < n ? _mm512_loadu_si512(a + v_stride + 32 * c) : _mm512_setzero_si512();
-      vv[2 * c] = (__m512bh)_mm512_permutex2var_epi16(xa, lo, xb);
-      vv[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(xa, hi, xb);
+      __m512i lo, hi;
+      interleave_pairs(_mm512_loadu_si512(a + 32 * c),
+                       j + 1 < n ? _mm512_loadu_si512(a + v_stride + 32 * c) : _mm512_setzero_si512(), lo, hi);
+      vv[2 * c] = (__m512bh)lo;
+      vv[2 * c + 1] = (__m512bh)hi;
     }
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r) {
@@ -544,15 +552,13 @@ void score_tile_bf16(BlockScratch& w, const bf16* k, int64_t kv_stride, int d, i
 
 // The values of keys a and b (b null past the last key: zeros) interleaved into pairs at dst (2d).
 void pair_rows(const bf16* a, const bf16* b, bf16* dst, int d) {
-  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int i = 0; i < d; i += 32) {
     const __mmask32 m = tail_mask32(d - i);
-    const __m512i x = _mm512_maskz_loadu_epi16(m, a + i);
-    const __m512i y = b != nullptr ? _mm512_maskz_loadu_epi16(m, b + i) : _mm512_setzero_si512();
-    _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi16(x, lo, y));
-    if (d - i > 16) _mm512_storeu_si512(dst + 2 * i + 32, _mm512_permutex2var_epi16(x, hi, y));
+    __m512i lo, hi;
+    interleave_pairs(_mm512_maskz_loadu_epi16(m, a + i),
+                     b != nullptr ? _mm512_maskz_loadu_epi16(m, b + i) : _mm512_setzero_si512(), lo, hi);
+    _mm512_storeu_si512(dst + 2 * i, lo);
+    if (d - i > 16) _mm512_storeu_si512(dst + 2 * i + 32, hi);
   }
 }
 
