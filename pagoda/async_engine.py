@@ -68,7 +68,14 @@ class AsyncLLM:
         self._dead_reason: str | None = None
         self.last_step_time = time.monotonic()
         self._snapshot = engine.scheduler_stats()
+        # NOTE: the queue's two counts, read and written together under `_queue_lock`: requests
+        # the engine holds waiting (as of its last drain or step) and sequences sent but not
+        # yet taken. Summed from the command deque instead, a check could count a request
+        # twice (read there, then drained and counted as waiting before the second read):
+        # a 1,000-prompt request was refused as 1,240 waiting on an idle server.
+        self._queue_lock = threading.Lock()
         self._num_waiting = 0
+        self._pending_sequences = 0
         self._finish_times: deque[float] = deque(maxlen=64)
         self._thread = threading.Thread(target=self._run, name="pagoda-engine", daemon=True)
         self._thread.start()
@@ -131,6 +138,8 @@ class AsyncLLM:
             # NOTE: the loop died after the first check, maybe before it failed every stream.
             self._streams.pop(req.request_id, None)
             raise EngineDeadError(self._dead_reason)
+        with self._queue_lock:
+            self._pending_sequences += req.sampling_params.n
         self._send("add", (req,))
         finished = False
         try:
@@ -167,9 +176,8 @@ class AsyncLLM:
 
     def num_queued_sequences(self) -> int:
         """Sequences waiting to be scheduled, including adds the engine has not taken yet."""
-        pending = sum(args[0].sampling_params.n for command, args in list(self._commands)
-                      if command == "add")
-        return self._num_waiting + pending
+        with self._queue_lock:
+            return self._num_waiting + self._pending_sequences
 
     def _retry_after(self, queued: int) -> int:
         """Seconds until the queue has likely drained enough, from the recent finish rate."""
@@ -257,11 +265,11 @@ class AsyncLLM:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
-                self._num_waiting = self.engine.num_waiting_requests()
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
                     self._snapshot = self.engine.last_scheduler_stats
-                    self._num_waiting = self._snapshot.num_waiting_reqs
+                    with self._queue_lock:
+                        self._num_waiting = self._snapshot.num_waiting_reqs
                 else:
                     if time.monotonic() - last_trim >= IDLE_TRIM_INTERVAL_S:
                         # NOTE: big requests (and big refused ones, tokenized in the frontend's
@@ -296,10 +304,12 @@ class AsyncLLM:
             self._deliver(request_id, EngineDeadError(reason))
 
     def _drain_commands(self) -> None:
+        taken = 0
         while self._commands:
             command, args = self._commands.popleft()
             if command == "add":
                 self._add(args[0])
+                taken += args[0].sampling_params.n
             elif command == "reject":
                 self.engine.record_rejection(args[0])
             elif command == "call":
@@ -308,6 +318,9 @@ class AsyncLLM:
                 out = self.engine.abort_request(args[0])
                 if out is not None:
                     self._deliver(args[0], out)
+        with self._queue_lock:
+            self._pending_sequences -= taken
+            self._num_waiting = self.engine.num_waiting_requests()
 
     @staticmethod
     def _answer_call(fn: Any, args: tuple, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:

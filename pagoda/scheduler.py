@@ -7,8 +7,10 @@ its uncomputed tokens as the budget allows, so long prompts are chunked and pref
 steps with decodes. When the pool runs dry the newest running request (under "priority":
 the worst, then newest) is preempted (its blocks freed, to be recomputed). When the next
 waiting request's group holds no seat while another holds several, it gets a seat (taken
-back from the group holding the most if all `max_num_seqs` are taken) and a share of the
-step's tokens, so one client's 1,000 prompts cannot hold every seat nor every prefill.
+back from the group holding the most if all `max_num_seqs` are taken), a share of the
+step's tokens and a short step (at most 1.25x what its own tokens would take alone, by the
+fitted step cost), so one client's 1,000 prompts cannot hold every seat nor every prefill,
+nor make another's first token wait for a step full of theirs.
 When the budget cannot take every running request's tokens (a long prefill, or more decodes
 than the budget), the least recently served go first, so every request advances in turn.
 Under `step_time_target_ms` the budget is what the last steps' times say fits the target
@@ -31,6 +33,13 @@ from pagoda.kv_cache_manager import HybridBlockManager
 from pagoda.request import Request, RequestStatus
 from pagoda.request_queue import RequestQueue
 from pagoda.step_cost import StepCost
+
+# NOTE: a newcomer's first step among another group's many prompts costs at most this many
+# times a step of its own tokens alone (`Scheduler._newcomer_total`). The line is fitted over
+# full steps, where a decode row's output costs less a token than in a short step: at 1.5 a
+# probe's first token took 1.35-1.73x its idle time on a Zen 4, at 1.25 1.07-1.08x
+# (`pagoda bench fairness`, docs/benchmarks.md).
+NEWCOMER_STEP_FACTOR = 1.25
 
 
 @dataclass
@@ -87,6 +96,7 @@ class Scheduler:
         self._num_steps = 0
         # NOTE: the step each running (or preempted) request was last scheduled in.
         self._last_served: dict[Request, int] = {}
+        self._shortened_for: Request | None = None  # the last newcomer given a short step
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -100,7 +110,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._num_steps += 1
         total = self.token_budget()
-        reserve = self._make_room(out, total)
+        reserve, total = self._make_room(out, total)
         budget = self._schedule_running(out, total - reserve, drafts or {})
         if len(out.preempted) == out.seat_preemptions:  # NOTE: no room was short
             self._schedule_waiting(out, budget + reserve)
@@ -117,29 +127,47 @@ class Scheduler:
         """A finished step's scheduled tokens and time (the step time target's evidence)."""
         self.step_cost.record(num_tokens, seconds)
 
-    def _make_room(self, out: SchedulerOutput, total: int) -> int:
+    def _make_room(self, out: SchedulerOutput, total: int) -> tuple[int, int]:
         """Room for a waiting request whose group holds no seat while another group holds
         several (one client's many prompts): a seat, taken back from the group holding the
-        most when all are taken (its newest waits first in its group), and up to half the
-        token budget (decodes beyond the other half wait their turn). Returns the tokens
-        reserved."""
+        most when all are taken (its newest waits first in its group), up to half the token
+        budget (decodes beyond the other half wait their turn), and a step no longer than
+        `_newcomer_total` says. Returns (the tokens reserved, the step's token budget)."""
         if not self.waiting or not self.running:
-            return 0
+            return 0, total
         held = Counter(r.group for r in self.running)
         head = self.waiting.peek(held)
         group, seats = held.most_common(1)[0]
         if held[head.group] or seats < 2:
-            return 0
+            return 0, total
         if len(self.running) >= self.config.admission_limit:
             victim = next((r for r in reversed(self.running)
                            if r.group == group and not self._better(r, head)), None)
             if victim is None:
-                return 0
+                return 0, total
             self._release(victim)
             self.waiting.return_to_group(victim)
             out.preempted.append(victim)
             out.seat_preemptions += 1
-        return min(head.num_tokens, total // 2)
+        reserve = min(head.num_tokens, total // 2)
+        return reserve, self._newcomer_total(head, reserve, total)
+
+    def _newcomer_total(self, head: Request, tokens: int, total: int) -> int:
+        """The budget of the step that seats `head` (`tokens` of its prompt) among another
+        group's many prompts: what the fitted step cost says ends within
+        `NEWCOMER_STEP_FACTOR` times a step of those tokens alone, so that its first token
+        comes near its time on an idle engine, not after a step full of the other group's
+        decodes and prefills (32x on a Zen 4: docs/benchmarks.md, `bench fairness`). Once a
+        request (a newcomer the pool cannot take yet is not shortened twice), and only while
+        its blocks are free; the next steps take the whole budget again."""
+        line = self.step_cost.fit()
+        if line is None or head is self._shortened_for or not self._fits(0, tokens, 0.0):
+            return total
+        self._shortened_for = head
+        overhead, per_token = line
+        alone = overhead + per_token * tokens
+        fits = int((NEWCOMER_STEP_FACTOR * alone - overhead) / per_token + 1e-6)
+        return min(total, max(tokens, fits))
 
     def _schedule_running(self, out: SchedulerOutput, budget: int,
                           drafts: dict[Request, list[int]]) -> int:
@@ -299,4 +327,6 @@ class Scheduler:
             self.block_manager.uncache(request, request.num_computed_tokens // self.block_manager.block_size)
         self.block_manager.free(request)
         self._last_served.pop(request, None)
+        if request is self._shortened_for:
+            self._shortened_for = None
         request.status = status

@@ -255,6 +255,74 @@ def test_a_newcomer_gets_tokens_when_decodes_fill_the_budget():
     assert probe in _step(scheduler) and probe.num_computed_tokens == 3
 
 
+def _batch_running(scheduler: Scheduler, line: bool) -> None:
+    """A many-prompt group's 40 prompts, 24 of them decoding (every seat taken; a step with a
+    newcomer took 26 tokens of the budget of 32); with `line`, steps of 10 ms + 0.5 ms a
+    token recorded."""
+    for i in range(40):
+        scheduler.add_request(_request(f"b{i}", group="batch", max_tokens=40))
+    for _ in range(8):
+        _step(scheduler)
+    assert len(scheduler.running) == 24
+    if line:
+        for n in (8, 16, 24, 32):
+            scheduler.record_step(n, 0.010 + 0.0005 * n)
+
+
+def test_a_newcomers_first_step_is_short_behind_a_many_prompt_batch():
+    """Issue 23: behind a batch whose decodes fill every step, a newcomer of another group
+    waited a whole step of theirs for its first token (32x its idle time on a Zen 4). Its
+    first step now costs at most 1.25x a step of its own 3 tokens by the fitted line:
+    (1.25 x 11.5 ms - 10 ms) / 0.5 ms = 8 tokens, its 3 among them; then full steps."""
+    scheduler = _scheduler(max_num_seqs=24, budget=32)
+    _batch_running(scheduler, line=True)
+    probe = _request("probe")
+    scheduler.add_request(probe)
+    out = scheduler.schedule()
+    assert probe in out.requests and out.total_num_scheduled_tokens == 8
+    for request in scheduler.update_from_output(out):
+        request.append_token(1)
+    assert scheduler.schedule().total_num_scheduled_tokens == 24
+
+
+def test_a_newcomers_step_is_full_without_a_line_or_a_many_prompt_group():
+    """No fitted line yet: the newcomer's step as before (the budget's 32 tokens minus the
+    6 decodes left for the next step); every group with one seat (plain serving, one request
+    a client): no short step, whatever the line says."""
+    scheduler = _scheduler(max_num_seqs=24, budget=32)
+    _batch_running(scheduler, line=False)
+    scheduler.add_request(_request("probe"))
+    assert scheduler.schedule().total_num_scheduled_tokens == 26
+    plain = _scheduler(max_num_seqs=24, budget=32)
+    for i in range(40):
+        plain.add_request(_request(f"r{i}", max_tokens=40))
+    for _ in range(8):
+        _step(plain)
+    for n in (8, 16, 24, 32):
+        plain.record_step(n, 0.010 + 0.0005 * n)
+    plain.add_request(_request("late"))
+    assert plain.schedule().total_num_scheduled_tokens == 24
+
+
+def test_a_newcomer_that_cannot_start_shortens_one_step_at_most():
+    """A newcomer whose blocks are not free shortens no step; one that another gate keeps out
+    (here a watermark of 99% of the pool) shortens its first try only: a newcomer the
+    scheduler keeps refusing never starves the batch."""
+    scheduler = _scheduler(max_num_seqs=24, budget=32)
+    _batch_running(scheduler, line=True)
+    scheduler._fits = lambda *args: False  # type: ignore[method-assign]
+    scheduler.add_request(_request("no-room"))
+    assert scheduler.schedule().total_num_scheduled_tokens > 8
+    gated = _scheduler(max_num_seqs=24, budget=32)
+    _batch_running(gated, line=True)
+    gated.config = replace(gated.config, watermark=0.99)
+    late = _request("late")
+    gated.add_request(late)
+    # NOTE: 23 running: one gave its seat to the newcomer, who then did not pass the gate.
+    assert [gated.schedule().total_num_scheduled_tokens for _ in range(3)] == [5, 23, 23]
+    assert late.status is RequestStatus.WAITING
+
+
 def test_long_prefill_token_threshold_caps_a_prompts_chunk_per_step():
     """vLLM's --long-prefill-token-threshold: a 40-token prompt computes at most 8 tokens a
     step, running or newly admitted, and the rest of the budget goes to a short newcomer."""

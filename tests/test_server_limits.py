@@ -296,6 +296,43 @@ def test_bodies_over_the_limit_are_413(engine: AsyncLLM):
     assert small.status_code == 200
 
 
+def test_a_queue_count_never_counts_a_sequence_twice(tiny_llama: Path):
+    """The queue's count was the engine's waiting requests plus the adds in the command deque,
+    read one after the other: a request read in the deque, then drained and counted as waiting
+    before the second read, counted twice, and a 1,000-prompt request on an idle server was
+    refused as "1,240 sequences are waiting". Here another thread reads the count while
+    requests of 64 prompts (the queue's limit) are sent one after another, thread switches made
+    as frequent as they go: never more than 64, and every request is admitted."""
+    import sys
+
+    engine = make_engine(tiny_llama, max_num_seqs=8, max_queued_requests=64)
+    body = {"prompt": [f"item {i}" for i in range(64)], "max_tokens": 2, "temperature": 0}
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(engine.num_queued_sequences())
+
+    async def main() -> list[int]:
+        async with app_client(engine) as client:
+            return [(await client.post("/v1/completions", json=body)).status_code for _ in range(4)]
+
+    interval = sys.getswitchinterval()
+    watcher = threading.Thread(target=watch)
+    sys.setswitchinterval(1e-6)
+    watcher.start()
+    try:
+        codes = asyncio.run(main())
+    finally:
+        stop.set()
+        watcher.join()
+        sys.setswitchinterval(interval)
+        engine.shutdown()
+    assert codes == [200] * 4
+    assert seen and max(seen) <= 64
+
+
 def test_a_full_queue_answers_429_and_counts_it(tiny_llama: Path):
     registry = CollectorRegistry()
     engine = make_engine(tiny_llama, registry, max_num_seqs=1, max_queued_requests=2)
