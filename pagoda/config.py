@@ -172,7 +172,15 @@ class SchedulerConfig:
             under load, at some throughput. None: the fixed budget.
         long_prefill_token_threshold: vLLM's: when above 0, the most prompt tokens one request
             computes in a step, so a long prompt leaves the rest of the budget to others (0: a
-            request takes what the budget has).
+            request takes what the budget has), and the length above which a prompt is long
+            (`max_long_partial_prefills`).
+        max_num_partial_prefills: vLLM's (V0's semantics; vLLM V1 refuses more than 1): the most
+            prompts partially prefilled at once; above 1, at most `max_long_partial_prefills`
+            of them long, so short prompts go ahead of a long one's queue, and a prompt's chunk
+            a step is capped at `long_prefill_token_threshold` (4% of `max_model_len` when 0,
+            as vLLM). 1 (the default): no limit, as before.
+        max_long_partial_prefills: vLLM's: of those, the most long ones (at most
+            `max_num_partial_prefills`).
         max_num_scheduled_tokens: vLLM's: the most tokens the scheduler issues in a step, below
             `max_num_batched_tokens` (None: that budget).
         max_num_active_seqs: vLLM's: the most requests admitted to run, at most `max_num_seqs`
@@ -198,6 +206,22 @@ class SchedulerConfig:
     max_num_active_seqs: int | None = None
     watermark: float = 0.0
     scheduler_reserve_full_isl: bool = False
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+
+    @property
+    def partial_prefills(self) -> bool:
+        """Whether `max_num_partial_prefills` limits concurrent prefills (above 1)."""
+        return self.max_num_partial_prefills > 1
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The most prompt tokens one request computes in a step, and the length above which a
+        prompt is long (0: no cap): `long_prefill_token_threshold`, or with partial prefills
+        and none set 4% of `max_model_len` (vLLM's default)."""
+        if self.long_prefill_token_threshold or not self.partial_prefills:
+            return self.long_prefill_token_threshold
+        return max(1, int(self.max_model_len * 0.04))
 
     @property
     def step_tokens(self) -> int:
@@ -217,6 +241,11 @@ class SchedulerConfig:
         _check(0.0 <= self.watermark < 1.0, "watermark", self.watermark, "must be in [0, 1)")
         _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
                self.long_prefill_token_threshold, "must be 0 (off) or positive")
+        _check(self.max_num_partial_prefills >= 1, "max_num_partial_prefills",
+               self.max_num_partial_prefills, "must be at least 1")
+        _check(1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills,
+               "max_long_partial_prefills", self.max_long_partial_prefills,
+               f"must be in [1, max_num_partial_prefills={self.max_num_partial_prefills}]")
         _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                self.scheduling_policy, "must be fcfs or priority")
         _check(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be positive")

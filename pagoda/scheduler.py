@@ -15,7 +15,10 @@ When the budget cannot take every running request's tokens (a long prefill, or m
 than the budget), the least recently served go first, so every request advances in turn.
 Under `step_time_target_ms` the budget is what the last steps' times say fits the target
 (step_cost.py). With `max_loras`, a waiting request whose adapter would make the running
-requests use more distinct adapters than that waits in its place while those behind it go on.
+requests use more distinct adapters than that waits in its place while those behind it go on;
+so does a long prompt (above `prefill_chunk_tokens`) while `max_long_partial_prefills` long
+prompts prefill, under vLLM's `max_num_partial_prefills` > 1 (which also caps the prompts
+prefilling at once and each one's chunk a step).
 A running request's drafted tokens (the proposer's, given to `schedule`) are scheduled with
 it as extra tokens when the budget has room, and recorded in the output
 (`SchedulerOutput.spec_token_ids`); drafts that do not fit are dropped, never the real tokens.
@@ -191,9 +194,28 @@ class Scheduler:
         return budget
 
     def _capped(self, num_new: int) -> int:
-        """A request's new tokens this step, at most `long_prefill_token_threshold` when set."""
-        cap = self.config.long_prefill_token_threshold
+        """A request's new tokens this step, at most `prefill_chunk_tokens` when set."""
+        cap = self.config.prefill_chunk_tokens
         return min(num_new, cap) if cap > 0 else num_new
+
+    def _is_long(self, request: Request) -> bool:
+        """Whether a prompt is long for `max_long_partial_prefills`."""
+        return request.num_prompt_tokens > self.config.prefill_chunk_tokens
+
+    def _partial_prefills(self) -> Counter[bool]:
+        """The running requests still computing their prompt, by whether it is long."""
+        return Counter(self._is_long(r) for r in self.running if r.num_computed_tokens + 1 < r.num_tokens)
+
+    def _over_partial_prefills(self, request: Request, prefills: Counter[bool]) -> bool | None:
+        """Under `max_num_partial_prefills` > 1: None when no prompt may start (that many
+        prefill already), True when this long one must wait (as many long ones prefill as
+        `max_long_partial_prefills`; shorter ones behind it go first), else False."""
+        config = self.config
+        if not config.partial_prefills:
+            return False
+        if prefills.total() >= config.max_num_partial_prefills:
+            return None
+        return self._is_long(request) and prefills[True] >= config.max_long_partial_prefills
 
     def _in_turn(self, budget: int) -> list[Request]:
         """The running requests in the order this step serves them: as they run when the
@@ -248,10 +270,14 @@ class Scheduler:
         # NOTE: the adapters running, counted only under a `max_loras`
         adapters = ({r.lora_request.lora_int_id for r in self.running if r.lora_request is not None}
                     if self.max_loras is not None else set())
+        prefills = self._partial_prefills() if self.config.partial_prefills else Counter[bool]()
         skipped: list[tuple[Request, bool]] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.admission_limit:
             request = self.waiting.peek(held)
-            if self._over_max_loras(request, adapters):
+            over = self._over_partial_prefills(request, prefills)
+            if over is None:
+                break
+            if over or self._over_max_loras(request, adapters):
                 skipped.append((request, self.waiting.head_is_resumed()))
                 self.waiting.popleft(held)
                 continue
@@ -264,6 +290,7 @@ class Scheduler:
                 break
             self.waiting.popleft(held)
             held[request.group] += 1
+            prefills[self._is_long(request)] += 1
             self._admit(request, num_hit)
             out.add(request, num_tokens)
             self._last_served[request] = self._num_steps

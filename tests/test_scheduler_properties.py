@@ -106,15 +106,16 @@ class Sim:
 @given(ops=ops, extra_blocks=st.integers(0, 12), block_size=st.sampled_from([2, 4, 8]),
        caching=st.booleans(), max_num_seqs=st.integers(1, 6),
        budget=st.integers(MAX_MODEL_LEN // 2, 64), policy=st.sampled_from(["fcfs", "priority"]),
-       step_ms=st.sampled_from([None, 20.0, 40.0]))
+       step_ms=st.sampled_from([None, 20.0, 40.0]), partial=st.sampled_from([1, 1, 2, 3]))
 def test_random_workloads_keep_every_invariant(ops, extra_blocks, block_size, caching,
-                                               max_num_seqs, budget, policy, step_ms):
+                                               max_num_seqs, budget, policy, step_ms, partial):
     # NOTE: one max_model_len sequence must fit (the engine refuses a smaller pool at start)
     num_blocks = -(-MAX_MODEL_LEN // block_size) + extra_blocks
     bm = BlockManager(num_blocks, block_size, caching)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_model_len=MAX_MODEL_LEN, scheduling_policy=policy,
-                             step_time_target_ms=step_ms)
+                             step_time_target_ms=step_ms, max_num_partial_prefills=partial,
+                             long_prefill_token_threshold=8 if partial > 1 else 0)
     sim = Sim(Scheduler(config, bm), bm)
     for op in ops:
         if op[0] == "add":
@@ -339,6 +340,39 @@ def test_long_prefill_token_threshold_caps_a_prompts_chunk_per_step():
     assert dict(zip(out.requests, out.num_scheduled_tokens, strict=True)) == {long: 8, short: 3}
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=-1)
+
+
+def _prompt(name: str, length: int) -> Request:
+    return Request(name, list(range(1, length + 1)), SamplingParams(max_tokens=4), set(),
+                   max_model_len=MAX_MODEL_LEN)
+
+
+def test_partial_prefills_let_short_prompts_pass_a_long_ones_queue():
+    """vLLM's --max-num-partial-prefills 2 --max-long-partial-prefills 1 (a prompt above 8
+    tokens is long): while one long prompt prefills, 8 tokens a step, a second long one waits
+    in its place and the short ones behind it start, one at a time (two prefills at once);
+    the second long one starts when the first is done. By default (1) all start at once."""
+    def scheduler(partial: int) -> Scheduler:
+        s = _scheduler(budget=64)
+        s.config = replace(s.config, long_prefill_token_threshold=8, max_num_partial_prefills=partial)
+        return s
+
+    limited = scheduler(2)
+    first, second, short, shorter = _prompt("long-1", 40), _prompt("long-2", 40), _prompt("s", 3), _prompt("t", 2)
+    for request in (first, second, short, shorter):
+        limited.add_request(request)
+    assert _step(limited) == [first, short]
+    assert [r.request_id for r in limited.waiting] == ["long-2", "t"]
+    assert _step(limited) == [first, short, shorter]
+    for _ in range(3):
+        _step(limited)
+    assert first.num_computed_tokens == 40 and second.status is RequestStatus.WAITING
+    assert second in _step(limited)
+    plain = scheduler(1)
+    requests = [_prompt("long-1", 40), _prompt("long-2", 40), _prompt("s", 3), _prompt("t", 2)]
+    for request in requests:
+        plain.add_request(request)
+    assert _step(plain) == requests
 
 
 def test_max_num_scheduled_tokens_caps_a_step_below_the_budget():

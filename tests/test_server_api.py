@@ -446,6 +446,22 @@ def test_long_prefill_token_threshold_reaches_the_scheduler():
     assert EngineConfig.from_kwargs("m").scheduler.long_prefill_token_threshold == 0
 
 
+def test_partial_prefill_flags_reach_the_scheduler():
+    """vLLM's --max-num-partial-prefills / --max-long-partial-prefills (its V1 refuses more than
+    1 at start): taken, with V0's 4%-of-the-context threshold when none is given, and checked."""
+    args = serve_parser().parse_args(["serve", "m", "--max-num-partial-prefills", "4",
+                                      "--max-long-partial-prefills", "2"])
+    scheduler = EngineConfig.from_kwargs("m", **engine_kwargs(args)).with_max_model_len(8192).scheduler
+    assert (scheduler.max_num_partial_prefills, scheduler.max_long_partial_prefills) == (4, 2)
+    assert scheduler.prefill_chunk_tokens == 327 and scheduler.long_prefill_token_threshold == 0
+    default = EngineConfig.from_kwargs("m").with_max_model_len(8192).scheduler
+    assert (default.max_num_partial_prefills, default.prefill_chunk_tokens) == (1, 0)
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        EngineConfig.from_kwargs("m", max_num_partial_prefills=2, max_long_partial_prefills=3)
+    with pytest.raises(ValueError, match="max_num_partial_prefills"):
+        EngineConfig.from_kwargs("m", max_num_partial_prefills=0)
+
+
 def test_vllms_master_addr_and_port_are_the_rendezvous_address():
     args = serve_parser().parse_args(["serve", "m", "--nnodes", "2", "--node-rank", "0", "--master-addr", "10.0.0.5"])
     assert engine_kwargs(args)["dist_init_addr"] == "10.0.0.5:29501"

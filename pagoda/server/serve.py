@@ -70,6 +70,8 @@ ENGINE_FLAGS = {
     "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
     "scheduling_policy": "scheduling_policy", "step_time_target_ms": "step_time_target_ms",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
+    "max_num_partial_prefills": "max_num_partial_prefills",
+    "max_long_partial_prefills": "max_long_partial_prefills",
     "max_num_scheduled_tokens": "max_num_scheduled_tokens", "max_num_active_seqs": "max_num_active_seqs",
     "watermark": "watermark", "scheduler_reserve_full_isl": "scheduler_reserve_full_isl",
     "tensor_parallel_size": "tensor_parallel_size",
@@ -346,6 +348,13 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",
                        help="the most prompt tokens one request computes in a step (vLLM's; 0, "
                             "the default: what the budget has), so long prompts leave room to others")
+    cache.add_argument("--max-num-partial-prefills", type=int, default=None, metavar="N",
+                       help="the most prompts prefilling at once (vLLM's, as its V0 ran it; 1, the "
+                            "default: no limit); above 1, at most --max-long-partial-prefills of "
+                            "them long (above --long-prefill-token-threshold, 4%% of the context "
+                            "when 0), so short prompts go ahead of long ones")
+    cache.add_argument("--max-long-partial-prefills", type=int, default=None, metavar="N",
+                       help="of those, the most long prompts prefilling at once (vLLM's; default 1)")
     cache.add_argument("--max-num-scheduled-tokens", type=human_int, default=None, metavar="TOKENS",
                        help="the most tokens the scheduler issues in a step (vLLM's; default: "
                             "--max-num-batched-tokens)")

@@ -20,21 +20,25 @@ import httpx
 PROBE = "Write one sentence about the sea."
 
 
-async def probe(client: httpx.AsyncClient, model: str) -> float:
-    body = {"model": model, "prompt": PROBE, "max_tokens": 2, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+async def stream_ttft(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int) -> float:
+    """A streamed completion's time to its first chunk, text or not (this probe's first token
+    is often the end of text, sent as an empty chunk as vLLM does; `ignore_eos` goes on)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "ignore_eos": True}
     start = time.perf_counter()
     ttft = None
     async with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():  # NOTE: read to the end, the first text timed
-            # NOTE: the first chunk, text or not: this probe's first token is often the end
-            # of text (sent as an empty chunk, as vLLM does), with `ignore_eos` to go on.
+        async for line in r.aiter_lines():  # NOTE: read to the end, the first chunk timed
             if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
                 ttft = time.perf_counter() - start
     if ttft is None:
-        raise RuntimeError("the probe got no token")
+        raise RuntimeError("no token came")
     return ttft
+
+
+async def probe(client: httpx.AsyncClient, model: str) -> float:
+    return await stream_ttft(client, model, PROBE, 2)
 
 
 async def main(a: argparse.Namespace) -> None:
