@@ -18,7 +18,8 @@ Under `step_time_target_ms` the budget is what the last steps' times say fits th
 requests use more distinct adapters than that waits in its place while those behind it go on;
 so does a long prompt (above `prefill_chunk_tokens`) while `max_long_partial_prefills` long
 prompts prefill, under vLLM's `max_num_partial_prefills` > 1 (which also caps the prompts
-prefilling at once and each one's chunk a step).
+prefilling at once and each one's chunk a step; a short prompt that may start beside a long
+prefill gets a newcomer's short step).
 A running request's drafted tokens (the proposer's, given to `schedule`) are scheduled with
 it as extra tokens when the budget has room, and recorded in the output
 (`SchedulerOutput.spec_token_ids`); drafts that do not fit are dropped, never the real tokens.
@@ -141,8 +142,10 @@ class Scheduler:
         held = Counter(r.group for r in self.running)
         head = self.waiting.peek(held)
         group, seats = held.most_common(1)[0]
-        if held[head.group] or seats < 2:
+        if held[head.group]:
             return 0, total
+        if seats < 2:
+            return self._room_beside_long_prefill(head, total)
         if len(self.running) >= self.config.admission_limit:
             victim = next((r for r in reversed(self.running)
                            if r.group == group and not self._better(r, head)), None)
@@ -152,6 +155,19 @@ class Scheduler:
             self.waiting.return_to_group(victim)
             out.preempted.append(victim)
             out.seat_preemptions += 1
+        reserve = min(head.num_tokens, total // 2)
+        return reserve, self._newcomer_total(head, reserve, total)
+
+    def _room_beside_long_prefill(self, head: Request, total: int) -> tuple[int, int]:
+        """Under `max_num_partial_prefills` > 1, a short waiting prompt that may start while a
+        long one prefills: as a newcomer among many prompts, its tokens reserved and a short
+        step (the long chunk waits that step), where a seat is free. Returns (the tokens
+        reserved, the step's token budget)."""
+        if (not self.config.partial_prefills or self._is_long(head)
+                or len(self.running) >= self.config.admission_limit
+                or self._over_partial_prefills(head, self._partial_prefills()) is not False
+                or not any(self._is_long(r) and r.num_computed_tokens + 1 < r.num_tokens for r in self.running)):
+            return 0, total
         reserve = min(head.num_tokens, total // 2)
         return reserve, self._newcomer_total(head, reserve, total)
 

@@ -375,6 +375,27 @@ def test_partial_prefills_let_short_prompts_pass_a_long_ones_queue():
     assert _step(plain) == requests
 
 
+def test_partial_prefills_give_a_short_prompt_a_short_first_step_beside_a_long_one():
+    """Under partial prefills, a short prompt arriving while a long one prefills (12 tokens a
+    step) starts in a short step, as a newcomer among many prompts does: by the fitted line
+    (10 ms + 0.5 ms a token) at most 1.25x its own 3 tokens, 8 tokens, the long chunk taking
+    the other 5; then the long chunk is whole again. (Beside it, it took 3 of a 15-token step.)"""
+    scheduler = _scheduler(budget=16)
+    scheduler.config = replace(scheduler.config, long_prefill_token_threshold=12, max_num_partial_prefills=2)
+    long = _prompt("long", 40)
+    scheduler.add_request(long)
+    _step(scheduler)
+    for n in (4, 8, 12, 16):
+        scheduler.record_step(n, 0.010 + 0.0005 * n)
+    short = _prompt("short", 3)
+    scheduler.add_request(short)
+    out = scheduler.schedule()
+    assert dict(zip(out.requests, out.num_scheduled_tokens, strict=True)) == {long: 5, short: 3}
+    for request in scheduler.update_from_output(out):
+        request.append_token(1)
+    assert scheduler.schedule().num_scheduled_tokens == [12, 1]
+
+
 def test_max_num_scheduled_tokens_caps_a_step_below_the_budget():
     """vLLM's --max-num-scheduled-tokens: 8 tokens a step out of a 64-token budget."""
     scheduler = _scheduler(budget=64)
