@@ -163,10 +163,11 @@ class Scheduler:
         long one prefills: as a newcomer among many prompts, its tokens reserved and a short
         step (the long chunk waits that step), where a seat is free. Returns (the tokens
         reserved, the step's token budget)."""
-        if (not self.config.partial_prefills or self._is_long(head)
-                or len(self.running) >= self.config.admission_limit
-                or self._over_partial_prefills(head, self._partial_prefills()) is not False
-                or not any(self._is_long(r) and r.num_computed_tokens + 1 < r.num_tokens for r in self.running)):
+        if not self.config.partial_prefills or self._is_long(head):
+            return 0, total
+        prefills = self._partial_prefills()
+        if (not prefills[True] or len(self.running) >= self.config.admission_limit
+                or self._over_partial_prefills(head, prefills) is not False):
             return 0, total
         reserve = min(head.num_tokens, total // 2)
         return reserve, self._newcomer_total(head, reserve, total)
