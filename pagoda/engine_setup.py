@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from pagoda import heap
-from pagoda.config import EngineConfig, WatermarkConfig
+from pagoda.config import EngineConfig, SchedulerConfig, WatermarkConfig
 from pagoda.distributed.group import SINGLE, WHOLE, ParallelGroup, PipelineStage
 from pagoda.kv_cache import (
     KVCacheSpec,
@@ -200,6 +200,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     runner.bind_kv_cache(*allocate_groups(groups, num_blocks, config.cache.block_size, device,
                                           runner.attention_backend.zeroed_pool))
     log_capacity(specs, num_blocks, config.cache.block_size, max_model_len)
+    log_partial_prefills(config.scheduler)
     log_decoder(runner)
     if config.watermark is not None:
         log_watermark(config.watermark)
@@ -226,6 +227,16 @@ def log_watermark(watermark: WatermarkConfig) -> None:
                        "fewer than 1024 positions may increase degenerate generations, including "
                        "repetition loops: use deduplicate_contexts 'single_turn' or 'all' with a "
                        "history of at least 1024 (or null).")
+
+
+def log_partial_prefills(scheduler: SchedulerConfig) -> None:
+    """vLLM's line when `max_num_partial_prefills` limits concurrent prefills, with the length
+    above which a prompt is long (4% of the context when none was given)."""
+    if scheduler.partial_prefills:
+        logger.info("Concurrent partial prefills enabled with max_num_partial_prefills=%d, "
+                    "max_long_partial_prefills=%d, long_prefill_token_threshold=%d",
+                    scheduler.max_num_partial_prefills, scheduler.max_long_partial_prefills,
+                    scheduler.prefill_chunk_tokens)
 
 
 def log_decoder(runner: ModelRunner) -> None:

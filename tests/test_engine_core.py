@@ -52,3 +52,21 @@ def test_a_stop_string_frees_the_sequence_before_the_next_step(tiny_llama):
     assert outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == stop
     assert not engine.core.has_unfinished_requests() and not engine.scheduler.running
     engine.check_integrity()
+
+
+def test_partial_prefills_change_the_order_not_the_tokens(tiny_llama, caplog):
+    """vLLM's --max-num-partial-prefills 2 with a long prompt (above 8 tokens) among short
+    ones: vLLM's start-up line names the settings, and every greedy answer equals the default
+    engine's (the scheduler changes when a prompt runs, never what it computes)."""
+    import logging
+
+    prompts = [list(range(5, 45)), list(range(50, 90)), [7, 8, 9], [11, 12], list(range(100, 140))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    default = LLM(str(tiny_llama), max_num_batched_tokens=16)
+    expected = [o.outputs[0].token_ids for o in default.generate(prompts, params)]
+    with caplog.at_level(logging.INFO, logger="pagoda"):
+        partial = LLM(str(tiny_llama), max_num_batched_tokens=16, max_num_partial_prefills=2,
+                      long_prefill_token_threshold=8)
+    assert ("Concurrent partial prefills enabled with max_num_partial_prefills=2, "
+            "max_long_partial_prefills=1, long_prefill_token_threshold=8") in caplog.text
+    assert [o.outputs[0].token_ids for o in partial.generate(prompts, params)] == expected
