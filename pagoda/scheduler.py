@@ -155,8 +155,7 @@ class Scheduler:
             self.waiting.return_to_group(victim)
             out.preempted.append(victim)
             out.seat_preemptions += 1
-        reserve = min(head.num_tokens, total // 2)
-        return reserve, self._newcomer_total(head, reserve, total)
+        return self._newcomer_step(head, total)
 
     def _room_beside_long_prefill(self, head: Request, total: int) -> tuple[int, int]:
         """Under `max_num_partial_prefills` > 1, a short waiting prompt that may start while a
@@ -169,6 +168,10 @@ class Scheduler:
         if (not prefills[True] or len(self.running) >= self.config.admission_limit
                 or self._over_partial_prefills(head, prefills) is not False):
             return 0, total
+        return self._newcomer_step(head, total)
+
+    def _newcomer_step(self, head: Request, total: int) -> tuple[int, int]:
+        """The tokens reserved for `head` (up to half the budget) and the step's budget."""
         reserve = min(head.num_tokens, total // 2)
         return reserve, self._newcomer_total(head, reserve, total)
 
