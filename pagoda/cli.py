@@ -63,9 +63,9 @@ def _add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
 def _run_tune(args: argparse.Namespace) -> int:
     import torch
 
-    from pagoda.engine_setup import plan_linears
     from pagoda.layers import cpu_kernels
     from pagoda.models.loader import load_hf_config, load_model, resolve_model_path
+    from pagoda.weight_processing import plan_linears
 
     path = resolve_model_path(args.model)
     hf_config = load_hf_config(path)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,14 +28,10 @@ from pagoda.kv_cache import (
     num_blocks_for_groups,
     resolve_kv_cache_dtype,
 )
-from pagoda.layers.fused_moe import pack_experts_for_cpu
 from pagoda.layers.kernel_plan import KernelPlan
-from pagoda.layers.linear import prepack_for_cpu
-from pagoda.layers.quantization import QuantizationReport, linear_methods, method_bytes
-from pagoda.layers.quantization.gptq_awq import CHECKPOINT_METHODS, resolve_quantization
-from pagoda.layers.quantization.methods import PackedLinearMethod
+from pagoda.layers.quantization.gptq_awq import resolve_quantization
 from pagoda.lora import LoRAManager
-from pagoda.model_runner import ModelRunner, step_threads
+from pagoda.model_runner import ModelRunner
 from pagoda.models.loader import (
     is_gguf,
     load_hf_config,
@@ -46,6 +41,7 @@ from pagoda.models.loader import (
 )
 from pagoda.pooling import PoolerConfig
 from pagoda.stats import EngineInfo
+from pagoda.weight_processing import WeightProcessing, process_weights_after_loading
 
 logger = logging.getLogger("pagoda")
 
@@ -169,18 +165,10 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     baseline = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     model = load_model(path, hf_config, dtype, device, max_model_len, tp, stage,
                        gguf_packed=quantization == "gguf")
-    report = quantize(model, quantization, config.model.quantization_group_size, device) if quantization else None
+    processed = process_weights_after_loading(model, WeightProcessing(
+        quantization, config.model.quantization_group_size, device))
     if quantization is None:
         log_gguf_blocks(path, dtype)
-    plan = None
-    if device.type == "cpu" and not os.environ.get("PAGODA_DISABLE_CPU_KERNELS"):
-        embedding = getattr(model.embed_tokens, "weight", None)
-        plan = plan_linears(model)
-        records = method_bytes(model) if report is not None else 0
-        prepack_for_cpu(model, keep={id(embedding)} if embedding is not None else set(), plan=plan)
-        pack_experts_for_cpu(model)
-        if report is not None:
-            log_panels(model, report, records)
     d = model.dims
     layers = model.attention_layers()
     spec = KVCacheSpec(len(layers), layers[0].num_kv_heads, d.head_dim,
@@ -211,7 +199,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     logger.info("Loaded %s (%s, %s) in %.1f s", path, dtype, device, time.time() - start)
     hybrid = len(groups) > 1
     return EngineParts(config, tokenizer, runner, num_blocks[0], spec.block_bytes(config.cache.block_size),
-                       eos_token_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, plan, runner),
+                       eos_token_ids(hf_config, tokenizer), d.vocab_size, engine_info(device, processed.plan, runner),
                        PoolerConfig.from_hf_config(hf_config), specs if hybrid else [],
                        num_blocks if hybrid else [])
 
@@ -272,37 +260,6 @@ def engine_info(device: torch.device, plan: KernelPlan | None, runner: ModelRunn
                       plan.source if plan else "", decoder)
 
 
-def plan_linears(model: torch.nn.Module, retune: bool = False) -> KernelPlan | None:
-    """The kernel plan of the model's bf16 linears on this CPU (kernel_tuning.py), logged."""
-    from pagoda.layers import cpu_kernels
-    from pagoda.layers.kernel_tuning import plan_for_model
-
-    lib = cpu_kernels.library()
-    max_threads = torch.get_num_threads()
-    # NOTE: the build (its name carries a digest of the kernel sources), not only the variant: a
-    # changed kernel makes the old timings stale; so does the GEMM's tile choice (gemm_tiles.py).
-    ops = cpu_kernels.ops
-    build = (f"{lib.path.stem}+fma{ops.GEMM_FMA_ROWS}+amx{ops.GEMM_AMX_ROWS}+pf{ops.GEMM_PREFETCH_ROWS}"
-             if lib is not None else "none")
-    plan = plan_for_model(model, build,
-                          lambda rows: step_threads(rows, max_threads), retune=retune)
-    if plan is not None:
-        logger.info("%s", plan.describe())
-    return plan
-
-
-def quantize(model: torch.nn.Module, scheme: str, group_size: int, device: torch.device) -> QuantizationReport:
-    """Applies `scheme` to the loaded model (GGUF-packed weights and GPTQ/AWQ checkpoints were
-    packed while loading)
-    and logs the weight memory before and after."""
-    from pagoda.layers.quantization import finish_gguf, quantize_model
-
-    packed_on_load = scheme in ("gguf", *CHECKPOINT_METHODS)
-    report = finish_gguf(model, scheme) if packed_on_load else quantize_model(model, scheme, group_size, device)
-    logger.info("%s", report.describe())
-    return report
-
-
 def log_gguf_blocks(path: str, dtype: torch.dtype) -> None:
     """Says when a GGUF's quantized blocks were loaded dequantized (no --quantization gguf), and
     how to keep them packed: vLLM serves a .gguf quantized without being asked."""
@@ -314,16 +271,6 @@ def log_gguf_blocks(path: str, dtype: torch.dtype) -> None:
     if kinds:
         logger.info("%s holds %s blocks, loaded dequantized to %s; --quantization gguf keeps them packed "
                     "(less memory, faster decoding)", Path(path).name, "/".join(kinds), str(dtype).removeprefix("torch."))
-
-
-def log_panels(model: torch.nn.Module, report: QuantizationReport, records: int) -> None:
-    """Logs the weights as the CPU kernels hold them where repacking changed their size (e.g.
-    GGUF's Q5_0 as 5-bit panels instead of 8-bit records), `records` the methods' bytes before."""
-    now = report.bytes_after - records + method_bytes(model)
-    if now == report.bytes_after:
-        return
-    kinds = Counter(m.name for m in linear_methods(model) if isinstance(m, PackedLinearMethod))
-    logger.info("%s", report.describe_panels(now, dict(kinds)))
 
 
 def _available_cuda_bytes(config: EngineConfig, runner: ModelRunner, spec: KVCacheSpec,

@@ -20,8 +20,8 @@ from pagoda.kv_cache import KVCacheSpec, num_blocks_for, resolve_kv_cache_dtype
 from pagoda.layers import cpu_kernels
 from pagoda.layers.linear import UNQUANTIZED, Linear
 from pagoda.layers.quantization import packing, quantize_model
-from pagoda.layers.quantization.embedding import QuantizedEmbedding
 from pagoda.layers.quantization.methods import PackedLinearMethod
+from pagoda.layers.tensor_parallel import VocabParallelEmbedding
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -111,7 +111,7 @@ def test_quantize_model_packs_every_linear_and_shares_the_tied_embedding(tiny_mo
     report = quantize_model(model, "int8")
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert report.num_quantized == len(linears) and all(m.method is not UNQUANTIZED for m in linears)
-    assert isinstance(model.embed_tokens, QuantizedEmbedding)
+    assert type(model.embed_tokens) is VocabParallelEmbedding and model.embed_tokens.reads_packed_head
     assert torch.allclose(model.embed_tokens(ids), table[ids], atol=table.abs().max().item() / 127)
     assert report.bytes_after < 0.3 * report.bytes_before  # fp32 -> int8, norms aside
 
@@ -185,13 +185,15 @@ def test_kv_report_names_the_cache_dtype() -> None:
 # 10 minutes there (2026-12-01); tensor parallelism keeps its tiny-model layouts in
 # tests/test_parallel.py. `pytest -m slow` runs it.
 @pytest.mark.slow
-def test_tensor_parallel_int8_equals_one_process(tiny_llama) -> None:
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: tied, each rank's embedding reads its head shard's records
+def test_tensor_parallel_int8_equals_one_process(tiny_model_factory, arch) -> None:
     # NOTE: row-parallel shards take the group's max|w| per channel, so both layouts hold the
     # same codes and scales; the shards' partial sums then add up like the whole row's.
     engine = dict(dtype="float32", max_model_len=256, num_kv_blocks=256, quantization="int8",
                   kv_cache_dtype="fp8")
-    want = [o.outputs[0].token_ids for o in LLM(str(tiny_llama), **engine).generate(prompts(), GREEDY, use_tqdm=False)]
-    llm = LLM(str(tiny_llama), tensor_parallel_size=2, **engine)
+    model = str(tiny_model_factory(arch))
+    want = [o.outputs[0].token_ids for o in LLM(model, **engine).generate(prompts(), GREEDY, use_tqdm=False)]
+    llm = LLM(model, tensor_parallel_size=2, **engine)
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY, use_tqdm=False)] == want
     finally:
@@ -250,3 +252,14 @@ def test_layers_repacked_for_the_gemm_compute_what_their_records_did() -> None:
             got = layer(x).float()
             excess = (got - want).abs() - (2**-8 * want.abs() + 1e-4 * (xr.abs() @ w.abs().t()))
             assert excess.max().item() <= 0, f"{method.name}, {m} rows: max excess {excess.max().item():.3g}"
+
+
+def test_processed_weights_stay_as_loading_left_them(tiny_model_factory) -> None:
+    """Weight processing runs once, before the first step: generating changes no layer's method
+    and replaces no module (a tied embedding reads the packed head as the same module)."""
+    llm = LLM(str(tiny_model_factory("qwen2")), dtype="bfloat16", quantization="int8", num_kv_blocks=64)
+    model = llm.engine.runner.model
+    before = {name: (type(m), id(getattr(m, "method", None))) for name, m in model.named_modules()}
+    assert type(model.embed_tokens) is VocabParallelEmbedding and model.embed_tokens.reads_packed_head
+    llm.generate([prompts()[0]], GREEDY)
+    assert {name: (type(m), id(getattr(m, "method", None))) for name, m in model.named_modules()} == before

@@ -24,13 +24,11 @@ from collections.abc import Callable  # noqa: E402
 import torch  # noqa: E402
 
 from pagoda.distributed.group import SINGLE  # noqa: E402
-from pagoda.engine_setup import plan_linears  # noqa: E402
 from pagoda.layers import cpu_kernels  # noqa: E402
-from pagoda.layers.fused_moe import pack_experts_for_cpu  # noqa: E402
-from pagoda.layers.linear import prepack_for_cpu  # noqa: E402
 from pagoda.model_runner import SMALL_STEP_TOKENS, step_threads  # noqa: E402
 from pagoda.models.llama import LlamaDims, LlamaFlags, LlamaMLP  # noqa: E402
 from pagoda.models.moe import MoeDims, SparseMoeBlock  # noqa: E402
+from pagoda.weight_processing import WeightProcessing, process_weights_after_loading  # noqa: E402
 
 
 def blocks(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.ModuleList:
@@ -47,8 +45,7 @@ def blocks(kind: str, args: argparse.Namespace, dtype: torch.dtype) -> torch.nn.
     for p in model.parameters():
         p.data.normal_(0, 0.02)
     if args.engine_paths:
-        prepack_for_cpu(model, plan=plan_linears(model))
-        pack_experts_for_cpu(model)
+        process_weights_after_loading(model, WeightProcessing())
     return model
 
 

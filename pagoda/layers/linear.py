@@ -12,7 +12,8 @@ the GEMM's panels where the `avx512bf16` build loads, else oneDNN's copy plus th
 for GEMV steps of at most `GEMV_MAX_ROWS` rows; int8 (per channel) and int4 quantized layers
 are repacked for the GEMM's quantized variants on the `avx512bf16` build.
 How the weight is stored and applied is the layer's linear method (`method`), its one piece of
-execution state, set once after loading (as vLLM's process_weights_after_loading): unquantized
+execution state, set once after loading (`weight_processing.process_weights_after_loading`, vLLM's
+name, the one place that runs the quantizers and `prepack_for_cpu`, in that order): unquantized
 (the paths above) by default; `pagoda.layers.quantization` swaps in packed int8/int4 or fp8
 methods after loading, or prepares GGUF-packed ones before it, without changing the layer's
 interface (`weight_loader`, `forward`, `project`).

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.distributed.group import SINGLE, ParallelGroup
+from pagoda.layers import cpu_kernels
 from pagoda.layers.linear import Linear, MergedLinear
 
 
@@ -74,26 +75,52 @@ class RowParallelLinear(Linear):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Token embeddings; rank r holds the rows of ids [r * V/T, (r + 1) * V/T)."""
+    """Token embeddings; rank r holds the rows of ids [r * V/T, (r + 1) * V/T).
+
+    Tied to the LM head (`tie`: the model's constructor, where the checkpoint ties them), the
+    table is the head's weight; once quantization packs the head and frees that float table,
+    the embedding looks its rows up in the head's records (the method's `dequantize`, only the
+    rows it gathers), so the table is stored once, quantized, and the module stays itself.
+    """
 
     def __init__(self, vocab_size: int, hidden_size: int, tp: ParallelGroup = SINGLE) -> None:
         super().__init__()
         self.tp = tp
-        self.start, local = tp.shard(vocab_size, "vocab_size")
-        self.weight = nn.Parameter(torch.empty(local, hidden_size), requires_grad=False)
+        self.start, self.num_rows = tp.shard(vocab_size, "vocab_size")
+        self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size), requires_grad=False)
         self.weight.weight_loader = self._load_rows  # type: ignore[attr-defined]
+        # NOTE: a plain reference, not a submodule: the head is the model's, registered there.
+        self.__dict__["tied_head"] = None
+
+    def tie(self, head: Linear) -> None:
+        """Shares this table with the LM head `head` (one parameter, read from both)."""
+        head.weight = self.weight
+        self.__dict__["tied_head"] = head
 
     def _load_rows(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         param.data.copy_(loaded.narrow(0, self.start, param.shape[0]))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         local = ids - self.start
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        mine = (local >= 0) & (local < self.num_rows)
+        out = self._rows(local.clamp(0, self.num_rows - 1))
         out[~mine] = 0
         return self.tp.all_reduce(out)
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The table's rows `ids`: from the float table, or from the tied head's packed records
+        once its float weight was freed."""
+        head = self.__dict__["tied_head"]
+        if self.weight.numel() or head is None:
+            return F.embedding(ids, self.weight)
+        return head.method.dequantize(self.weight.dtype, cpu_kernels.takes(ids), ids)  # type: ignore[attr-defined]
+
+    @property
+    def reads_packed_head(self) -> bool:
+        """Whether the rows come from the tied head's packed records (its float table freed)."""
+        return not self.weight.numel() and self.__dict__["tied_head"] is not None
 
 
 class ParallelLMHead(ColumnParallelLinear):

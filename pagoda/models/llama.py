@@ -186,7 +186,7 @@ class DecoderOnlyLM(nn.Module):
         self.norm = make_norm() if stage.is_last else None
         self.lm_head = ParallelLMHead(hidden_size, vocab_size, tp) if stage.is_last else None
         if tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
-            self.lm_head.weight = self.embed_tokens.weight  # type: ignore[assignment]
+            self.embed_tokens.tie(self.lm_head)
 
     def finish(self, h: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor | Intermediate:
         """The final norm over the residual stream, or (not the last stage) the stream as is."""

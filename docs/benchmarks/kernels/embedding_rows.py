@@ -1,4 +1,4 @@
-"""The token embedding read from a tied, packed LM head (`QuantizedEmbedding`): microseconds a
+"""The token embedding read from a tied, packed LM head (`VocabParallelEmbedding` over the head's records): microseconds a
 call for 1, 16 and 512 ids, SmolLM2 under --quantization int4 (int8 LM head per row) and its
 Q4_K_M GGUF ($PEERS's, Q8_0 LM head) under gguf.
 Usage: python docs/benchmarks/kernels/embedding_rows.py [int4|gguf]

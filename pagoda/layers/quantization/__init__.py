@@ -13,9 +13,9 @@
 drops its float weight, and so does each projection of each mixture-of-experts expert
 (`FusedMoE.expert_methods`; the routers stay in the model's dtype); the model files know
 nothing of it. The LM head is quantized too;
-with tied embeddings the embedding then reads the head's packed rows (`QuantizedEmbedding`),
-so the table is stored once. With int4 the head is int8 (per channel): the most sensitive
-layer gets 8 bits, as in llama.cpp's 4-bit files. Untied embeddings and norms stay in the
+with tied embeddings the embedding then reads the head's packed rows (its float table, the
+head's, freed: `VocabParallelEmbedding`), so the table is stored once. With int4 the head is
+int8 (per channel): the most sensitive layer gets 8 bits, as in llama.cpp's 4-bit files. Untied embeddings and norms stay in the
 model's dtype.
 """
 
@@ -32,7 +32,6 @@ from pagoda.distributed.group import ParallelGroup
 from pagoda.layers.fused_moe import FusedMoE
 from pagoda.layers.linear import Linear, is_unquantized
 from pagoda.layers.quantization import packing
-from pagoda.layers.quantization.embedding import QuantizedEmbedding
 from pagoda.layers.quantization.methods import (
     Fp8LinearMethod,
     PackedLinearMethod,
@@ -164,7 +163,6 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32,
                     group_size, sorted(smaller))
     experts_done, experts_kept = _quantize_experts(model, scheme, group_size)
     done, kept = done + experts_done, kept + experts_kept
-    share_quantized_embedding(model)
     _free_float_weights(model)
     label = scheme if scheme != "int4" else f"int4 (group {group_size})"
     return QuantizationReport(label, before, weight_bytes(model), done, kept)
@@ -220,18 +218,6 @@ def _quantize_experts(model: nn.Module, scheme: str, group_size: int) -> tuple[i
     return done, kept
 
 
-def share_quantized_embedding(model: nn.Module) -> bool:
-    """With tied embeddings and a packed LM head, the embedding reads the head's records."""
-    head, embed = getattr(model, "lm_head", None), getattr(model, "embed_tokens", None)
-    if head is None or embed is None or head.weight is not getattr(embed, "weight", None):
-        return False
-    if not isinstance(head.method, PackedLinearMethod | Fp8LinearMethod):
-        return False
-    model.embed_tokens = QuantizedEmbedding(head.method, embed.weight.dtype, head.out_features,
-                                            getattr(embed, "start", 0), embed.tp)
-    return True
-
-
 def _free_float_weights(model: nn.Module) -> None:
     for layer in model.modules():
         if isinstance(layer, Linear) and not is_unquantized(layer):
@@ -240,16 +226,15 @@ def _free_float_weights(model: nn.Module) -> None:
 
 
 def finish_gguf(model: nn.Module, scheme: str = "gguf") -> QuantizationReport:
-    """After a packed load (a GGUF's blocks, or a GPTQ/AWQ checkpoint: `scheme`): the tied
-    embedding shared, float copies freed, the report (before: the model's weights had every
-    tensor been dequantized to its dtype)."""
+    """After a packed load (a GGUF's blocks, or a GPTQ/AWQ checkpoint: `scheme`): float copies
+    freed (a tied embedding then reads the head's records), the report (before: the model's
+    weights had every tensor been dequantized to its dtype)."""
     before = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    share_quantized_embedding(model)
     _free_float_weights(model)
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     done = sum(1 for m in layers if not is_unquantized(m))
     return QuantizationReport(scheme, before, weight_bytes(model), done, len(layers) - done)
 
 
-__all__ = ["QUANTIZATION_METHODS", "QuantizationReport", "QuantizedEmbedding", "make_method",
-           "quantize_model", "share_quantized_embedding", "weight_bytes", "method_bytes", "linear_methods"]
+__all__ = ["QUANTIZATION_METHODS", "QuantizationReport", "make_method", "quantize_model", "weight_bytes",
+           "method_bytes", "linear_methods"]
