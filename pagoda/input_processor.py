@@ -7,7 +7,8 @@ reaches the engine core (vLLM's `Processor`):
 - prompt token ids: non-empty, inside the model's vocabulary, leaving room for one token;
 - sampling params: `n` up to `max_n`, stop strings and stop token ids bounded in number and
   size, stop ids inside the vocabulary, `top_k` above the vocabulary clamped to "off",
-  logit_bias and allowed_token_ids inside the vocabulary;
+  logit_bias and allowed_token_ids inside the vocabulary; bad_words tokenized (vLLM's two
+  forms a word) into at most `MAX_BAD_WORDS` sequences inside the vocabulary;
 - pooling params: `dimensions` only on a Matryoshka model (vLLM's rule), the prompt cut to
   `truncate_prompt_tokens` first; a pooled prompt may fill the whole context;
 - structured outputs: compiled here (cached per constraint, in the caller's thread), so an
@@ -31,6 +32,8 @@ from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParamError, SamplingParams
 from pagoda.structured_output import Grammar, GrammarCompiler
 
+# NOTE: vLLM's VLLM_MAX_NUM_BAD_WORDS default: the token sequences a request's bad_words may make
+MAX_BAD_WORDS = 128
 logger = logging.getLogger("pagoda")
 
 
@@ -173,6 +176,7 @@ class InputProcessor:
             raise SamplingParamError(
                 "stop_token_ids", f"Stop token id {bad} is out of vocabulary (size {self.vocab_size}).")
         self._check_token_controls(params)
+        params = self._resolve_bad_words(params)
         params = self._check_logprobs(params)
         params = self._resolve_watermarking(params)
         if params.top_k >= self.vocab_size:
@@ -215,6 +219,37 @@ class InputProcessor:
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
                  if getattr(params, name) == WHOLE_VOCABULARY}
         return dataclasses.replace(params, **whole) if whole else params  # type: ignore[arg-type]
+
+    def _resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's `update_from_tokenizer`: each bad word's tokens as written (its leading spaces
+        stripped), and after a space where that starts with another token of as many tokens
+        (a word mid-text); at most `MAX_BAD_WORDS` sequences, every id inside the vocabulary."""
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise SamplingParamError("bad_words", "bad_words needs the model's tokenizer.")
+        found: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            if len(word) > self.limits.max_stop_str_chars:
+                raise SamplingParamError(
+                    "bad_words", f"bad words may be at most {self.limits.max_stop_str_chars} characters "
+                                 f"(--max-stop-str-chars), got one of {len(word)}.")
+            check_unicode(word, "bad_words")
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise SamplingParamError("bad_words", "bad_words entries must tokenize to at least one token.")
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            found.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                found.append(spaced)
+        if len(found) > MAX_BAD_WORDS:
+            raise SamplingParamError("bad_words", f"Too many bad words after tokenization: {len(found)}. "
+                                                  f"The max number is {MAX_BAD_WORDS}.")
+        outside = [t for ids in found for t in ids if t >= self.vocab_size]
+        if outside:
+            raise SamplingParamError("bad_words", f"The model vocabulary size is {self.vocab_size}, but the "
+                                                  f"following tokens were specified as bad: {outside}.")
+        return dataclasses.replace(params, bad_words_token_ids=tuple(found))
 
     def _check_token_controls(self, params: SamplingParams) -> None:
         bias = params.logit_bias or {}

@@ -1,7 +1,8 @@
 """Sampling: logits of the rows that sample -> token ids (and log-probabilities).
 
-Token constraints come first: grammar bitmasks (structured outputs), allowed_token_ids and
-logit_bias. Greedy requests without penalties then take an argmax fast path. Otherwise, in
+Token constraints come first: grammar bitmasks (structured outputs), allowed_token_ids,
+logit_bias and bad words (vLLM's: a bad word's last token wherever the output so far ends with
+the tokens before it). Greedy requests without penalties then take an argmax fast path. Otherwise, in
 vLLM's order: penalties, min-tokens suppression, temperature, top-k / top-p / min-p, then an
 draw per row from one uniform by the inverse of its cumulative distribution, or, for a request
 carrying the engine's watermark, a Gumbel-max whose noise is the watermark's keyed function of
@@ -218,7 +219,7 @@ def _token_pairs(rows: list[int], token_ids: list[list[int]]) -> tuple[torch.Ten
 
 
 def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Grammar bitmasks, allowed_token_ids and logit_bias, in place, on the rows that ask."""
+    """Grammar bitmasks, allowed_token_ids, logit_bias and bad words, in place, on the rows that ask."""
     grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if grammar_rows:
         words = -(-logits.shape[-1] // 32)
@@ -238,6 +239,21 @@ def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> No
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
             logits[row, ids] += torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype)
+        if p.bad_words_token_ids:
+            banned = completing_bad_words(p.bad_words_token_ids, r.output_token_ids)
+            if banned:
+                logits[row, banned] = float("-inf")
+
+
+def completing_bad_words(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:
+    """vLLM's rule: each bad word's last token where the output so far ends with the tokens
+    before it (a one-token word: always)."""
+    banned = []
+    for word in bad_words:
+        prefix = len(word) - 1
+        if prefix <= len(output) and (prefix == 0 or tuple(output[-prefix:]) == word[:-1]):
+            banned.append(word[-1])
+    return banned
 
 
 class Sampler:

@@ -80,12 +80,19 @@ class SamplingParams:
     # records the outcome for the metrics in `watermark_status`.
     watermarking: bool | None = None
     watermark_status: str | None = field(default=None, repr=False)
+    # NOTE: vLLM's: words the answer may not write. `InputProcessor` tokenizes each (as written
+    # and after a space, `bad_words_token_ids`); the sampler then masks a word's last token
+    # wherever the output so far ends with the tokens before it.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.bad_words is not None:
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # NOTE: vLLM drops repeats
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
@@ -125,6 +132,8 @@ class SamplingParams:
             # NOTE: the upper bound is the server's (--max-logprobs), checked by InputProcessor.
             _require(value is None or (isinstance(value, int) and value >= WHOLE_VOCABULARY), name,
                      f"{name} must be -1 (the whole vocabulary) or at least 0, got {value}.")
+        _require(all(isinstance(w, str) and w for w in self.bad_words or []), "bad_words",
+                 f"bad_words cannot contain an empty string, got {_short(self.bad_words or [])}.")
         self._validate_token_controls()
         _require(self.seed is None or (isinstance(self.seed, int)
                                        and INT64_MIN <= self.seed <= INT64_MAX), "seed",
@@ -151,7 +160,7 @@ class SamplingParams:
     def constrains_tokens(self) -> bool:
         """Whether some tokens are masked or biased before sampling."""
         return (self.structured_outputs is not None or bool(self.logit_bias)
-                or self.allowed_token_ids is not None)
+                or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
 
     @property
     def greedy(self) -> bool:
@@ -166,6 +175,11 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling reads the tokens before this step (penalties, bad words)."""
+        return self.needs_penalties or bool(self.bad_words_token_ids)
 
     def for_child(self, index: int) -> SamplingParams:
         """The params of the index-th of n parallel samples (n=1, seed offset by index).

@@ -115,7 +115,7 @@ def worker_request(request: Request, num_tokens: int, draft: list[int],
                    vocab_size: int) -> WorkerRequest:
     """The copy of `request` a worker needs to run `num_tokens` of it (and its draft)."""
     params = request.sampling_params
-    first = 0 if params.needs_penalties else request.num_computed_tokens
+    first = 0 if params.reads_history else request.num_computed_tokens
     samples = request.num_computed_tokens + num_tokens >= request.num_tokens
     grammar = None
     if samples and request.grammar is not None:

@@ -8,6 +8,7 @@ import torch
 from pagoda.request import Request
 from pagoda.sampler import TOP_CANDIDATES, Sampler, argmax_rows, widening_candidate_sets
 from pagoda.sampling_params import SamplingParams
+from pagoda.worker_step import worker_request
 
 VOCAB = 16
 
@@ -30,6 +31,27 @@ def _logits() -> torch.Tensor:
 def test_greedy_fast_path():
     out = Sampler()(_logits(), [_request([], temperature=0.0)])
     assert out.token_ids == [3] and out.logprobs == [None]
+
+
+def test_bad_words_mask_the_token_that_would_complete_one():
+    """vLLM's rule: a one-token bad word never comes; a longer one's last token only where the
+    output so far ends with the tokens before it (the prompt does not count)."""
+    words = ((3,), (4, 7))
+
+    def sample(output: list[int]) -> int:
+        r = _request(output, temperature=0.0, bad_words=["x"])
+        r.sampling_params.bad_words_token_ids = words  # NOTE: as InputProcessor resolves them
+        return Sampler()(_logits(), [r]).token_ids[0]
+
+    assert sample([]) == 7  # 3 banned; 7 (4.95) beats 4 (4.9)
+    assert sample([4]) == 4  # after 4, 7 would complete (4, 7): the next best, 4
+    assert sample([4, 5]) == 7
+    plain, banning = _request([4], temperature=0.0), _request([4], temperature=0.0, bad_words=["x"])
+    banning.sampling_params.bad_words_token_ids = words
+    for r in (plain, banning):
+        r.num_computed_tokens = 1  # NOTE: decoding: the last token is the step's
+    assert worker_request(plain, 1, [], VOCAB).first_token == 1  # only the step's tokens travel
+    assert worker_request(banning, 1, [], VOCAB).output_token_ids == [4]  # the history bad words read
 
 
 def test_frequency_and_presence_penalties():

@@ -51,8 +51,10 @@ class FakeEngine:
         self.healthy = True
         self.dead_reason: str | None = None
         self.aborted: list[str] = []
+        self.started: list[str] = []
 
     async def generate_request(self, req: EngineRequest) -> AsyncIterator[RequestOutput]:
+        self.started.append(req.request_id)
         seed = req.sampling_params.seed
         if seed == FAIL_BEFORE_OUTPUT:
             raise ValueError("The prompt is not acceptable.")
@@ -230,6 +232,52 @@ def test_request_id_headers_echo_the_clients_id_or_make_one(engine: FakeEngine):
     assert len(made.headers["x-request-id"]) == 32 and refused.status_code == 400
     assert refused.headers["x-request-id"] not in (made.headers["x-request-id"], "abc-1")
     assert "x-request-id" not in call(engine, "GET", "/v1/models").headers  # off by default
+
+
+def test_response_ids_take_the_clients_request_id_as_vllm(engine: FakeEngine):
+    """vLLM's: a response's id is `{prefix}-{X-Request-Id}`, else `{prefix}-{request_id}` (the
+    body's), else a random one; the engine's id is made unique, so one id sent twice is fine."""
+    comp = {"prompt": "hi", "max_tokens": 3}
+    assert call(engine, "POST", "/v1/completions", json={**comp, "request_id": "job-7"}).json()["id"] == "cmpl-job-7"
+    header = call(engine, "POST", "/v1/completions", json={**comp, "request_id": "job-7"},
+                  headers={"X-Request-Id": "trace-1"})
+    assert header.json()["id"] == "cmpl-trace-1"
+    made = call(engine, "POST", "/v1/completions", json=comp).json()["id"]
+    assert made.startswith("cmpl-") and len(made) == 5 + 32
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "request_id": "job-8"}
+    assert call(engine, "POST", "/v1/chat/completions", json=body).json()["id"] == "chatcmpl-job-8"
+    streamed = call(engine, "POST", "/v1/chat/completions", json={**body, "stream": True})
+    assert {e["id"] for e in events(streamed) if e != "[DONE]"} == {"chatcmpl-job-8"}
+    both = asyncio.run(_twice_at_once(engine, {**comp, "request_id": "same"}))
+    assert [r.json()["id"] for r in both] == ["cmpl-same", "cmpl-same"]
+    started = [rid for rid in engine.started if rid.startswith("cmpl-same-")]
+    assert len(started) == 2 and len(set(started)) == 2
+
+
+def test_add_special_tokens_reaches_the_tokenizer_as_vllm_defaults_it(engine: FakeEngine):
+    """vLLM's field: a completion's text prompt gets the tokenizer's special tokens unless it
+    says false; a chat's rendered template gets none unless it says true."""
+    seen: list[bool] = []
+    tokenize = engine.processor.tokenize
+
+    def recording(text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        seen.append(add_special_tokens)
+        return tokenize(text, add_special_tokens, param)
+
+    engine.processor.tokenize = recording  # type: ignore[method-assign]
+    comp = {"prompt": "hi", "max_tokens": 3}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    for path, body in (("/v1/completions", comp), ("/v1/completions", {**comp, "add_special_tokens": False}),
+                       ("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "add_special_tokens": True})):
+        assert call(engine, "POST", path, json=body).status_code == 200
+    assert seen == [True, False, False, True]
+
+
+async def _twice_at_once(engine: FakeEngine, body: dict) -> list[httpx.Response]:
+    ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake", max_model_len=64)
+    transport = httpx.ASGITransport(app=build_app(ctx))
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        return list(await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(2))))
 
 
 def test_vllm_032_flags_start_or_refuse_by_what_they_ask():

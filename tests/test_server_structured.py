@@ -364,6 +364,35 @@ def test_default_chat_template_kwargs_sit_under_the_requests_own(engine: AsyncLL
     assert _rendered(engine, chat("hi"), chat_template=template) == "hi|plain|-"
 
 
+def test_reasoning_effort_and_documents_reach_the_template_as_vllm_sends_them(engine: AsyncLLM):
+    """vLLM's chat fields `reasoning_effort` and `documents` are template variables; an effort
+    also sets `enable_thinking` (false for "none") unless chat_template_kwargs sets it."""
+    template = ("{{ reasoning_effort or '-' }}|{{ 'think' if enable_thinking else 'plain' }}|"
+                "{% for d in documents or [] %}[{{ d['title'] }}]{% endfor %}")
+    ctx = {"chat_template": template}
+    assert _rendered(engine, chat("hi"), **ctx) == "-|plain|"
+    assert _rendered(engine, chat("hi", reasoning_effort="high"), **ctx) == "high|think|"
+    assert _rendered(engine, chat("hi", reasoning_effort="none"), **ctx) == "none|plain|"
+    kept = chat("hi", reasoning_effort="low", chat_template_kwargs={"enable_thinking": False})
+    assert _rendered(engine, kept, **ctx) == "low|plain|"
+    docs = chat("hi", documents=[{"title": "A", "text": "x"}, {"title": "B", "text": "y"}])
+    assert _rendered(engine, docs, **ctx) == "-|plain|[A][B]"
+    assert error(post(engine, "/v1/chat/completions", chat("hi", reasoning_effort="huge")))["param"] == "reasoning_effort"
+
+
+def test_bad_words_reach_the_sampler_and_bad_ones_are_400s(engine: AsyncLLM):
+    body = {"prompt": "words", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    free = post(engine, "/v1/completions", body).json()["choices"][0]["token_ids"]
+    word = engine.tokenizer.decode(free[:1]).strip()
+    banned = post(engine, "/v1/completions", {**body, "bad_words": [word]})
+    assert banned.status_code == 200, banned.text
+    got = banned.json()["choices"][0]["token_ids"]
+    ids = engine.tokenizer.encode(word, add_special_tokens=False)
+    assert all(got[i:i + len(ids)] != ids for i in range(len(got)))
+    assert error(post(engine, "/v1/completions", {**body, "bad_words": ["a", ""]}))["param"] == "bad_words"
+    assert error(post(engine, "/v1/chat/completions", chat("hi", bad_words=["x" * 2000])))["param"] == "bad_words"
+
+
 def test_default_chat_template_kwargs_flag_takes_a_json_object():
     from pagoda.server.serve import add_serve_parser
 

@@ -180,6 +180,31 @@ def test_logit_bias_and_allowed_token_ids(llm: LLM):
         10, 20, 30}
 
 
+def _holds(tokens: list[int], seq: tuple[int, ...]) -> bool:
+    return any(tuple(tokens[i:i + len(seq)]) == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def test_bad_words_are_never_completed(llm: LLM):
+    """vLLM's bad_words: each word's tokens (as written, and after a space) never all come in a
+    row; a word the free answer writes is avoided and the answer differs there."""
+    greedy = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    free = llm.generate(["words"], SamplingParams(**greedy), use_tqdm=False)[0].outputs[0].token_ids
+    texts = [llm.tokenizer.decode([t]) for t in free]
+    # NOTE: vLLM keeps the form after a space only where it has as many tokens as the plain one
+    resolved = {w: llm.engine.processor.check_params(SamplingParams(**greedy, bad_words=[w])).bad_words_token_ids
+                for w in (t.strip() for t in texts if t.startswith(" ") and len(t.strip()) > 1)}
+    word = next(w for w, seqs in resolved.items() if any(_holds(free, seq) for seq in seqs))
+    seqs = resolved[word]
+    assert seqs[0] == tuple(llm.tokenizer.encode(word, add_special_tokens=False))
+    avoided = llm.generate(["words"], SamplingParams(**greedy, bad_words=[word]),
+                           use_tqdm=False)[0].outputs[0].token_ids
+    assert avoided != free and not any(_holds(avoided, seq) for seq in seqs)
+    with pytest.raises(ValueError, match="bad_words cannot contain an empty string"):
+        SamplingParams(bad_words=["a", ""])
+    with pytest.raises(ValueError, match="Too many bad words"):
+        llm.engine.processor.check_params(SamplingParams(bad_words=[f"w{i}" for i in range(129)]))
+
+
 @pytest.mark.parametrize("so, message", [
     (StructuredOutputsParams(regex="[0-9"), "Invalid regex"),
     (StructuredOutputsParams(json={"type": "objectx"}), "Invalid json"),

@@ -32,15 +32,16 @@ from pagoda.server.protocol import (
     ChatLogProb,
     ChatLogProbsContent,
     ChatMessage,
-    random_id,
 )
 from pagoda.server.reasoning import END, ReasoningStream, split
 from pagoda.server.serving import (
     ChoiceState,
     Generation,
     Prompt,
+    RequestIds,
     ServerContext,
     TokenNames,
+    api_request_ids,
     beam_search_params,
     beam_usage,
     build_sampling_params,
@@ -225,14 +226,27 @@ async def chat_inputs(ctx: ServerContext, req: ChatCompletionRequest) -> ChatInp
     forwarded = _forwarded_prompt(req)
     if forwarded is None:
         text = await render_chat(ctx, req.messages, req.add_generation_prompt,
-                                 req.chat_template_kwargs, shown, chat_template_for(ctx, req),
+                                 chat_template_kwargs_of(req), shown, chat_template_for(ctx, req),
                                  req.continue_final_message)
-        forwarded = Prompt(await tokenize_text(ctx, text, False, "messages"), text)
+        forwarded = Prompt(await tokenize_text(ctx, text, req.add_special_tokens, "messages"), text)
     prompt = truncate_prompt(forwarded, req.truncate_prompt_tokens, ctx.max_model_len, req.truncation_side)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
         else req.max_tokens
     role = ctx.response_role if req.add_generation_prompt else req.messages[-1].role
     return ChatInputs(plan, fields, structured_param, prompt, max_tokens, role, _echo(req, role))
+
+
+def chat_template_kwargs_of(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's chat template variables, as vLLM merges them: `chat_template_kwargs`, then
+    `documents` and `reasoning_effort` where given, and `enable_thinking` (false only for the
+    effort "none") where a reasoning effort is given and chat_template_kwargs leaves it unset."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+        kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
+    return kwargs
 
 
 def _forwarded_prompt(req: ChatCompletionRequest) -> Prompt | None:
@@ -257,13 +271,13 @@ def _echo(req: ChatCompletionRequest, role: str) -> str:
 
 
 async def start_chat(ctx: ServerContext, req: ChatCompletionRequest, inputs: ChatInputs,
-                     request_id: str) -> Generation:
+                     ids: RequestIds) -> Generation:
     """The chat's `Generation`, validated and admitted (400s, 429)."""
     params = build_sampling_params(ctx, inputs.fields, len(inputs.prompt.token_ids),
                                    inputs.max_tokens, num_logprobs_of(req))
-    return await Generation.create(ctx, request_id, [inputs.prompt], [params],
+    return await Generation.create(ctx, ids.engine, [inputs.prompt], [params],
                                    inputs.structured_param, req.priority, req.user, req.cache_salt,
-                                   ctx.lora_for(req.model), reasoning_end(ctx, req))
+                                   ctx.lora_for(req.model), reasoning_end(ctx, req), ids.response)
 
 
 def reasoning_end(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[int, ...]:
@@ -273,7 +287,7 @@ def reasoning_end(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[int, 
     parser = ctx.reasoning_parser
     if parser is None:
         return ()
-    kwargs = {**ctx.default_chat_template_kwargs, **(req.chat_template_kwargs or {})}
+    kwargs = {**ctx.default_chat_template_kwargs, **chat_template_kwargs_of(req)}
     if not parser.opens_in_reasoning and kwargs.get("enable_thinking", True) is False:
         return ()
     return tuple(ctx.tokenizer.encode(END, add_special_tokens=False))
@@ -285,7 +299,7 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
     inputs = await chat_inputs(ctx, req)
     if req.use_beam_search:
         return await _beam_search_chat(ctx, req, raw, inputs)
-    gen = await start_chat(ctx, req, inputs, random_id("chatcmpl"))
+    gen = await start_chat(ctx, req, inputs, api_request_ids("chatcmpl", raw, req.request_id))
     model = req.model or ctx.model_name
     num_logprobs = num_logprobs_of(req)
     num_logprobs = None if num_logprobs is None else shown_logprobs(req, num_logprobs)
@@ -307,8 +321,8 @@ async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw:
                           "use_beam_search")
     prompt = inputs.prompt
     params = beam_search_params(ctx, req, [prompt], inputs.max_tokens, req.length_penalty)
-    request_id = random_id("chatcmpl")
-    results = await run_beam_search(ctx, raw, request_id, [prompt], params, req)
+    ids = api_request_ids("chatcmpl", raw, req.request_id)
+    results = await run_beam_search(ctx, raw, ids.engine, [prompt], params, req)
     if results is None:
         return Response(status_code=499)
     choices = [ChatCompletionResponseChoice(
@@ -316,7 +330,7 @@ async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw:
         token_ids=beam.tokens[len(prompt.token_ids):] if req.return_token_ids else None)
         for j, beam in enumerate(results[0].sequences)]
     return JSONResponse(ChatCompletionResponse(
-        id=request_id, model=req.model or ctx.model_name, choices=choices, usage=beam_usage([prompt], results),
+        id=ids.response, model=req.model or ctx.model_name, choices=choices, usage=beam_usage([prompt], results),
         prompt_token_ids=list(prompt.token_ids) if req.return_token_ids else None).model_dump())
 
 
@@ -331,7 +345,7 @@ def full_chat(gen: Generation, model: str, num_logprobs: int | None, inputs: Cha
                               include_reasoning)
                for index, state in enumerate(gen.choices)]
     return ChatCompletionResponse(
-        id=gen.request_id, created=gen.created, model=model, choices=choices, usage=gen.usage(),
+        id=gen.response_id, created=gen.created, model=model, choices=choices, usage=gen.usage(),
         prompt_logprobs=prompt_logprobs_field(gen.prompt_logprobs[0]),
         prompt_token_ids=list(gen.prompts[0].token_ids) if return_token_ids else None)
 
@@ -364,7 +378,7 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
     """The chunks' JSON: a role chunk per choice (and the echoed last message's text, when
     asked), then one per content or tool-call delta, then the usage chunk if asked for."""
     plan, names = inputs.plan, TokenNames.of_request(gen.ctx, req)
-    chunks = ChunkEncoder(gen.request_id, "chat.completion.chunk", gen.created, model)
+    chunks = ChunkEncoder(gen.response_id, "chat.completion.chunk", gen.created, model)
     final_usage, continuous = stream_usage(gen.ctx, req)
 
     def chunk(choice: str, extra: str = "") -> str:

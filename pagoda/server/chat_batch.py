@@ -86,6 +86,6 @@ async def create_batch_chat_completion(ctx: ServerContext, req: BatchChatComplet
     choices = [chat_choice_of(ctx, i, state, inputs[i], names, shown, bool(req.return_token_ids),
                               req.include_reasoning)
                for i, state in enumerate(gen.choices)]
-    response = ChatCompletionResponse(id=gen.request_id, created=gen.created, model=req.model or ctx.model_name,
+    response = ChatCompletionResponse(id=gen.response_id, created=gen.created, model=req.model or ctx.model_name,
                                       choices=choices, usage=gen.usage())
     return JSONResponse(response.model_dump())

@@ -21,13 +21,13 @@ from pagoda.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     CompletionResponseChoice,
-    random_id,
 )
 from pagoda.server.serving import (
     Generation,
     Prompt,
     ServerContext,
     TokenNames,
+    api_request_ids,
     beam_search_params,
     beam_usage,
     build_sampling_params,
@@ -44,9 +44,10 @@ from pagoda.server.serving import (
 from pagoda.server.streaming import sse, until_disconnect
 
 
-async def completion_prompts(ctx: ServerContext,
-                             prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
-    """Normalizes the four prompt shapes OpenAI allows into tokenized prompts."""
+async def completion_prompts(ctx: ServerContext, prompt: str | list[str] | list[int] | list[list[int]],
+                             add_special_tokens: bool = True) -> list[Prompt]:
+    """Normalizes the four prompt shapes OpenAI allows into tokenized prompts (text with the
+    tokenizer's special tokens, e.g. BOS, unless `add_special_tokens` is false: vLLM's field)."""
     items: list[Any] = [prompt] if isinstance(prompt, str) else list(prompt)
     if not items:
         raise bad_request("The prompt cannot be empty.", "prompt")
@@ -55,7 +56,7 @@ async def completion_prompts(ctx: ServerContext,
     prompts = []
     for item in items:
         if isinstance(item, str):
-            prompts.append(Prompt(await tokenize_text(ctx, item), item))
+            prompts.append(Prompt(await tokenize_text(ctx, item, add_special_tokens), item))
         else:
             prompts.append(Prompt(list(item)))
     return prompts
@@ -133,13 +134,14 @@ async def create_completion(ctx: ServerContext, req: CompletionRequest, raw: Req
         fields["prompt_logprobs"] = req.logprobs
     max_tokens = 1 if scores_prompt_only(req) else req.max_tokens
     prompts = [truncate_prompt(p, req.truncate_prompt_tokens, ctx.max_model_len, req.truncation_side)
-               for p in await completion_prompts(ctx, req.prompt)]
+               for p in await completion_prompts(ctx, req.prompt, req.add_special_tokens)]
     if req.use_beam_search:
         return await beam_search_completion(ctx, req, raw, prompts)
     params = [build_sampling_params(ctx, fields, len(p.token_ids), max_tokens, req.logprobs)
               for p in prompts]
-    gen = await Generation.create(ctx, random_id("cmpl"), prompts, params, structured_param,
-                                  req.priority, req.user, req.cache_salt, lora)
+    ids = api_request_ids("cmpl", raw, req.request_id)
+    gen = await Generation.create(ctx, ids.engine, prompts, params, structured_param,
+                                  req.priority, req.user, req.cache_salt, lora, response_id=ids.response)
     model = req.model or ctx.model_name
     if req.stream:
         return StreamingResponse(sse(stream_completion(gen, req, model)),
@@ -166,7 +168,7 @@ def full_completion(gen: Generation, req: CompletionRequest, model: str) -> Comp
             prompt_logprobs=prompt_logprobs_field(gen.prompt_logprobs[index // gen.n]),
             token_ids=list(state.token_ids) if req.return_token_ids else None,
             prompt_token_ids=list(prompt.token_ids) if req.return_token_ids else None))
-    return CompletionResponse(id=gen.request_id, created=gen.created, model=model,
+    return CompletionResponse(id=gen.response_id, created=gen.created, model=model,
                               choices=choices, usage=gen.usage())
 
 
@@ -175,7 +177,7 @@ async def stream_completion(gen: Generation, req: CompletionRequest, model: str
     """The chunks' JSON: one per delta (the first of a choice led by the echoed prompt and its
     scores, as vLLM streams it), then the usage chunk if asked for."""
     ctx, echoed = gen.ctx, set()
-    chunks = ChunkEncoder(gen.request_id, "text_completion", gen.created, model)
+    chunks = ChunkEncoder(gen.response_id, "text_completion", gen.created, model)
     final_usage, continuous = stream_usage(ctx, req)
     names = TokenNames.of_request(ctx, req)
     async for index, delta in gen.deltas():
@@ -207,8 +209,8 @@ async def beam_search_completion(ctx: ServerContext, req: CompletionRequest, raw
     if req.echo or req.logprobs is not None:
         raise bad_request("use_beam_search returns no logprobs and echoes no prompt.", "use_beam_search")
     params = beam_search_params(ctx, req, prompts, req.max_tokens, req.length_penalty)
-    request_id = random_id("cmpl")
-    results = await run_beam_search(ctx, raw, request_id, prompts, params, req)
+    ids = api_request_ids("cmpl", raw, req.request_id)
+    results = await run_beam_search(ctx, raw, ids.engine, prompts, params, req)
     if results is None:
         return Response(status_code=499)
     choices = []
@@ -219,5 +221,5 @@ async def beam_search_completion(ctx: ServerContext, req: CompletionRequest, raw
                 index=i * params.beam_width + j, text=beam.text or "", finish_reason=beam.finish_reason,
                 token_ids=generated if req.return_token_ids else None,
                 prompt_token_ids=list(prompt.token_ids) if req.return_token_ids else None))
-    return JSONResponse(CompletionResponse(id=request_id, model=req.model or ctx.model_name, choices=choices,
+    return JSONResponse(CompletionResponse(id=ids.response, model=req.model or ctx.model_name, choices=choices,
                                            usage=beam_usage(prompts, results)).model_dump())

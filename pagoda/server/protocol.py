@@ -154,6 +154,7 @@ class SamplingFields(RequestModel):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # NOTE: vLLM's (SamplingParams.bad_words)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -185,7 +186,7 @@ class SamplingFields(RequestModel):
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-                 "allowed_token_ids", "prompt_logprobs", "logprob_token_ids", "watermarking")
+                 "allowed_token_ids", "bad_words", "prompt_logprobs", "logprob_token_ids", "watermarking")
         values = {name: getattr(self, name) for name in names}
         return {name: value for name, value in values.items() if value is not None}
 
@@ -210,6 +211,8 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    request_id: str | None = None  # NOTE: vLLM's: the response's id after its prefix (`api_request_ids`)
+    add_special_tokens: bool = True  # NOTE: vLLM's: the tokenizer's BOS (etc.) before a text prompt
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -349,6 +352,13 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
     include_reasoning: bool = True  # NOTE: vLLM's: False drops the reasoning (--reasoning-parser)
+    request_id: str | None = None  # NOTE: vLLM's: the response's id after its prefix (`api_request_ids`)
+    # NOTE: vLLM's: the tokenizer's special tokens added to the rendered template (which has its own)
+    add_special_tokens: bool = False
+    # NOTE: vLLM's: both go to the chat template (`chat.template_kwargs`); a reasoning effort
+    # other than "none" also sets `enable_thinking` unless chat_template_kwargs sets it.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class ChatLogProb(OpenAIBaseModel):

@@ -60,7 +60,7 @@ from pagoda.server.responses_protocol import (
     ToolChoiceMode,
     response_id,
 )
-from pagoda.server.serving import Generation, ServerContext
+from pagoda.server.serving import Generation, RequestIds, ServerContext
 from pagoda.server.streaming import sse_events, until_disconnect
 from pagoda.server.tools import ToolPlan, ToolStream
 
@@ -204,7 +204,7 @@ class ResponseTurn:
         """The response object; settings are those applied (vLLM's), the request's otherwise."""
         req, params = self.req, self.gen.requests[0].sampling_params
         return ResponsesResponse(
-            id=self.gen.request_id, created_at=self.gen.created, status=status,
+            id=self.gen.response_id, created_at=self.gen.created, status=status,
             model=req.model or self.ctx.model_name, output=output or [], usage=usage,
             incomplete_details=IncompleteDetails() if status == "incomplete" else None,
             instructions=req.instructions, previous_response_id=req.previous_response_id,
@@ -232,7 +232,8 @@ async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Reques
     with responses_params():
         chat = chat_request(req, messages)
         inputs = await chat_inputs(ctx, chat)
-        gen = await start_chat(ctx, chat, inputs, response_id("resp"))
+        rid = response_id("resp")
+        gen = await start_chat(ctx, chat, inputs, RequestIds(rid, rid))
     turn = ResponseTurn(ctx, req, gen, inputs.plan, messages)
     if req.stream:
         return StreamingResponse(sse_events(stream_response(turn)),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -38,6 +39,7 @@ from pagoda.server.protocol import (
     SamplingFields,
     UsageInfo,
     now,
+    random_id,
 )
 from pagoda.server.reasoning import ReasoningParser
 from pagoda.server.response_store import ResponseStore
@@ -281,6 +283,27 @@ async def _abort_quietly(engine: EngineClient, request_id: str) -> None:
         logger.debug("abort of %s failed", request_id, exc_info=True)
 
 
+@dataclass(frozen=True)
+class RequestIds:
+    """An API request's ids: its responses' `id`, and the engine's (unique, even where clients
+    send the same id twice)."""
+
+    response: str
+    engine: str
+
+
+def api_request_ids(prefix: str, raw: Any, given: str | None) -> RequestIds:
+    """vLLM's: the responses' id is `{prefix}-{X-Request-Id}` (the header), else
+    `{prefix}-{request_id}` (the body's field), else `{prefix}-` and a random one; a client's id
+    gets 8 random hex digits more in the engine, as vLLM's internal ids do."""
+    headers = getattr(raw, "headers", None)
+    base = (headers.get("x-request-id") if headers is not None else None) or given
+    if not base:
+        rid = random_id(prefix)
+        return RequestIds(rid, rid)
+    return RequestIds(f"{prefix}-{base}", f"{prefix}-{base}-{uuid.uuid4().hex[:8]}")
+
+
 class Generation:
     """One API request's prompts running in the engine, with the state of each choice.
 
@@ -290,9 +313,10 @@ class Generation:
     """
 
     def __init__(self, ctx: ServerContext, request_id: str, prompts: list[Prompt],
-                 requests: list[EngineRequest]) -> None:
+                 requests: list[EngineRequest], response_id: str | None = None) -> None:
         self.ctx = ctx
         self.request_id = request_id
+        self.response_id = response_id or request_id  # NOTE: the body's `id` (`api_request_ids`)
         self.created = now()
         self.prompts = prompts
         self.requests = requests
@@ -308,13 +332,14 @@ class Generation:
                      params: list[SamplingParams], structured_param: str = "structured_outputs",
                      priority: int = 0, user: str | None = None,
                      cache_salt: str | None = None, lora_request: LoRARequest | None = None,
-                     reasoning_end: tuple[int, ...] = ()) -> Generation:
+                     reasoning_end: tuple[int, ...] = (), response_id: str | None = None) -> Generation:
         """Validates and compiles every prompt's request. The prompts share one scheduling
         group (they take turns with other requests), and so do all requests naming the same
         OpenAI `user`: one client's many requests cannot starve another's. `cache_salt`: only
         requests with the same salt share cached prefixes. `lora_request`: the adapter they
         run with. `reasoning_end`: a reasoning model's end of thinking, after which their
-        output constraint holds."""
+        output constraint holds. `response_id`: the responses' id where it is not `request_id`,
+        the engine's (`api_request_ids`)."""
         try:
             # NOTE: grammars compile on their own threads first, never holding tokenizing ones.
             for sp in params:
@@ -328,7 +353,7 @@ class Generation:
                                          priority=priority, group=group, cache_salt=cache_salt,
                                          lora_request=lora_request, reasoning_end=reasoning_end)
 
-        return await cls._start(ctx, request_id, prompts, one, params[0].n, user)
+        return await cls._start(ctx, request_id, prompts, one, params[0].n, user, response_id)
 
     @classmethod
     async def create_pooled(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
@@ -347,7 +372,7 @@ class Generation:
     @classmethod
     async def _start(cls, ctx: ServerContext, request_id: str, prompts: list[Prompt],
                      process_one: Callable[[int, str, str], EngineRequest], n: int,
-                     user: str | None) -> Generation:
+                     user: str | None, response_id: str | None = None) -> Generation:
         """Each prompt's engine request (`process_one(index, request id, group)`) validated in a
         worker thread (400s), then room in the queue for all their sequences (429)."""
         request_ids = ([request_id] if len(prompts) == 1
@@ -362,7 +387,7 @@ class Generation:
         except ValueError as e:
             raise invalid_input(e) from e
         admit(ctx, len(prompts) * n)
-        return cls(ctx, request_id, prompts, requests)
+        return cls(ctx, request_id, prompts, requests, response_id)
 
     async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
         """Yields (choice index, delta) as the engine produces them."""

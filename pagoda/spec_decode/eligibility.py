@@ -2,7 +2,7 @@
 
 Verification compares the target's rows with the drafts as plain sampling would see them, so
 a request drafts only when its logits need nothing position by position that verification
-does not provide: no logit_bias or allowed_token_ids, no penalties, no logprobs to report,
+does not provide: no logit_bias or allowed_token_ids, no penalties or bad words, no logprobs to report,
 min_tokens reached. A grammar is fine: drafts are cut to the prefix it accepts, and each
 verification row gets the grammar's mask after the drafts before it. A request must be
 decoding (one token to compute) and keep room for the drafts plus the token the
@@ -18,7 +18,7 @@ def draft_limit(request: Request, num_tokens: int) -> int:
     """How many tokens `request` may draft now (0: none)."""
     p = request.sampling_params
     if (request.status is not RequestStatus.RUNNING or p.logit_bias or p.allowed_token_ids
-            or p.needs_penalties
+            or p.reads_history
             or p.logprobs is not None or request.num_output_tokens < p.min_tokens
             or request.num_tokens - request.num_computed_tokens != 1):
         return 0
