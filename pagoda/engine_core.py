@@ -64,7 +64,7 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None = None  # one entry a token, when asked for
     new_prompt_logprobs: list[TokenLogprobs] | None = None  # prompt positions scored, in order
     finish_reason: RequestStatus | None = None
-    stop_reason: int | None = None  # the stop token id that ended it
+    stop_reason: int | str | None = None  # the stop token id that ended it, or "repetition_detected"
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
@@ -363,7 +363,7 @@ class EngineCore:
         out.num_cached_tokens = request.num_cached_tokens
         if request.is_finished:
             out.finish_reason = request.status
-            out.stop_reason = request.stop_reason if isinstance(request.stop_reason, int) else None
+            out.stop_reason = request.stop_reason
         return out
 
     def _fail(self, request: Request, exc: Exception, stats: IterationStats) -> None:

@@ -19,6 +19,8 @@ from pagoda.config import WatermarkConfig
 from pagoda.layers import cpu_kernels
 from pagoda.layers.attention_backend import (
     AttentionBackend,
+    KVCaches,
+    LayerKV,
     NativeAttentionBackend,
     TorchAttentionBackend,
 )
@@ -79,6 +81,7 @@ class ModelRunner:
         # NOTE: the whole layer stack in one native call, built once the KV pool is bound.
         self.native_decoder: NativeDecoder | None = None
         self.native_refusal: str | None = None  # why the model has no native decoder stack
+        self.kv_caches: KVCaches = {}  # NOTE: every attention layer's K/V pools, once bound
         self.sampler = Sampler(Watermarker(watermark) if watermark is not None else None)
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
 
@@ -104,14 +107,16 @@ class ModelRunner:
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                       kv_groups: list[int] | None = None) -> None:
-        """Binds each layer's K/V pools; `kv_groups` gives each layer's KV cache group (whose
-        block table it reads: kv_cache_manager.py), all 0 when not given."""
+        """Takes each attention layer's K/V pools (`kv_caches`, the runner's: each step's metadata
+        carries them to the layers, nothing is set on the model); `kv_groups` gives each layer's
+        KV cache group (whose block table it reads: kv_cache_manager.py), all 0 when not given."""
         groups = kv_groups or [0] * len(kv_caches)
-        for attn, (k, v), group in zip(self.model.attention_layers(), kv_caches, groups, strict=True):
-            attn.k_cache, attn.v_cache, attn.kv_group = k, v, group
+        self.kv_caches = {attn: LayerKV(k, v, group) for attn, (k, v), group
+                          in zip(self.model.attention_layers(), kv_caches, groups, strict=True)}
+        self.attention_backend.bind(self.kv_caches)
         self.preparer.num_kv_groups = max(groups, default=0) + 1
         if self.use_cpu_kernel:
-            made = NativeDecoder.make(self.model)
+            made = NativeDecoder.make(self.model, self.kv_caches)
             self.native_decoder, self.native_refusal = (made, None) if isinstance(made, NativeDecoder) else (None, made)
 
     @torch.inference_mode()

@@ -98,7 +98,8 @@ def to_logprobs(entry: TokenLogprobs, tokenizer: object | None) -> dict[int, Log
 
 
 def _finish_reason(status: RequestStatus) -> str:
-    return {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}[status.value]
+    return {"stop": "stop", "length": "length", "abort": "abort", "error": "error",
+            "repetition": "repetition"}[status.value]
 
 
 class RequestState:

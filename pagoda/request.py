@@ -29,10 +29,11 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
+    FINISHED_REPETITION = "repetition"  # NOTE: vLLM's: `repetition_detection` found a loop
 
     @property
     def finished(self) -> bool:
-        return self.value in ("stop", "length", "abort", "error")
+        return self.value in ("stop", "length", "abort", "error", "repetition")
 
 
 class Request:
@@ -142,7 +143,8 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def check_stop(self) -> RequestStatus | None:
-        """The finished status that EOS, stop-token and length rules give after a token."""
+        """The finished status that EOS, stop-token, length and (vLLM's `repetition_detection`,
+        past min_tokens) repetition rules give after a token, in vLLM's order."""
         params = self.sampling_params
         token = self.output_token_ids[-1]
         if self.num_output_tokens >= params.min_tokens:
@@ -153,4 +155,9 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        detection = params.repetition_detection
+        if (detection is not None and self.num_output_tokens >= params.min_tokens
+                and detection.repeats(self.output_token_ids)):
+            self.stop_reason = "repetition_detected"
+            return RequestStatus.FINISHED_REPETITION
         return None

@@ -39,6 +39,41 @@ def _require(ok: bool, param: str, message: str) -> None:
         raise SamplingParamError(param, message)
 
 
+@dataclass(frozen=True)
+class RepetitionDetectionParams:
+    """vLLM's: a request ends (finish reason "repetition") once its output ends with a pattern of
+    `min_pattern_size` (0: 1) to `max_pattern_size` tokens repeated `min_count` times in a row
+    (e.g. 'abcdabcdabcd'): small models loop until max_tokens otherwise. 0 disables it."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.min_pattern_size <= self.max_pattern_size, "repetition_detection",
+                 "max_pattern_size, min_pattern_size must be >=0, with min_pattern_size <= max_pattern_size. "
+                 "Set both to 0 to disable repetitive pattern detection.")
+        _require(self.max_pattern_size == 0 or self.min_count >= 2, "repetition_detection",
+                 "min_count must be >= 2 to detect repetitive patterns in engine output. If you do not "
+                 "wish to detect repetitive patterns, set max_pattern_size to 0.")
+
+    def repeats(self, tokens: list[int]) -> bool:
+        """Whether `tokens` end with a pattern of an allowed size repeated `min_count` times."""
+        if self.max_pattern_size == 0:
+            return False
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            span = size * self.min_count
+            if span > len(tokens):
+                return False
+            # NOTE: the last token against the one a pattern length before it first: most
+            # sizes end there, without slicing
+            if tokens[-1] == tokens[-1 - size]:
+                last = tokens[-size:]
+                if all(tokens[-(k + 1) * size:-k * size] == last for k in range(1, self.min_count)):
+                    return True
+        return False
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping parameters, with vLLM's names and defaults.
@@ -85,6 +120,7 @@ class SamplingParams:
     # wherever the output so far ends with the tokens before it.
     bad_words: list[str] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +129,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.bad_words is not None:
             self.bad_words = list(dict.fromkeys(self.bad_words))  # NOTE: vLLM drops repeats
+        if isinstance(self.repetition_detection, dict):  # NOTE: the HTTP field's shape
+            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if self.top_k == 0:
             self.top_k = -1
         self._validate()

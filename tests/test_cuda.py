@@ -52,7 +52,7 @@ def test_weights_and_kv_pools_live_on_the_gpu(tiny_llama) -> None:
     runner = llm.engine.runner
     assert runner.device.type == "cuda"
     assert {p.device.type for p in runner.model.parameters()} == {"cuda"}
-    assert {a.k_cache.device.type for a in runner.model.attention_layers()} == {"cuda"}
+    assert {kv.k.device.type for kv in runner.kv_caches.values()} == {"cuda"}
     assert runner.native_decoder is None  # the CPU's native stack never binds a GPU's pools
 
 
@@ -92,7 +92,7 @@ def test_quantized_schemes_run_on_the_gpu_and_compose(scheme: dict, tiny_llama) 
         stored = [t for m in linears for t in vars(m.method).values() if isinstance(t, torch.Tensor)]
         assert {t.device.type for t in stored} == {"cuda"} and min(t.element_size() for t in stored) == 1
     else:
-        assert {a.k_cache.element_size() for a in model.attention_layers()} == {1}
+        assert {kv.k.element_size() for kv in plain_llm.engine.runner.kv_caches.values()} == {1}
     plain = _greedy(plain_llm)
     busy = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=10, max_model_len=128, max_num_batched_tokens=16,
                **scheme)

@@ -141,19 +141,33 @@ def test_prompt_validation(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_binding_the_pool_sets_nothing_on_the_model(llm):
+    """The K/V pools are the runner's (`kv_caches`), reached through each step's metadata: binding
+    them (again) changes no attention layer's state, and the native stack reads the runner's."""
+    runner = llm.engine.runner
+    layers = runner.model.attention_layers()
+    assert list(runner.kv_caches) == layers
+    before = [dict(vars(a)) for a in layers]
+    saved = list(runner.kv_caches.values())
+    runner.bind_kv_cache([(kv.k, kv.v) for kv in saved], [kv.group for kv in saved])
+    assert [dict(vars(a)) for a in layers] == before and not hasattr(layers[0], "k_cache")
+    assert all(now.k is was.k for now, was in zip(runner.kv_caches.values(), saved, strict=True))
+    assert _greedy(llm, max_tokens=3).token_ids
+
+
 def test_profile_forward_runs_a_full_budget_prefill(llm):
     from pagoda.engine_setup import profile_forward
     from pagoda.kv_cache import KVCacheSpec
 
     runner = llm.engine.runner
     d = runner.model.dims
-    saved = [(a.k_cache, a.v_cache) for a in runner.model.attention_layers()]
+    saved = list(runner.kv_caches.values())
     spec = KVCacheSpec(d.num_layers, d.num_kv_heads, d.head_dim, torch.float32)
     try:
         # NOTE: the CPU has nothing to measure; CUDA's peak is the activations of a full step.
         assert (profile_forward(runner, spec, llm.engine.config) > 0) == (runner.device.type == "cuda")
     finally:
-        runner.bind_kv_cache(saved)
+        runner.bind_kv_cache([(kv.k, kv.v) for kv in saved], [kv.group for kv in saved])
     assert _greedy(llm, max_tokens=3).token_ids
 
 

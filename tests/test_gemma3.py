@@ -104,7 +104,7 @@ def test_layers_carry_their_windows_and_the_native_stack_declines(tiny_model_fac
     model = llm.engine.runner.model
     assert [a.sliding_window for a in model.attention_layers()] == [8, 8, None, 8, 8, None]
     assert all(a.scale == 256**-0.5 for a in model.attention_layers())
-    assert NativeDecoder.build(model) is None
+    assert NativeDecoder.build(model, llm.engine.runner.kv_caches) is None
 
 
 def test_unsupported_config_is_refused():

@@ -87,9 +87,9 @@ def test_unwritten_slots_are_never_read(tiny_model_factory, references):
     llm = LLM(str(tiny_model_factory("llama")), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=32)
     if llm.engine.runner.attention_backend.zeroed_pool:
         pytest.skip("torch's attention (CUDA, or no kernels) reads padded slots of a zeroed pool, masked")
-    for attn in llm.engine.runner.model.attention_layers():
-        attn.k_cache.fill_(float("nan"))
-        attn.v_cache.fill_(float("nan"))
+    for kv in llm.engine.runner.kv_caches.values():
+        kv.k.fill_(float("nan"))
+        kv.v.fill_(float("nan"))
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = llm.generate(_prompts(), params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == references("llama")

@@ -147,8 +147,8 @@ def test_schemes_compose_with_chunking_prefix_caching_and_preemption(scheme: dic
 @pytest.mark.parametrize("cache_dtype,rotated", [("auto", False), ("fp8", True), ("fp8_e5m2", True)])
 def test_q_and_k_rotated_over_an_fp8_pool_only(cache_dtype: str, rotated: bool, tiny_llama) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=32, kv_cache_dtype=cache_dtype)
-    layers = llm.engine.runner.model.attention_layers()
-    assert [a.rotates_qk for a in layers] == [rotated] * len(layers)
+    caches = llm.engine.runner.kv_caches
+    assert [a.rotates_qk(kv.k) for a, kv in caches.items()] == [rotated] * len(caches)
 
 
 def test_fp8_weights_refused_on_cpu_naming_alternatives(tiny_llama) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagoda.config import CacheConfig, EngineConfig, parse_bytes
-from pagoda.sampling_params import SamplingParamError, SamplingParams
+from pagoda.sampling_params import RepetitionDetectionParams, SamplingParamError, SamplingParams
 
 
 @pytest.mark.parametrize("kwargs, param", [
@@ -25,6 +25,7 @@ from pagoda.sampling_params import SamplingParamError, SamplingParams
     (dict(n=2, temperature=0.0), "n"),
     (dict(logprobs=-2), "logprobs"),
     (dict(prompt_logprobs=-3), "prompt_logprobs"),
+    (dict(bad_words=["a", ""]), "bad_words"),
 ])
 def test_invalid_values_name_the_parameter(kwargs, param):
     with pytest.raises(SamplingParamError) as err:
@@ -67,3 +68,28 @@ def test_parse_bytes():
     assert parse_bytes(100) == 100
     with pytest.raises(ValueError):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("detect, tokens, found", [
+    ((4, 0, 3), [1, 2, 3, 1, 2, 3, 1, 2, 3], True),   # 'abc' three times
+    ((4, 0, 3), [9, 1, 2, 3, 1, 2, 3, 1, 2], False),  # the tail is not whole repeats
+    ((4, 0, 3), [5, 5, 5], True),
+    ((4, 2, 3), [5, 5, 5], False),                    # patterns of 2 to 4 tokens only
+    ((4, 2, 3), [5, 5, 5, 5, 5, 5], True),
+    ((4, 0, 3), [1, 2, 1, 2], False),                 # twice is not three times
+    ((0, 0, 0), [1, 1, 1, 1], False),                 # off
+])
+def test_repetition_detection_finds_a_pattern_repeated_at_the_end(detect, tokens, found):
+    """vLLM's check_sequence_repetition, cases by hand (against vLLM's own function on 20,000
+    random cases: docs/benchmarks/vllm/request_fields_check.py)."""
+    assert RepetitionDetectionParams(*detect).repeats(tokens) is found
+
+
+@pytest.mark.parametrize("detect, words", [
+    ({"max_pattern_size": 2, "min_pattern_size": 3, "min_count": 2}, "min_pattern_size <= max_pattern_size"),
+    ({"max_pattern_size": 2, "min_count": 1}, "min_count must be >= 2"),
+])
+def test_repetition_detection_refuses_what_vllm_refuses(detect, words):
+    with pytest.raises(SamplingParamError, match=words) as err:
+        SamplingParams(repetition_detection=detect)
+    assert err.value.param == "repetition_detection"

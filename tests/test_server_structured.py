@@ -393,6 +393,17 @@ def test_bad_words_reach_the_sampler_and_bad_ones_are_400s(engine: AsyncLLM):
     assert error(post(engine, "/v1/chat/completions", chat("hi", bad_words=["x" * 2000])))["param"] == "bad_words"
 
 
+def test_repetition_detection_over_http(engine: AsyncLLM):
+    body = {"prompt": "loop", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logit_bias": {"777": 100},
+            "repetition_detection": {"max_pattern_size": 1, "min_count": 4}}
+    choice = post(engine, "/v1/completions", body).json()["choices"][0]
+    assert choice["finish_reason"] == "repetition" and choice["stop_reason"] == "repetition_detected"
+    bad = {**body, "repetition_detection": {"max_pattern_size": 1, "min_count": 1}}
+    assert error(post(engine, "/v1/completions", bad))["param"] == "repetition_detection"
+    typo = {**body, "repetition_detection": {"max_pattern": 1}}
+    assert post(engine, "/v1/completions", typo).status_code == 400
+
+
 def test_default_chat_template_kwargs_flag_takes_a_json_object():
     from pagoda.server.serve import add_serve_parser
 

@@ -180,6 +180,19 @@ def test_logit_bias_and_allowed_token_ids(llm: LLM):
         10, 20, 30}
 
 
+def test_repetition_detection_ends_a_loop_as_vllm(llm: LLM):
+    """A forced loop (one token's logit pushed) ends after min_count repeats with vLLM's finish
+    reason "repetition" and stop reason "repetition_detected"; never before min_tokens."""
+    loop = dict(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={777: 100})
+    detect = {"max_pattern_size": 2, "min_count": 3}
+    out = llm.generate(["loop"], SamplingParams(**loop, repetition_detection=detect), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [777] * 3 and out.finish_reason == "repetition" and out.stop_reason == "repetition_detected"
+    late = SamplingParams(**loop, min_tokens=7, repetition_detection=detect)
+    assert len(llm.generate(["loop"], late, use_tqdm=False)[0].outputs[0].token_ids) == 7
+    free = llm.generate(["loop"], SamplingParams(**loop), use_tqdm=False)[0].outputs[0]
+    assert len(free.token_ids) == 20 and free.finish_reason == "length"
+
+
 def _holds(tokens: list[int], seq: tuple[int, ...]) -> bool:
     return any(tuple(tokens[i:i + len(seq)]) == seq for i in range(len(tokens) - len(seq) + 1))
 

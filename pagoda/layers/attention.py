@@ -1,9 +1,10 @@
 """Attention over the paged KV cache: the layer.
 
-`PagedAttention` holds one layer's view of the block pool (bound by the runner), its heads,
-scale, sliding window and fp8 scales. How it attends is the step's: the attention backend the
-runner picked builds the metadata each step (attention_backend.py: the native CPU kernels, or
-torch's SDPA), and the layer calls `meta.attend(self, q, k, v)`.
+`PagedAttention` holds one layer's heads, scale, sliding window and fp8 scales; its K/V pools
+are the runner's (`ModelRunner.kv_caches`, bound once), reached through each step's metadata.
+How it attends is the step's: the attention backend the runner picked builds the metadata each
+step (attention_backend.py: the native CPU kernels, or torch's SDPA), and the layer calls
+`meta.attend(self, q, k, v)`: nothing is set on the layer from outside.
 An fp8 pool (`kv_cache_dtype`) holds K / k_scale and V / v_scale in one byte. Over it, Q and K
 are first multiplied, head by head, by the normalized Walsh-Hadamard matrix (`rotate_heads`;
 QuaRot's idea; `attention_backend.rotate_heads`): Q.K is unchanged, but the few channels that carry most of a key's magnitude
@@ -25,7 +26,7 @@ MAX_NATIVE_HEAD_DIM = 256  # NOTE: attention.cpp's kMaxHeadDim: larger heads sta
 
 
 class PagedAttention(nn.Module):
-    """Scaled dot-product attention reading K/V from a block pool bound by the runner.
+    """Scaled dot-product attention reading K/V from the runner's block pool (the step's metadata).
 
     Args:
         scale: the attention scale (default head_dim ** -0.5).
@@ -41,11 +42,8 @@ class PagedAttention(nn.Module):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
         self.scale = head_dim**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
-        self.kv_group = 0  # NOTE: whose block table the layer reads (set when the pool is bound)
         # NOTE: per-tensor scales of an fp8 pool (vLLM's static k_scale/v_scale, 1.0 unless
         # set at start-up); unused for a pool in the model's dtype.
         self.k_scale = 1.0
@@ -56,16 +54,16 @@ class PagedAttention(nn.Module):
         """Whether the native kernels take this layer's heads (at most 256 wide)."""
         return self.head_dim <= MAX_NATIVE_HEAD_DIM
 
-    @property
-    def rotates_qk(self) -> bool:
-        """Whether Q and K are rotated (`rotate_heads`): over an fp8 pool, head_dim a power of two."""
+    def rotates_qk(self, pool: torch.Tensor) -> bool:
+        """Whether Q and K are rotated (`rotate_heads`) over this K `pool`: an fp8 one, head_dim
+        a power of two."""
         d = self.head_dim
-        return self.k_cache.element_size() == 1 and d <= 256 and d & (d - 1) == 0
+        return pool.element_size() == 1 and d <= 256 and d & (d - 1) == 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D] (token rows may be strided). Returns [T, H * D].
         Over an fp8 pool q and k may be rotated in place."""
-        if self.rotates_qk:
+        if self.rotates_qk(meta.kv_of(self).k):
             q, k = meta.rotate(q), meta.rotate(k)
         return meta.attend(self, q, k, v)

@@ -56,6 +56,25 @@ class AttentionBackend(Protocol):
         over KV cache group `group`'s block tables."""
         ...
 
+    def bind(self, caches: KVCaches) -> None:
+        """The pools the metadata it builds carries (`ModelRunner.bind_kv_cache`)."""
+        ...
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    """One attention layer's K and V pools and the KV cache group whose block tables it reads
+    (kv_cache_manager.py): the runner's, bound once (`ModelRunner.bind_kv_cache`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    group: int = 0
+
+
+# NOTE: every attention layer's pools by layer; the runner's, handed to the backend when bound,
+# and carried by reference in each step's metadata.
+KVCaches = dict["PagedAttention", LayerKV]
+
 
 def block_table(reqs: list[Request], num_blocks: int, group: int = 0) -> torch.Tensor:
     """[len(reqs), num_blocks] block ids of KV cache group `group` (0-padded)."""
@@ -74,10 +93,14 @@ class NativeAttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    caches: KVCaches = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    def kv_of(self, layer: PagedAttention) -> LayerKV:
+        return self.caches[layer]
 
     @staticmethod
     def rotate(x: torch.Tensor) -> torch.Tensor:
@@ -86,10 +109,10 @@ class NativeAttentionMetadata:
 
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        cpu_kernels.ops.reshape_and_cache(k, v, layer.k_cache, layer.v_cache, self.slot_mapping,
-                                          layer.k_scale, layer.v_scale)
+        kv = self.caches[layer]
+        cpu_kernels.ops.reshape_and_cache(k, v, kv.k, kv.v, self.slot_mapping, layer.k_scale, layer.v_scale)
         return cpu_kernels.ops.paged_attention(
-            q, layer.k_cache, layer.v_cache, self.block_tables, self.seq_lens,
+            q, kv.k, kv.v, self.block_tables, self.seq_lens,
             self.query_start_loc, layer.scale, layer.sliding_window or 0, layer.k_scale, layer.v_scale)
 
 
@@ -98,6 +121,10 @@ class NativeAttentionBackend:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        self.caches: KVCaches = {}
+
+    def bind(self, caches: KVCaches) -> None:
+        self.caches = caches
 
     def batched(self, num_tokens: int) -> bool:
         return True
@@ -107,7 +134,7 @@ class NativeAttentionBackend:
         lens = [r.num_computed_tokens + n for r, n in zip(reqs, counts, strict=True)]
         table = block_table(reqs, -(-max(lens, default=0) // self.block_size), group)
         return NativeAttentionMetadata(slot_mapping, table, torch.tensor(lens, dtype=torch.long),
-                                       torch.tensor([0, *itertools.accumulate(counts)]))
+                                       torch.tensor([0, *itertools.accumulate(counts)]), self.caches)
 
 
 # ---- torch (SDPA) --------------------------------------------------------------------------
@@ -152,11 +179,15 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None = None
     decode_seq_lens: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    caches: KVCaches = field(default_factory=dict)
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
+
+    def kv_of(self, layer: PagedAttention) -> LayerKV:
+        return self.caches[layer]
 
     def decode_mask_for(self, window: int | None) -> torch.Tensor | None:
         """The decode mask for a layer with this sliding window (None: global), made once a
@@ -177,8 +208,9 @@ class TorchAttentionMetadata:
 
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        k_flat = layer.k_cache.view(-1, layer.num_kv_heads, layer.head_dim)
-        v_flat = layer.v_cache.view(-1, layer.num_kv_heads, layer.head_dim)
+        kv = self.caches[layer]
+        k_flat = kv.k.view(-1, layer.num_kv_heads, layer.head_dim)
+        v_flat = kv.v.view(-1, layer.num_kv_heads, layer.head_dim)
         _write(k_flat, self.slot_mapping, k, layer.k_scale)
         _write(v_flat, self.slot_mapping, v, layer.v_scale)
         n = self.num_decode_tokens
@@ -241,10 +273,10 @@ def _prefill(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.T
     if chunk.slots is not None:
         k = _gather(k_flat, chunk.slots, layer.k_scale, q.dtype)
         v = _gather(v_flat, chunk.slots, layer.v_scale, q.dtype)
-    elif layer.k_cache.dtype != q.dtype:
+    elif k_flat.dtype != q.dtype:
         # NOTE: fresh K/V as the pool stores them, so that a prompt attends to the same
         # values whether it is prefilled at once, in chunks, or recomputed after preemption.
-        pool = layer.k_cache.dtype
+        pool = k_flat.dtype
         k = _from_cache(_to_cache(k, pool, layer.k_scale), layer.k_scale, q.dtype)
         v = _from_cache(_to_cache(v, pool, layer.v_scale), layer.v_scale, q.dtype)
     # NOTE: K/V expanded to every query head and a 4-D call take SDPA's fast CPU path:
@@ -266,6 +298,10 @@ class TorchAttentionBackend:
     def __init__(self, block_size: int, device: torch.device) -> None:
         self.block_size = block_size
         self.device = device
+        self.caches: KVCaches = {}
+
+    def bind(self, caches: KVCaches) -> None:
+        self.caches = caches
 
     def batched(self, num_tokens: int) -> bool:
         return num_tokens == 1
@@ -273,7 +309,7 @@ class TorchAttentionBackend:
     def build(self, reqs: list[Request], counts: list[int], slot_mapping: torch.Tensor,
               group: int = 0) -> TorchAttentionMetadata:
         num_decodes = sum(1 for n in counts if self.batched(n))  # NOTE: the batched rows come first
-        meta = TorchAttentionMetadata(slot_mapping, num_decodes)
+        meta = TorchAttentionMetadata(slot_mapping, num_decodes, caches=self.caches)
         if num_decodes:
             meta.decode_slots, meta.decode_mask, meta.decode_seq_lens = self._decode_tables(reqs[:num_decodes], group)
         start = num_decodes
@@ -326,7 +362,7 @@ def rotate_heads(x: torch.Tensor) -> torch.Tensor:
 @dataclass
 class GroupedAttentionMetadata:
     """A step's metadata per KV cache group (kv_cache_manager.py): a layer attends through
-    its own group's (`PagedAttention.kv_group`). In a sliding-window group the blocks that
+    its own group's (`LayerKV.group`). In a sliding-window group the blocks that
     left the window are NULL_BLOCK in the tables: the native kernel starts each query's keys
     at its window (attention.cpp), the torch path masks them (block 0 stays zero)."""
 
@@ -336,12 +372,15 @@ class GroupedAttentionMetadata:
     def num_tokens(self) -> int:
         return self.groups[0].num_tokens
 
+    def kv_of(self, layer: PagedAttention) -> LayerKV:
+        return self.groups[0].kv_of(layer)
+
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         return self.groups[0].rotate(x)
 
     def attend(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> torch.Tensor:
-        return self.groups[layer.kv_group].attend(layer, q, k, v)
+        return self.groups[self.kv_of(layer).group].attend(layer, q, k, v)
 
 
 AttentionMetadata = NativeAttentionMetadata | TorchAttentionMetadata | GroupedAttentionMetadata

@@ -48,7 +48,7 @@ REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 STEP_DURATION_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                          0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0]
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 WATERMARK_STATUSES = ("watermarked", "skipped", "not_watermarked")  # NOTE: vLLM's labels
 LABEL_NAMES = ["model_name", "engine"]
 # vLLM's histogram bucket families (vllm/v1/metrics/buckets.py), which --custom-histogram-buckets

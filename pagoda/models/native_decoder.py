@@ -29,6 +29,8 @@ from pagoda.layers import cpu_kernels
 from pagoda.layers.attention_backend import (
     AttentionMetadata,
     GroupedAttentionMetadata,
+    KVCaches,
+    LayerKV,
     NativeAttentionMetadata,
 )
 from pagoda.layers.cpu_kernels import checks
@@ -113,22 +115,24 @@ DecoderLayer = LlamaDecoderLayer | Gemma3DecoderLayer
 class NativeDecoder:
     """Runs every decoder layer of a decode step in one native call."""
 
-    def __init__(self, model: LlamaForCausalLM | Gemma3ForCausalLM, first: DecoderLayer,
+    def __init__(self, model: LlamaForCausalLM | Gemma3ForCausalLM, caches: KVCaches, first: DecoderLayer,
                  layers: list[_DecoderLayer], cache_kind: int, max_rows: int = 1 << 62) -> None:
         d = model.dims
         self.max_rows = max_rows
         attn = first.self_attn
         self._layers = (_DecoderLayer * len(layers))(*layers)
-        # NOTE: the struct holds raw pointers: `model` keeps every weight, pool and table alive
-        # (Gemma's norm scales live in their modules, remade only if a weight changes).
-        self._model = model
+        # NOTE: the struct holds raw pointers: `model` keeps every weight and table alive, and
+        # `caches` (the runner's) every pool (Gemma's norm scales live in their modules, remade
+        # only if a weight changes).
+        self._model, self._caches = model, caches
         arch = ARCH_GEMMA3 if isinstance(model, Gemma3ForCausalLM) else ARCH_LLAMA
         # NOTE: what the indices index (`_check`): each group's pool, the rotary tables
-        self._pools = {a.kv_group: a.k_cache for a in model.attention_layers()}
+        self._pools = {caches[a].group: caches[a].k for a in model.attention_layers()}
         self._tables = _rotary_tables(model)
+        pool = caches[attn.attn].k
         self._stack = _DecoderStack(ctypes.addressof(self._layers), len(layers), d.hidden_size,
                                     d.intermediate_size, attn.num_heads, attn.num_kv_heads, d.head_dim,
-                                    attn.attn.k_cache.shape[1], cache_kind, int(attn.attn.rotates_qk), arch,
+                                    pool.shape[1], cache_kind, int(attn.attn.rotates_qk(pool)), arch,
                                     d.rms_norm_eps, attn.attn.scale)
         self._widths = (attn.qkv_proj.out_features, attn.q_size, 2 * d.intermediate_size, d.intermediate_size)
         self._num_groups = max(layer.group for layer in layers) + 1
@@ -140,16 +144,16 @@ class NativeDecoder:
                              for m in _linears(layer)]  # type: ignore[arg-type]
 
     @classmethod
-    def build(cls, model: nn.Module) -> NativeDecoder | None:
-        """The native stack for `model`'s weights and bound KV pool, or None where it does not
-        fit (`make` says why)."""
-        made = cls.make(model)
+    def build(cls, model: nn.Module, caches: KVCaches) -> NativeDecoder | None:
+        """The native stack for `model`'s weights over the runner's KV pools `caches`, or None
+        where it does not fit (`make` says why)."""
+        made = cls.make(model, caches)
         return made if isinstance(made, NativeDecoder) else None
 
     @classmethod
-    def make(cls, model: nn.Module) -> NativeDecoder | str:
-        """The native stack for `model`'s weights and bound KV pool, or why it does not fit
-        (models other than the Llama family and Gemma 3 among them)."""
+    def make(cls, model: nn.Module, caches: KVCaches) -> NativeDecoder | str:
+        """The native stack for `model`'s weights over the runner's KV pools `caches`, or why it
+        does not fit (models other than the Llama family and Gemma 3 among them)."""
         lib = cpu_kernels.library()
         if lib is not None:
             lib.check_abi(ABI_MIRRORS)
@@ -171,17 +175,18 @@ class NativeDecoder:
             return "attention the kernel does not take"
         layers = []
         for i, layer in enumerate(decoder_layers):
-            native = cls._layer(model, layer)
+            native = cls._layer(model, layer, caches[layer.self_attn.attn])
             if isinstance(native, str):
                 return f"layer {i}: {native}"
             layers.append(native)
-        cache_kind = CACHE_KINDS.get(decoder_layers[0].self_attn.attn.k_cache.dtype)
+        pool_dtype = caches[decoder_layers[0].self_attn.attn].k.dtype
+        cache_kind = CACHE_KINDS.get(pool_dtype)
         max_rows = min(cls._gemm_rows(layer) for layer in decoder_layers)
         if cache_kind is None:
-            return f"a {decoder_layers[0].self_attn.attn.k_cache.dtype} KV cache"
+            return f"a {pool_dtype} KV cache"
         if max_rows < 1:
             return "a linear whose kernel plan never takes the GEMM"
-        return cls(model, decoder_layers[0], layers, cache_kind, max_rows)
+        return cls(model, caches, decoder_layers[0], layers, cache_kind, max_rows)
 
     @staticmethod
     def _gemm_rows(layer: DecoderLayer) -> int:
@@ -195,8 +200,9 @@ class NativeDecoder:
         return min(planned + records + ([moe.max_rows] if moe is not None else []), default=1 << 62)
 
     @staticmethod
-    def _layer(model: LlamaForCausalLM | Gemma3ForCausalLM, layer: DecoderLayer) -> _DecoderLayer | str:
-        """The layer's native struct, or why it has none."""
+    def _layer(model: LlamaForCausalLM | Gemma3ForCausalLM, layer: DecoderLayer,
+               kv: LayerKV) -> _DecoderLayer | str:
+        """The layer's native struct over its pools `kv`, or why it has none."""
         kind = _gemma3_kind(model, layer) if isinstance(layer, Gemma3DecoderLayer) else _llama_kind(model, layer)
         if isinstance(kind, str):
             return kind
@@ -204,7 +210,7 @@ class NativeDecoder:
         attn = layer.self_attn.attn
         linears = _linears(layer)
         weights = [linear_weight(m) if m is not None else _LinearWeight() for m in linears]
-        k, v = attn.k_cache, attn.v_cache
+        k, v = kv.k, kv.v
         for name, m, w in zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), linears, weights, strict=True):
             if w is None and m is not None:
                 return f"{name} has no native weight ({getattr(m.method, 'name', type(m.method).__name__)})"
@@ -215,7 +221,7 @@ class NativeDecoder:
         sin: torch.Tensor = rotary.sin  # type: ignore[assignment]
         return _DecoderLayer(pointers[0], pointers[1], *weights, k.data_ptr(), v.data_ptr(), attn.k_scale,
                              attn.v_scale, cos.data_ptr(), sin.data_ptr(), attn.sliding_window or 0,
-                             attn.kv_group, *pointers[2:], _moe_pointer(layer))
+                             kv.group, *pointers[2:], _moe_pointer(layer))
 
     def adapted(self, rows: list[tuple[LoRARequest, int, int]],
                 adapter_of: Callable[[LoRARequest], LoRAAdapter]) -> AdaptedStack | None:

@@ -129,6 +129,16 @@ class StructuredOutputsRequest(OpenAIBaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
+class RepetitionDetection(OpenAIBaseModel):
+    """vLLM's `repetition_detection` (sampling_params.RepetitionDetectionParams)."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class SamplingFields(RequestModel):
     """The sampling fields completions and chat share (OpenAI's plus vLLM's extensions)."""
 
@@ -155,6 +165,8 @@ class SamplingFields(RequestModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None  # NOTE: vLLM's (SamplingParams.bad_words)
+    # NOTE: vLLM's: {"max_pattern_size", "min_pattern_size", "min_count"}, checked by SamplingParams
+    repetition_detection: RepetitionDetection | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -188,6 +200,8 @@ class SamplingFields(RequestModel):
                  "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
                  "allowed_token_ids", "bad_words", "prompt_logprobs", "logprob_token_ids", "watermarking")
         values = {name: getattr(self, name) for name in names}
+        if self.repetition_detection is not None:
+            values["repetition_detection"] = self.repetition_detection.model_dump()
         return {name: value for name, value in values.items() if value is not None}
 
     @property

@@ -27,7 +27,7 @@ ap.add_argument("--no-rotation", action="store_true")
 a = ap.parse_args()
 if a.no_rotation:
     from pagoda.layers.attention import PagedAttention
-    PagedAttention.rotates_qk = property(lambda self: False)
+    PagedAttention.rotates_qk = lambda self, pool: False
 if a.small_pages:
     from pagoda.layers import linear
     from pagoda.layers.cpu_kernels import ops

@@ -14,7 +14,7 @@ rotates = PagedAttention.rotates_qk
 results = {}
 for name, engine_args, rotate in [("bf16 pool", {}, True), ("fp8, Q and K rotated", {"kv_cache_dtype": "fp8"}, True),
                                   ("fp8, not rotated", {"kv_cache_dtype": "fp8"}, False)]:
-    PagedAttention.rotates_qk = rotates if rotate else property(lambda self: False)
+    PagedAttention.rotates_qk = rotates if rotate else (lambda self, pool: False)
     llm = LLM("smollm2", dtype="bfloat16", **engine_args)
     ids = held_out_ids(llm.tokenizer)
     results[name] = [perplexity(llm, ids[start:], 1, window, 128)[0] for start, window in WINDOWS]

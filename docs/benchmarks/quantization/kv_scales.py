@@ -42,5 +42,5 @@ for margin in margins:
     fp8_model = fp8.engine.runner.model
     for attn, (k_max, v_max) in zip(fp8_model.attention_layers(), scales, strict=True):
         attn.k_scale, attn.v_scale = margin * k_max / 448, margin * v_max / 448
-    fp8_model.native_decoder = NativeDecoder.build(fp8_model)
+    fp8.engine.runner.native_decoder = NativeDecoder.build(fp8_model, fp8.engine.runner.kv_caches)
     print(f"fp8 e4m3, calibrated scales x{margin:g}: {perplexity(fp8, ids, 4, 1024, 256)[0] / reference - 1:+.2%}")
