@@ -9,6 +9,7 @@ reaches the engine core (vLLM's `Processor`):
   size, stop ids inside the vocabulary, `top_k` above the vocabulary clamped to "off",
   logit_bias and allowed_token_ids inside the vocabulary; bad_words tokenized (vLLM's two
   forms a word) into at most `MAX_BAD_WORDS` sequences inside the vocabulary;
+  `repetition_detection` patterns of at most `MAX_REPETITION_PATTERN` tokens;
 - pooling params: `dimensions` only on a Matryoshka model (vLLM's rule), the prompt cut to
   `truncate_prompt_tokens` first; a pooled prompt may fill the whole context;
 - structured outputs: compiled here (cached per constraint, in the caller's thread), so an
@@ -34,6 +35,8 @@ from pagoda.structured_output import Grammar, GrammarCompiler
 
 # NOTE: vLLM's VLLM_MAX_NUM_BAD_WORDS default: the token sequences a request's bad_words may make
 MAX_BAD_WORDS = 128
+# NOTE: the longest repeated pattern `repetition_detection` may look for (pagoda's bound; vLLM sets none)
+MAX_REPETITION_PATTERN = 256
 logger = logging.getLogger("pagoda")
 
 
@@ -176,6 +179,13 @@ class InputProcessor:
             raise SamplingParamError(
                 "stop_token_ids", f"Stop token id {bad} is out of vocabulary (size {self.vocab_size}).")
         self._check_token_controls(params)
+        detection = params.repetition_detection
+        if detection is not None and detection.max_pattern_size > MAX_REPETITION_PATTERN:
+            # NOTE: the check after each token tries every size up to it (those the output can
+            # hold): a huge one would cost every step of the batch, not only this request
+            raise SamplingParamError(
+                "repetition_detection", f"repetition_detection.max_pattern_size may be at most "
+                                        f"{MAX_REPETITION_PATTERN}, got {detection.max_pattern_size}.")
         params = self._resolve_bad_words(params)
         params = self._check_logprobs(params)
         params = self._resolve_watermarking(params)
@@ -228,6 +238,9 @@ class InputProcessor:
             return params
         if self.tokenizer is None:
             raise SamplingParamError("bad_words", "bad_words needs the model's tokenizer.")
+        if len(params.bad_words) > MAX_BAD_WORDS:  # NOTE: each word makes a sequence at least
+            raise SamplingParamError("bad_words", f"Too many bad words: {len(params.bad_words)}. "
+                                                  f"The max number is {MAX_BAD_WORDS}.")
         found: list[tuple[int, ...]] = []
         for word in params.bad_words:
             if len(word) > self.limits.max_stop_str_chars:

@@ -402,6 +402,10 @@ def test_repetition_detection_over_http(engine: AsyncLLM):
     assert error(post(engine, "/v1/completions", bad))["param"] == "repetition_detection"
     typo = {**body, "repetition_detection": {"max_pattern": 1}}
     assert post(engine, "/v1/completions", typo).status_code == 400
+    huge = {**body, "repetition_detection": {"max_pattern_size": 10**9, "min_count": 2}}
+    assert "at most 256" in error(post(engine, "/v1/completions", huge))["message"]
+    many = {**body, "bad_words": [f"w{i}" for i in range(10_000)]}
+    assert "Too many bad words: 10000" in error(post(engine, "/v1/completions", many))["message"]
 
 
 def test_default_chat_template_kwargs_flag_takes_a_json_object():
