@@ -8,8 +8,8 @@ It starts `pagoda serve MODEL` itself (so it can read the server's RSS), then ke
 - malformed: bad JSON, out-of-range values, a lone surrogate, a huge n, an oversized body;
   every one must get a 4xx, never a 5xx or a 200;
 - hostile (--hostile-ratio): valid but heavy requests: a nested JSON schema or a regex to
-  compile and follow, a choice among hundreds of options, dozens of prompts in one request;
-  each must succeed or be refused with a 4xx (a limit), never a 5xx or a dropped connection.
+  compile and follow, a choice among hundreds of options, dozens of prompts in one request,
+  128 bad words, the widest repetition detection; each must succeed or be refused with a 4xx (a limit), never a 5xx or a dropped connection.
 Every --interval a probe (one short streamed completion) measures the time to its first
 token under the load; then the load pauses until the server is idle, and the report line
 gives the throughput, the probe's latency, the server's RSS and the KV pool's idle state. The run fails (exit 1) on any
@@ -74,6 +74,13 @@ def hostile_bodies(rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
         ("/v1/completions", {"prompt": "Pick one:", "max_tokens": 8,
                              "structured_outputs": {"choice": [f"option {i} of list {which}" for i in range(300)]}}),
         ("/v1/completions", {"prompt": [rng.choice(PROMPTS) for _ in range(24)], "max_tokens": 4}),
+        # NOTE: vLLM's bad_words at the limit (each word tokenized twice, masks every step) and
+        # repetition_detection at its widest pattern (every size tried after every token)
+        ("/v1/completions", {"prompt": rng.choice(PROMPTS), "max_tokens": 16,
+                             "bad_words": [f"{rng.choice(PROMPTS).split()[0]}{i}" for i in range(128)]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
+                                  "max_tokens": 48, "repetition_detection": {"max_pattern_size": 256,
+                                                                             "min_count": 2}}),
     ]
 
 
