@@ -9,8 +9,9 @@ GGUF's blocks or a GPTQ/AWQ checkpoint packed, `finish_gguf_load`), `process_wei
    cached or forced, logged: kernel_tuning.py), packs every linear for its plan's paths
    (`prepack_for_cpu`) and the mixture-of-experts experts (`pack_experts_for_cpu`), and logs the
    weights as the kernels hold them.
-Each layer's method is its one piece of execution state, made here and never changed after;
-the runner then builds its native decoder stack over these weights when it binds the KV pool.
+Each layer's method is its one piece of execution state, made here (or, for a packed load's
+records, by the loader) and never changed after; the runner then builds its native decoder stack
+over these weights when it binds the KV pool.
 """
 
 from __future__ import annotations
