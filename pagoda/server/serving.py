@@ -296,8 +296,7 @@ def api_request_ids(prefix: str, raw: Any, given: str | None) -> RequestIds:
     """vLLM's: the responses' id is `{prefix}-{X-Request-Id}` (the header), else
     `{prefix}-{request_id}` (the body's field), else `{prefix}-` and a random one; a client's id
     gets 8 random hex digits more in the engine, as vLLM's internal ids do."""
-    headers = getattr(raw, "headers", None)
-    base = (headers.get("x-request-id") if headers is not None else None) or given
+    base = raw.headers.get("x-request-id") or given
     if not base:
         rid = random_id(prefix)
         return RequestIds(rid, rid)
