@@ -191,6 +191,9 @@ class SchedulerConfig:
             sequence fits in the free blocks, not just its first chunk (fewer preemptions under
             memory pressure). Off by default, unlike vLLM 0.32: pagoda admits on the first
             chunk and preempts by recompute when the pool runs short.
+        stream_interval: vLLM's: a streamed answer's tokens go out in chunks of at least this
+            many (its first and last at once); a request's own `stream_interval` may raise it
+            for itself, never lower it. 1: every step's tokens as soon as it ends.
     """
 
     max_num_seqs: int = 256
@@ -208,6 +211,7 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = False
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
+    stream_interval: int = 1
 
     @property
     def partial_prefills(self) -> bool:
@@ -248,6 +252,7 @@ class SchedulerConfig:
                f"must be in [1, max_num_partial_prefills={self.max_num_partial_prefills}]")
         _check(self.scheduling_policy in ("fcfs", "priority"), "scheduling_policy",
                self.scheduling_policy, "must be fcfs or priority")
+        _check(self.stream_interval >= 1, "stream_interval", self.stream_interval, "must be at least 1")
         _check(self.max_num_seqs > 0, "max_num_seqs", self.max_num_seqs, "must be positive")
         _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens",
                self.max_num_batched_tokens, "must be positive")

@@ -6,6 +6,8 @@ Stop strings are searched in the newly grown tail, once more than `min_tokens` t
 generated (as vLLM); the matched string is cut from the text unless
 `include_stop_str_in_output`. While running, the last `len(longest stop) - 1`
 characters are held back from deltas so a stop string never leaks into a stream.
+With special tokens kept and `spaces_between_special_tokens` off (vLLM's), an added token that
+follows another is written as its bare text, without the space the decoder may put first.
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ class IncrementalDetokenizer:
         self.hold_back = max((len(s) for s in params.stop), default=1) - 1
         self._backend: Any = getattr(tokenizer, "_tokenizer", None)
         self._stream: Any = None
+        self._added: dict[int, str] = {}  # NOTE: bare texts, where spaces between them are off
+        self._last_added = False
         if self._backend is not None:
             from tokenizers.decoders import DecodeStream
 
             self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)  # type: ignore[assignment]
             for token_id in prompt_token_ids[-_PRIME_TOKENS:]:
                 self._stream.step(self._backend, token_id)
+            if not (params.skip_special_tokens or params.spaces_between_special_tokens):
+                self._added = {i: t.content for i, t in self._backend.get_added_tokens_decoder().items()}
 
     def add_token(self, token_id: int) -> bool:
         """Appends one token's text; returns True if a stop string matched."""
@@ -40,6 +46,11 @@ class IncrementalDetokenizer:
             return False
         self.num_tokens += 1
         piece = self._stream.step(self._backend, token_id)
+        if self._added:
+            added = self._added.get(token_id)
+            if added is not None and self._last_added:
+                piece = added
+            self._last_added = added is not None
         if not piece:
             return False
         start = max(len(self.text) - self.hold_back, 0)

@@ -126,7 +126,7 @@ class LLMEngine:
         metrics = self.core.add_request(req)
         self.states[req.request_id] = RequestState(req.request_id, req.prompt, req.prompt_token_ids,
                                                    req.sampling_params.per_sample(), metrics[0],
-                                                   self.tokenizer)
+                                                   self.tokenizer, self.config.scheduler.stream_interval)
         return req.request_id
 
     def _check_new_id(self, request_id: str) -> None:

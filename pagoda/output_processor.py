@@ -28,9 +28,10 @@ class SampleState:
     """One sample as the API sees it."""
 
     def __init__(self, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 tokenizer: object | None) -> None:
+                 tokenizer: object | None, stream_interval: int = 1) -> None:
         self.index = index
         self.params = params
+        self.stream_interval = stream_interval
         self.tokenizer = tokenizer
         self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
         self.token_ids: list[int] = []
@@ -68,8 +69,13 @@ class SampleState:
         return False
 
     def delta(self) -> CompletionOutput | None:
+        """What changed since the last delta; None while nothing did, or while fewer than
+        `stream_interval` new tokens wait after the first delta (vLLM's stream interval)."""
         finished = self.finished
-        if self.num_emitted_tokens == len(self.token_ids) and not (finished and not self.reported):
+        pending = len(self.token_ids) - self.num_emitted_tokens
+        if pending == 0 and not (finished and not self.reported):
+            return None
+        if not finished and self.num_emitted_tokens and pending < self.stream_interval:
             return None
         tokens = self.token_ids[self.num_emitted_tokens:]
         self.num_emitted_tokens = len(self.token_ids)
@@ -106,12 +112,16 @@ class RequestState:
     """A user request: prompt, its samples, and whether all have been reported finished."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: list[SamplingParams], metrics: RequestMetrics, tokenizer: object | None) -> None:
+                 params: list[SamplingParams], metrics: RequestMetrics, tokenizer: object | None,
+                 stream_interval: int = 1) -> None:
+        """`stream_interval`: the engine's (each request's own may raise it for itself)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.metrics = metrics
-        self.samples = [SampleState(i, prompt_token_ids, p, tokenizer) for i, p in enumerate(params)]
+        self.samples = [SampleState(i, prompt_token_ids, p, tokenizer,
+                                    max(p.stream_interval or 1, stream_interval))
+                        for i, p in enumerate(params)]
         self.tokenizer = tokenizer
         # NOTE: vLLM's shape: None for the first prompt token, which nothing predicts.
         self.prompt_logprobs: PromptLogprobs | None = (

@@ -121,6 +121,12 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
     repetition_detection: RepetitionDetectionParams | None = None
+    # NOTE: vLLM's: with skip_special_tokens off, False writes special tokens that follow one
+    # another as their bare text, without the space a tokenizer's decoder may put before each.
+    spaces_between_special_tokens: bool = True
+    # NOTE: vLLM's: a stream's tokens in chunks of at least this many (first and last at
+    # once); the engine's `stream_interval` is the floor. None: the engine's.
+    stream_interval: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -173,6 +179,9 @@ class SamplingParams:
         _require(all(isinstance(w, str) and w for w in self.bad_words or []), "bad_words",
                  f"bad_words cannot contain an empty string, got {_short(self.bad_words or [])}.")
         self._validate_token_controls()
+        _require(self.stream_interval is None or (isinstance(self.stream_interval, int)
+                                                  and self.stream_interval >= 1), "stream_interval",
+                 f"stream_interval must be at least 1, got {self.stream_interval}.")
         _require(self.seed is None or (isinstance(self.seed, int)
                                        and INT64_MIN <= self.seed <= INT64_MAX), "seed",
                  f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}.")

@@ -210,6 +210,24 @@ def test_vllm_flags_with_no_effect_are_accepted_and_each_named_once():
     assert no_effect_lines(serve_parser().parse_args(["serve", "m"])) == []
 
 
+def test_stream_interval_flag_is_the_floor_of_each_requests_own():
+    """vLLM's --stream-interval reaches the scheduler config; a request's `stream_interval`
+    raises it for itself and never lowers it (vLLM's clamp)."""
+    from pagoda.output_processor import RequestState
+    from pagoda.outputs import RequestMetrics
+    from pagoda.sampling_params import SamplingParams
+
+    args = serve_parser().parse_args(["serve", "m", "--stream-interval", "3"])
+    assert engine_kwargs(args) == {"stream_interval": 3}
+    assert EngineConfig.from_kwargs("m", **engine_kwargs(args)).scheduler.stream_interval == 3
+    assert EngineConfig.from_kwargs("m").scheduler.stream_interval == 1
+    with pytest.raises(ValueError, match="stream_interval"):
+        EngineConfig.from_kwargs("m", stream_interval=0)
+    params = [SamplingParams(stream_interval=k) for k in (None, 2, 5)]
+    state = RequestState("r", None, [1], params, RequestMetrics(arrival_time=0.0), None, stream_interval=3)
+    assert [s.stream_interval for s in state.samples] == [3, 3, 5]
+
+
 def test_api_docs_can_be_turned_off(engine: FakeEngine):
     ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake", max_model_len=64)
 

@@ -572,3 +572,44 @@ def test_a_forced_call_cut_by_max_tokens_is_no_call(engine: AsyncLLM, tool_choic
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "length" and choice["message"]["content"] == ""
     assert "tool_calls" not in choice["message"]
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_stream_interval_batches_a_streams_tokens_as_vllm(engine: AsyncLLM):
+    """vLLM's `stream_interval`: the first token at once, then chunks of at least N tokens,
+    the last whatever is left; the text is the same, and a whole answer is unchanged."""
+    body = {"prompt": "chunks", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    whole = post(engine, "/v1/completions", body).json()["choices"][0]
+    for interval, sizes in ((None, [1] * 10), (4, [1, 4, 4, 1]), (20, [1, 9])):
+        extra = {} if interval is None else {"stream_interval": interval}
+        chunks = [e["choices"][0] for e in _events(post(engine, "/v1/completions",
+                                                        {**body, "stream": True, **extra}))]
+        assert [len(c["token_ids"]) for c in chunks] == sizes
+        assert "".join(c["text"] for c in chunks) == whole["text"]
+        assert sum((c["token_ids"] for c in chunks), []) == whole["token_ids"]
+    assert post(engine, "/v1/completions", {**body, "stream_interval": 3}).json()["choices"][0] == whole
+    assert error(post(engine, "/v1/completions", {**body, "stream_interval": 0}))["param"] == "stream_interval"
+    streamed = _events(post(engine, "/v1/chat/completions", chat("hi", max_tokens=9, ignore_eos=True, stream=True,
+                                                                 stream_interval=4, return_token_ids=True)))
+    # NOTE: the role chunk, then the tokens as above
+    assert [len(e["choices"][0].get("token_ids", [])) for e in streamed] == [0, 1, 4, 4]
+
+
+def test_return_prompt_text_gives_the_rendered_chat_prompt(engine: AsyncLLM):
+    body = chat("hello there", max_tokens=3, return_token_ids=True)
+    plain = post(engine, "/v1/chat/completions", body).json()
+    assert plain["prompt_text"] is None
+    asked = post(engine, "/v1/chat/completions", {**body, "return_prompt_text": True}).json()
+    assert asked["prompt_text"] == engine.tokenizer.decode(asked["prompt_token_ids"])
+    assert "hello there" in asked["prompt_text"]
+    chunks = _events(post(engine, "/v1/chat/completions", {**body, "return_prompt_text": True, "stream": True}))
+    assert chunks[0]["prompt_text"] == asked["prompt_text"]
+    assert all("prompt_text" not in c for c in chunks[1:])
+    assert all("prompt_text" not in c for c in _events(post(engine, "/v1/chat/completions",
+                                                            {**body, "stream": True})))

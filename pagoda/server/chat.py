@@ -308,8 +308,10 @@ async def create_chat_completion(ctx: ServerContext, req: ChatCompletionRequest,
                                  media_type="text/event-stream")
     if await until_disconnect(raw, gen.run()) is None:
         return Response(status_code=499)
-    return JSONResponse(full_chat(gen, model, num_logprobs, inputs, TokenNames.of_request(ctx, req),
-                                  bool(req.return_token_ids), req.include_reasoning).model_dump())
+    response = full_chat(gen, model, num_logprobs, inputs, TokenNames.of_request(ctx, req),
+                         bool(req.return_token_ids), req.include_reasoning)
+    response.prompt_text = inputs.prompt.text if req.return_prompt_text else None
+    return JSONResponse(response.model_dump())
 
 
 async def _beam_search_chat(ctx: ServerContext, req: ChatCompletionRequest, raw: Request,
@@ -388,8 +390,8 @@ async def stream_chat(gen: Generation, req: ChatCompletionRequest, model: str,
     parser = gen.ctx.reasoning_parser
     thinking = [ReasoningStream(parser) for _ in gen.choices] if parser is not None else None
     # NOTE: vLLM's stream: the prompt's ids in the first chunk, a delta's ids in its chunk.
-    prompt_ids = ids_members(prompt_token_ids=gen.prompts[0].token_ids) \
-        if req.return_token_ids else ""
+    prompt_ids = ids_members(prompt_token_ids=gen.prompts[0].token_ids if req.return_token_ids else None,
+                             prompt_text=gen.prompts[0].text if req.return_prompt_text else None)
     for index in range(len(gen.choices)):
         yield chunk(chat_choice(index, role_delta(inputs.role)), prompt_ids if index == 0 else "")
     for index in range(len(gen.choices) if inputs.echo else 0):

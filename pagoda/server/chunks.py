@@ -55,10 +55,11 @@ def reasoning_delta(text: str) -> str:
     return f'{{"reasoning":{encoded},"reasoning_content":{encoded}}}'
 
 
-def ids_members(**ids: list[int] | None) -> str:
-    """vLLM's `token_ids` / `prompt_token_ids` as extra members (`,"token_ids":[...]`), the
-    ones given only: a stream that did not ask for them keeps its bytes."""
-    return "".join(f',"{name}":{_encode(value)}' for name, value in ids.items() if value is not None)
+def ids_members(**values: list[int] | str | None) -> str:
+    """vLLM's `token_ids` / `prompt_token_ids` / `prompt_text` as extra members
+    (`,"token_ids":[...]`), the ones given only: a stream that did not ask for them keeps its
+    bytes."""
+    return "".join(f',"{name}":{_encode(value)}' for name, value in values.items() if value is not None)
 
 
 def completion_choice(index: int, text: str, logprobs: str = NULL,

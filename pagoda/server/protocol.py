@@ -159,7 +159,11 @@ class SamplingFields(RequestModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # NOTE: vLLM's (SamplingParams' field)
     stream: bool = False
+    # NOTE: vLLM's: a stream's chunks carry at least this many tokens (the server's
+    # --stream-interval is the floor); nothing changes for a whole answer
+    stream_interval: int | None = Field(default=None, ge=1)
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -198,6 +202,7 @@ class SamplingFields(RequestModel):
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+                 "spaces_between_special_tokens", "stream_interval",
                  "allowed_token_ids", "bad_words", "prompt_logprobs", "logprob_token_ids", "watermarking")
         values = {name: getattr(self, name) for name in names}
         if self.repetition_detection is not None:
@@ -248,7 +253,7 @@ class PromptLogprob(OpenAIBaseModel):
 PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
 
 
-_UNASKED = ("prompt_logprobs", "token_ids", "prompt_token_ids")
+_UNASKED = ("prompt_logprobs", "token_ids", "prompt_token_ids", "prompt_text")
 
 
 def _drop_unasked_fields(data: dict[str, Any]) -> dict[str, Any]:
@@ -373,6 +378,8 @@ class ChatCompletionRequest(SamplingFields):
     # other than "none" also sets `enable_thinking` unless chat_template_kwargs sets it.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     documents: list[dict[str, str]] | None = None
+    # NOTE: vLLM's: the response carries the rendered prompt (`prompt_text`; a stream's first chunk)
+    return_prompt_text: bool | None = None
 
 
 class ChatLogProb(OpenAIBaseModel):
@@ -435,6 +442,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     usage: UsageInfo | None = None
     prompt_logprobs: PromptLogprobsField = None
     prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None  # NOTE: vLLM's, with `return_prompt_text`
 
 
 class DeltaFunctionCall(OpenAIBaseModel):
@@ -490,6 +498,7 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

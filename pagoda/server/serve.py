@@ -74,6 +74,7 @@ ENGINE_FLAGS = {
     "max_long_partial_prefills": "max_long_partial_prefills",
     "max_num_scheduled_tokens": "max_num_scheduled_tokens", "max_num_active_seqs": "max_num_active_seqs",
     "watermark": "watermark", "scheduler_reserve_full_isl": "scheduler_reserve_full_isl",
+    "stream_interval": "stream_interval",
     "tensor_parallel_size": "tensor_parallel_size",
     "enable_lora": "enable_lora", "max_lora_rank": "max_lora_rank", "max_cpu_loras": "max_cpu_loras",
     "max_loras": "max_loras",
@@ -367,6 +368,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--scheduler-reserve-full-isl", action=argparse.BooleanOptionalAction, default=None,
                        help="admit a waiting request only when its whole sequence fits in the free "
                             "KV blocks, not just its first chunk (vLLM's; off by default, on in vLLM 0.32)")
+    cache.add_argument("--stream-interval", type=int, default=None, metavar="TOKENS",
+                       help="stream answers in chunks of at least TOKENS tokens, the first and last "
+                            "at once (vLLM's; 1, the default: each step's tokens as soon as it "
+                            "ends); a request's `stream_interval` may raise it for itself")
     cache.add_argument("--step-time-target-ms", type=float, default=None, metavar="MS",
                        help="cut each step's token budget to what the last steps' times say "
                             "ends within MS milliseconds (at most --max-num-batched-tokens): a "
@@ -563,7 +568,6 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--disable-async-output-proc", "bool", "outputs are processed once per step in the engine loop"),
     ("--async-scheduling", "bool", "the engine loop schedules each step after the last one's outputs"),
     ("--enable-chunked-prefill", "bool", "prefills are always chunked under --max-num-batched-tokens"),
-    ("--stream-interval", "value", "every token is streamed as soon as its step ends"),
     ("--swap-space", "value", "preempted requests are recomputed, never swapped to host memory"),
     ("--max-seq-len-to-capture", "value", "pagoda captures no CUDA graphs"),
     ("--cuda-graph-sizes", "list", "pagoda captures no CUDA graphs"),
