@@ -520,6 +520,44 @@ class WatermarkConfig:
 
 
 @dataclass(frozen=True)
+class ReasoningConfig:
+    """vLLM's `--reasoning-config`: the strings that open a reasoning model's thinking and that
+    are forced to close it when a request's `thinking_token_budget` runs out (they may add a
+    transition phrase before the end tag). The server fills unset ones from
+    `--reasoning-parser`'s tags; a budget needs both.
+
+    Attributes:
+        reasoning_start_str: what opens the thinking (e.g. "<think>").
+        reasoning_end_str: what is forced to close it (e.g. "</think>").
+        natural_end_str: what the model writes to close it itself ("": reasoning_end_str).
+    """
+
+    reasoning_start_str: str = ""
+    reasoning_end_str: str = ""
+    natural_end_str: str = ""
+
+    @classmethod
+    def parse(cls, value: ReasoningConfig | dict | str | None) -> ReasoningConfig | None:
+        """From a dict, a JSON string (the CLI's form) or None; unknown keys are an error."""
+        if value is None or isinstance(value, ReasoningConfig):
+            return value
+        value = dict(json_object(value, "reasoning_config"))
+        # NOTE: vLLM's key; the parser is the server's --reasoning-parser
+        value.pop("reasoning_parser", None)
+        known = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(value) - known):
+            raise ValueError(f"Unknown reasoning_config key(s) {unknown}; known: {sorted(known)}.")
+        if not all(isinstance(v, str) for v in value.values()):
+            raise ValueError("reasoning_config: its values must be strings.")
+        return cls(**value)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a thinking budget can be enforced (both strings known)."""
+        return bool(self.reasoning_start_str and self.reasoning_end_str)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -529,6 +567,7 @@ class EngineConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig | None = None
     watermark: WatermarkConfig | None = None
+    reasoning: ReasoningConfig | None = None
     log_stats: bool = True
 
     def __post_init__(self) -> None:
@@ -561,13 +600,15 @@ class EngineConfig:
                 top["speculative"] = SpeculativeConfig.parse(value)  # type: ignore[arg-type]
             elif key == "watermark_config":
                 top["watermark"] = WatermarkConfig.parse(value)  # type: ignore[arg-type]
+            elif key == "reasoning_config":
+                top["reasoning"] = ReasoningConfig.parse(value)  # type: ignore[arg-type]
             elif key in known and key != "max_model_len":
                 parts.setdefault(known[key], {})[key] = value
             elif key == "max_model_len":
                 parts.setdefault("model", {})[key] = value
             else:
                 names = sorted([*known, "log_stats", "kv_cache_memory", "kv_cache_dtype",
-                                "speculative_config", "watermark_config"])
+                                "speculative_config", "watermark_config", "reasoning_config"])
                 raise ValueError(f"Unknown engine argument {key!r}; known arguments: {names}.")
         parts.setdefault("model", {})["model"] = model
         built = {part: owners[part](**values) for part, values in parts.items()}  # type: ignore[arg-type]

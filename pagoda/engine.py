@@ -61,7 +61,7 @@ class LLMEngine:
         self.kv_specs, self.kv_num_blocks = parts.kv_specs, parts.kv_num_blocks
         self.processor = InputProcessor(parts.tokenizer, parts.vocab_size, self.max_model_len,
                                         parts.config.limits, config.scheduler.scheduling_policy,
-                                        parts.pooler, parts.config.watermark)
+                                        parts.pooler, parts.config.watermark, parts.config.reasoning)
         self.states: dict[str, RequestState] = {}
         self.stat_loggers = list(stat_loggers)
         self.info = parts.info

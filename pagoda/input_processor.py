@@ -9,7 +9,8 @@ reaches the engine core (vLLM's `Processor`):
   size, stop ids inside the vocabulary, `top_k` above the vocabulary clamped to "off",
   logit_bias and allowed_token_ids inside the vocabulary; bad_words tokenized (vLLM's two
   forms a word) into at most `MAX_BAD_WORDS` sequences inside the vocabulary;
-  `repetition_detection` patterns of at most `MAX_REPETITION_PATTERN` tokens;
+  `repetition_detection` patterns of at most `MAX_REPETITION_PATTERN` tokens; a
+  `thinking_token_budget` only with the engine's reasoning markers, which it then carries;
 - pooling params: `dimensions` only on a Matryoshka model (vLLM's rule), the prompt cut to
   `truncate_prompt_tokens` first; a pooled prompt may fill the whole context;
 - structured outputs: compiled here (cached per constraint, in the caller's thread), so an
@@ -27,11 +28,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.config import LimitsConfig, WatermarkConfig
+from pagoda.config import LimitsConfig, ReasoningConfig, WatermarkConfig
 from pagoda.lora import LoRARequest
 from pagoda.pooling import PoolerConfig, PoolingParams
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParamError, SamplingParams
 from pagoda.structured_output import Grammar, GrammarCompiler
+from pagoda.thinking_budget import ThinkingBudget, ThinkingTokens
 
 # NOTE: vLLM's VLLM_MAX_NUM_BAD_WORDS default: the token sequences a request's bad_words may make
 MAX_BAD_WORDS = 128
@@ -72,6 +74,25 @@ class EngineRequest:
     reasoning_end: tuple[int, ...] = ()
 
 
+def thinking_tokens(tokenizer: Any, reasoning: ReasoningConfig | None,
+                    vocab_size: int) -> ThinkingTokens | None:
+    """The reasoning markers as token ids (vLLM's `ReasoningConfig.initialize_token_ids`), or
+    None where no budget can be enforced (no config, or a start or end string unset).
+
+    Raises:
+        ValueError: a string makes no token, or a token outside the model's vocabulary.
+    """
+    if reasoning is None or not reasoning.enabled or tokenizer is None:
+        return None
+    texts = (reasoning.reasoning_start_str, reasoning.reasoning_end_str,
+             reasoning.natural_end_str or reasoning.reasoning_end_str)
+    ids = [tuple(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+    if not all(ids) or any(t >= vocab_size for seq in ids for t in seq):
+        raise ValueError(f"reasoning_config: failed to tokenize the reasoning strings {texts!r} into "
+                         f"tokens of the model's vocabulary (size {vocab_size}).")
+    return ThinkingTokens(*ids)
+
+
 def check_unicode(text: str, param: str) -> None:
     """Raises a 400-style error if `text` holds a lone surrogate (JSON allows '\\ud800')."""
     try:
@@ -96,7 +117,8 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int,
                  limits: LimitsConfig, scheduling_policy: str = "fcfs",
-                 pooler: PoolerConfig | None = None, watermark: WatermarkConfig | None = None) -> None:
+                 pooler: PoolerConfig | None = None, watermark: WatermarkConfig | None = None,
+                 reasoning: ReasoningConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.watermark = watermark
         self._warned: dict[str, bool] = {}
@@ -107,6 +129,7 @@ class InputProcessor:
         self.limits = limits
         self.max_prompt_chars = limits.max_prompt_chars or 32 * max_model_len
         self.max_n = limits.max_n or 1
+        self.thinking_tokens = thinking_tokens(tokenizer, reasoning, vocab_size)
         self.grammars = GrammarCompiler(tokenizer, vocab_size, limits=limits)
 
     # ---- text ----------------------------------------------------------------------------
@@ -187,6 +210,7 @@ class InputProcessor:
                 "repetition_detection", f"repetition_detection.max_pattern_size may be at most "
                                         f"{MAX_REPETITION_PATTERN}, got {detection.max_pattern_size}.")
         params = self._resolve_bad_words(params)
+        params = self._resolve_thinking_budget(params)
         params = self._check_logprobs(params)
         params = self._resolve_watermarking(params)
         if params.top_k >= self.vocab_size:
@@ -229,6 +253,19 @@ class InputProcessor:
         whole = {name: self.vocab_size for name in ("logprobs", "prompt_logprobs")
                  if getattr(params, name) == WHOLE_VOCABULARY}
         return dataclasses.replace(params, **whole) if whole else params  # type: ignore[arg-type]
+
+    def _resolve_thinking_budget(self, params: SamplingParams) -> SamplingParams:
+        """vLLM's `thinking_token_budget` with the engine's tokenized reasoning markers."""
+        if params.thinking_token_budget is None:
+            return dataclasses.replace(params, thinking_budget=None) if params.thinking_budget else params
+        if self.thinking_tokens is None:
+            # NOTE: vLLM's words
+            raise SamplingParamError(
+                "thinking_token_budget", "thinking_token_budget is set but reasoning_config is not "
+                "configured. Please set --reasoning-parser and/or --reasoning-config to use "
+                "thinking_token_budget.")
+        return dataclasses.replace(params, thinking_budget=ThinkingBudget(params.thinking_token_budget,
+                                                                          self.thinking_tokens))
 
     def _resolve_bad_words(self, params: SamplingParams) -> SamplingParams:
         """vLLM's `update_from_tokenizer`: each bad word's tokens as written (its leading spaces

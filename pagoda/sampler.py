@@ -219,7 +219,8 @@ def _token_pairs(rows: list[int], token_ids: list[list[int]]) -> tuple[torch.Ten
 
 
 def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> None:
-    """Grammar bitmasks, allowed_token_ids, logit_bias and bad words, in place, on the rows that ask."""
+    """Grammar bitmasks, allowed_token_ids, logit_bias, bad words and a spent thinking budget
+    (`thinking_budget.py`), in place, on the rows that ask."""
     grammar_rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if grammar_rows:
         words = -(-logits.shape[-1] // 32)
@@ -243,6 +244,11 @@ def apply_token_constraints(logits: torch.Tensor, requests: list[Request]) -> No
             banned = completing_bad_words(p.bad_words_token_ids, r.output_token_ids)
             if banned:
                 logits[row, banned] = float("-inf")
+        if p.thinking_budget is not None:
+            forced = p.thinking_budget.forced_token(r.all_token_ids, r.num_prompt_tokens)
+            if forced is not None:  # NOTE: the thinking budget is spent: its end, token by token
+                logits[row] = float("-inf")
+                logits[row, forced] = 0.0
 
 
 def completing_bad_words(bad_words: tuple[tuple[int, ...], ...], output: list[int]) -> list[int]:

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from pagoda.structured_output import StructuredOutputsParams
+from pagoda.thinking_budget import ThinkingBudget
 
 # NOTE: vLLM's _SAMPLING_EPS: a temperature below it is greedy (dividing logits by 5e-324
 # overflows them to inf and the softmax to NaN).
@@ -127,6 +128,11 @@ class SamplingParams:
     # NOTE: vLLM's: a stream's tokens in chunks of at least this many (first and last at
     # once); the engine's `stream_interval` is the floor. None: the engine's.
     stream_interval: int | None = None
+    # NOTE: vLLM's: a reasoning model thinks at most this many tokens, then its end of thinking
+    # is forced (needs the engine's reasoning config; -1 or None: no limit). `InputProcessor`
+    # resolves it with the engine's tokenized markers into `thinking_budget`.
+    thinking_token_budget: int | None = None
+    thinking_budget: ThinkingBudget | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -139,6 +145,8 @@ class SamplingParams:
             self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if self.top_k == 0:
             self.top_k = -1
+        if self.thinking_token_budget == -1 and not isinstance(self.thinking_token_budget, bool):
+            self.thinking_token_budget = None  # NOTE: vLLM's "unlimited"
         self._validate()
         if self.temperature < SAMPLING_EPS:
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, -1, 0.0
@@ -179,6 +187,10 @@ class SamplingParams:
         _require(all(isinstance(w, str) and w for w in self.bad_words or []), "bad_words",
                  f"bad_words cannot contain an empty string, got {_short(self.bad_words or [])}.")
         self._validate_token_controls()
+        budget = self.thinking_token_budget
+        _require(budget is None or (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0),
+                 "thinking_token_budget",
+                 "`thinking_token_budget` must be a non-negative integer or -1 for unlimited.")
         _require(self.stream_interval is None or (isinstance(self.stream_interval, int)
                                                   and self.stream_interval >= 1), "stream_interval",
                  f"stream_interval must be at least 1, got {self.stream_interval}.")
@@ -207,7 +219,8 @@ class SamplingParams:
     def constrains_tokens(self) -> bool:
         """Whether some tokens are masked or biased before sampling."""
         return (self.structured_outputs is not None or bool(self.logit_bias)
-                or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))
+                or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+                or self.thinking_budget is not None)
 
     @property
     def greedy(self) -> bool:
@@ -225,8 +238,9 @@ class SamplingParams:
 
     @property
     def reads_history(self) -> bool:
-        """Whether sampling reads the tokens before this step (penalties, bad words)."""
-        return self.needs_penalties or bool(self.bad_words_token_ids)
+        """Whether sampling reads the tokens before this step (penalties, bad words, a
+        thinking budget, which reads the prompt too)."""
+        return self.needs_penalties or bool(self.bad_words_token_ids) or self.thinking_budget is not None
 
     def for_child(self, index: int) -> SamplingParams:
         """The params of the index-th of n parallel samples (n=1, seed offset by index).

@@ -613,3 +613,9 @@ def test_return_prompt_text_gives_the_rendered_chat_prompt(engine: AsyncLLM):
     assert all("prompt_text" not in c for c in chunks[1:])
     assert all("prompt_text" not in c for c in _events(post(engine, "/v1/chat/completions",
                                                             {**body, "stream": True})))
+
+
+def test_a_thinking_budget_needs_the_servers_reasoning_config(engine: AsyncLLM):
+    err = error(post(engine, "/v1/chat/completions", chat("hi", thinking_token_budget=8)))
+    assert err["param"] == "thinking_token_budget" and "--reasoning-parser" in err["message"]
+    assert post(engine, "/v1/chat/completions", chat("hi", max_tokens=2, thinking_token_budget=-1)).status_code == 200

@@ -164,6 +164,9 @@ class SamplingFields(RequestModel):
     # NOTE: vLLM's: a stream's chunks carry at least this many tokens (the server's
     # --stream-interval is the floor); nothing changes for a whole answer
     stream_interval: int | None = Field(default=None, ge=1)
+    # NOTE: vLLM's: a reasoning model's thinking capped at N tokens, then its end forced
+    # (needs --reasoning-parser or --reasoning-config; -1: no cap)
+    thinking_token_budget: int | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
@@ -202,7 +205,7 @@ class SamplingFields(RequestModel):
         names = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "include_stop_str_in_output", "presence_penalty", "frequency_penalty",
                  "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-                 "spaces_between_special_tokens", "stream_interval",
+                 "spaces_between_special_tokens", "stream_interval", "thinking_token_budget",
                  "allowed_token_ids", "bad_words", "prompt_logprobs", "logprob_token_ids", "watermarking")
         values = {name: getattr(self, name) for name in names}
         if self.repetition_detection is not None:

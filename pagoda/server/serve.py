@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from pagoda.config import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     EngineConfig,
+    ReasoningConfig,
     json_object,
     parse_bytes,
 )
@@ -48,7 +50,9 @@ from pagoda.metrics import (
     format_kv_memory_report,
 )
 from pagoda.server.api import CorsPolicy, build_app
+from pagoda.server.reasoning import END as REASONING_END
 from pagoda.server.reasoning import REASONING_PARSERS, get_reasoning_parser
+from pagoda.server.reasoning import START as REASONING_START
 from pagoda.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from pagoda.server.serving import (
     CONTENT_FORMATS,
@@ -531,6 +535,11 @@ def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
                             "`reasoning` (and `reasoning_content`): deepseek_r1 (R1, QwQ, "
                             "Qwen3 thinking models: all up to </think>), qwen3 (only an answer "
                             "that opens with <think>)")
+    tools.add_argument("--reasoning-config", default=None, metavar="JSON",
+                       help='vLLM\'s: {"reasoning_start_str": ..., "reasoning_end_str": ...}, what '
+                            "opens a model's thinking and what is forced to close it when a "
+                            "request's thinking_token_budget runs out (a transition phrase may "
+                            "come before the end tag); unset ones are --reasoning-parser's tags")
 
 
 def _table_flags(spec: str, why: str) -> list[tuple[str, str, str]]:
@@ -724,8 +733,6 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
                   "plugins are not loaded: parsers and models are pagoda's own (--tool-call-parser, --reasoning-parser)"),
     ("--diffusion-config -dc", "value", None, "pagoda serves no diffusion language models"),
     ("--kv-cache-dtype-skip-layers", "list", None, "the fp8 KV cache covers every layer"),
-    ("--reasoning-config", "value", None, "reasoning budgets are not supported (--reasoning-parser "
-                                          "separates the reasoning)"),
     ("--aux-output-config", "value", None, "responses carry no auxiliary outputs (routed experts)"),
     *_refused_flags("--enable-per-request-metrics? --per-request-spec-decode-metrics=none",
                     "responses carry no per-request metrics (they are on /metrics)"),
@@ -903,11 +910,26 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["speculative_config"] = {**spec, **shorthand}
     if "dist_init_addr" not in kwargs and (args.master_addr or args.master_port):
         kwargs["dist_init_addr"] = f"{args.master_addr or '127.0.0.1'}:{args.master_port or 29501}"
+    reasoning = reasoning_config(args.reasoning_parser, args.reasoning_config)
+    if reasoning is not None:
+        kwargs["reasoning_config"] = reasoning
     rope = {key: value for key, value in (("rope_scaling", args.rope_scaling), ("rope_theta", args.rope_theta))
             if value is not None}
     if rope:
         kwargs["hf_overrides"] = {**rope, **kwargs.get("hf_overrides", {})}
     return kwargs
+
+
+def reasoning_config(parser: str | None, flag: str | None) -> ReasoningConfig | None:
+    """The engine's reasoning markers (vLLM's `--reasoning-config`, its unset strings filled with
+    the reasoning parser's tags, which also end a section the model closes itself)."""
+    config = ReasoningConfig.parse(flag) if flag is not None else None
+    if parser is None:
+        return config
+    config = config or ReasoningConfig()
+    return dataclasses.replace(config, reasoning_start_str=config.reasoning_start_str or REASONING_START,
+                               reasoning_end_str=config.reasoning_end_str or REASONING_END,
+                               natural_end_str=config.natural_end_str or REASONING_END)
 
 
 def import_middleware(path: str) -> Any:
