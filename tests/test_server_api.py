@@ -551,8 +551,8 @@ def test_vllm_spellings_start_as_vllm_would():
     assert engine_kwargs(args) == {"max_model_len": 4096, "enable_prefix_caching": True, "max_num_batched_tokens": 2000}
     lines = no_effect_lines(args)
     assert [line.split(":")[0] for line in lines] == [
-        "--no-enforce-eager", "--no-trust-remote-code", "--max-log-len 100", "--async-scheduling",
-        "--compilation-config 3"]
+        "--no-enforce-eager", "--no-trust-remote-code", "--async-scheduling", "--compilation-config 3"]
+    assert args.max_log_len == 100  # NOTE: the request log's (--enable-log-requests)
     assert vllm_spelling(["--api-key", "a_b", "--", "--x_y"]) == ["--api-key", "a_b", "--", "--x_y"]
 
 

@@ -619,3 +619,37 @@ def test_a_thinking_budget_needs_the_servers_reasoning_config(engine: AsyncLLM):
     err = error(post(engine, "/v1/chat/completions", chat("hi", thinking_token_budget=8)))
     assert err["param"] == "thinking_token_budget" and "--reasoning-parser" in err["message"]
     assert post(engine, "/v1/chat/completions", chat("hi", max_tokens=2, thinking_token_budget=-1)).status_code == 200
+
+
+def test_the_request_log_names_params_and_answers_as_vllms(engine: AsyncLLM, caplog: pytest.LogCaptureFixture):
+    """--enable-log-requests / --enable-log-outputs / --max-log-len: vLLM's lines, in-process."""
+    from test_server_api import serve_parser
+
+    from pagoda.server.request_logger import RequestLogger
+    from pagoda.server.serve import request_logger
+
+    def flags(*given: str) -> RequestLogger | None:
+        return request_logger(serve_parser().parse_args(["serve", "m", *given]))
+
+    assert flags() is None
+    assert flags("--enable-log-requests", "--enable-log-outputs", "--max-log-len", "7") == RequestLogger(7, True, True)
+    with pytest.raises(ValueError, match="requires --enable-log-requests"):
+        flags("--enable-log-outputs")
+    log = RequestLogger(max_log_len=12, log_outputs=True)
+    body = {"prompt": "log me", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    with caplog.at_level("DEBUG", logger="pagoda.server.request_logger"):
+        whole = post(engine, "/v1/completions", body, request_logger=log).json()
+        _events(post(engine, "/v1/completions", {**body, "stream": True}, request_logger=log))
+    lines = [r.getMessage() for r in caplog.records if r.name == "pagoda.server.request_logger"]
+    received = [line for line in lines if line.startswith("Received request ")]
+    assert len(received) == 2 and all("max_tokens=5" in line for line in received)
+    assert any(line.startswith("Request ") and "prompt: 'log me'" in line for line in lines)
+    answer = repr(whole["choices"][0]["text"][:12])
+    assert any(line.endswith(f": output: {answer}, finish_reason: length") and "(streaming" not in line
+               for line in lines)
+    assert any(f"(streaming complete): output: {answer}, finish_reason: length" in line for line in lines)
+    assert sum("(streaming delta)" in line and "output_token_ids" not in line for line in lines) == 5
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="pagoda.server.request_logger"):
+        post(engine, "/v1/completions", body)  # NOTE: no logger: nothing logged
+    assert not [r for r in caplog.records if r.name == "pagoda.server.request_logger"]

@@ -53,6 +53,7 @@ from pagoda.server.api import CorsPolicy, build_app
 from pagoda.server.reasoning import END as REASONING_END
 from pagoda.server.reasoning import REASONING_PARSERS, get_reasoning_parser
 from pagoda.server.reasoning import START as REASONING_START
+from pagoda.server.request_logger import RequestLogger
 from pagoda.server.response_store import DEFAULT_RESPONSES_STORE_SIZE, ResponseStore
 from pagoda.server.serving import (
     CONTENT_FORMATS,
@@ -220,6 +221,17 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--log-config-file", default=None, metavar="PATH",
                      help="a JSON file of Python logging configuration (logging.config.dictConfig), "
                           "applied at start, as vLLM's")
+    net.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                     help="log each generating request's params when admitted (INFO; its prompt "
+                          "and token ids at DEBUG), as vLLM")
+    net.add_argument("--enable-log-outputs", action=argparse.BooleanOptionalAction, default=False,
+                     help="with --enable-log-requests, also each answer's text and finish reason "
+                          "(INFO; its token ids at DEBUG), as vLLM")
+    net.add_argument("--enable-log-deltas", action=argparse.BooleanOptionalAction, default=True,
+                     help="with --enable-log-outputs, also each streamed delta (vLLM's; on by default)")
+    net.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                     help="the most characters of a prompt or answer (and ids of a list) a "
+                          "request-log line shows (default: all)")
     net.add_argument("--uvicorn-log-level", default="info",
                      choices=["critical", "error", "warning", "info", "debug", "trace"])
     net.add_argument("--disable-uvicorn-access-log", action=argparse.BooleanOptionalAction, default=False,
@@ -567,10 +579,7 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--enable-prompt-tokens-details", "bool", "usage always carries prompt_tokens_details.cached_tokens"),
     ("--trust-remote-code", "bool", "pagoda runs its own code for each architecture it supports; a "
                                     "checkpoint's Python code is never executed"),
-    ("--disable-log-requests", "bool", "pagoda does not log request contents"),
-    ("--enable-log-requests", "bool", "pagoda does not log request contents (the access log names each call)"),
-    ("--enable-log-outputs", "bool", "pagoda does not log request contents"),
-    ("--max-log-len", "value", "pagoda does not log prompts"),
+    ("--disable-log-requests", "bool", "requests are logged only with --enable-log-requests (vLLM's default)"),
     ("--disable-frontend-multiprocessing", "bool", "the API server and the engine core share one "
                                                    "process already, unless --core-process"),
     ("--disable-custom-all-reduce", "bool", "tensor parallelism reduces with torch.distributed"),
@@ -605,7 +614,6 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
                                             "hashes of their token ids"),
     ("--task", "value", "one server both generates and pools (embeddings, pooling, score, rerank)"),
     ("--runner", "value", "one server both generates and pools (embeddings, pooling, score, rerank)"),
-    ("--enable-log-deltas", "bool", "pagoda does not log request contents"),
     ("--language-model-only", "bool", "pagoda serves text-only models: only a language model loads"),
     ("--mm-processor-cache-gb", "value", "pagoda serves text-only models"),
     ("--mm-processor-cache-type", "value", "pagoda serves text-only models"),
@@ -866,6 +874,19 @@ def cors_policy(args: argparse.Namespace) -> CorsPolicy | None:
                       args.allow_credentials)
 
 
+def request_logger(args: argparse.Namespace) -> RequestLogger | None:
+    """vLLM's request log, None without --enable-log-requests.
+
+    Raises:
+        ValueError: --enable-log-outputs without --enable-log-requests (vLLM's rule).
+    """
+    if args.enable_log_outputs and not args.enable_log_requests:
+        raise ValueError("--enable-log-outputs requires --enable-log-requests")
+    if not args.enable_log_requests:
+        return None
+    return RequestLogger(args.max_log_len, args.enable_log_outputs, args.enable_log_deltas)
+
+
 def auto_tool_parser(args: argparse.Namespace) -> ToolParser | None:
     """The parser of tool_choice "auto", None without --enable-auto-tool-choice (as vLLM,
     --tool-call-parser alone changes nothing).
@@ -1008,6 +1029,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model = resolve_model(args)
         config = EngineConfig.from_kwargs(model, **engine_kwargs(args))
         auto_tool_parser(args)
+        request_logger(args)
         middlewares = [import_middleware(path) for path in args.middleware]
         if (refused := unsupported_flag_error(args)) is not None:
             raise ValueError(refused)
@@ -1110,6 +1132,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
                             api_keys=api_keys(args),
                             max_request_body_bytes=parse_bytes(args.max_request_body_bytes),
                             return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                            request_logger=request_logger(args),
                             response_store=ResponseStore(args.responses_store_size),
                             generation_defaults=engine.generation_defaults)
         if ctx.generation_defaults.params:

@@ -42,6 +42,7 @@ from pagoda.server.protocol import (
     random_id,
 )
 from pagoda.server.reasoning import ReasoningParser
+from pagoda.server.request_logger import RequestLogger
 from pagoda.server.response_store import ResponseStore
 from pagoda.server.streaming import merge, until_disconnect
 from pagoda.server.tool_parsers import ToolParser
@@ -117,6 +118,7 @@ class ServerContext:
     enable_server_load_tracking: bool = False
     server_load: int = 0
     return_tokens_as_token_ids: bool = False
+    request_logger: RequestLogger | None = None  # NOTE: --enable-log-requests
     response_store: ResponseStore = field(default_factory=ResponseStore)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
@@ -386,10 +388,15 @@ class Generation:
         except ValueError as e:
             raise invalid_input(e) from e
         admit(ctx, len(prompts) * n)
+        if ctx.request_logger is not None:
+            for req in requests:
+                ctx.request_logger.log_inputs(req.request_id, req.prompt, req.prompt_token_ids,
+                                              req.pooling_params or req.sampling_params, req.lora_request)
         return cls(ctx, request_id, prompts, requests, response_id)
 
-    async def deltas(self) -> AsyncIterator[tuple[int, CompletionOutput]]:
-        """Yields (choice index, delta) as the engine produces them."""
+    async def deltas(self, streaming: bool = True) -> AsyncIterator[tuple[int, CompletionOutput]]:
+        """Yields (choice index, delta) as the engine produces them (`streaming`: for a stream,
+        as the request log names them)."""
         streams = [self.ctx.engine.generate_request(req) for req in self.requests]
         try:
             async for i, out in merge(streams):
@@ -406,6 +413,8 @@ class Generation:
                 for delta in out.outputs:
                     index = i * self.n + delta.index
                     self.choices[index].add(delta)
+                    if self.ctx.request_logger is not None:
+                        self._log_output(self.requests[i].request_id, index, delta, streaming)
                     yield index, delta
         except APIError:
             raise
@@ -427,9 +436,19 @@ class Generation:
 
     async def run(self) -> Generation:
         """Runs to completion, keeping only the final state of each choice."""
-        async for _ in self.deltas():
+        async for _ in self.deltas(streaming=False):
             pass
         return self
+
+    def _log_output(self, request_id: str, index: int, delta: CompletionOutput, streaming: bool) -> None:
+        """A stream's delta, and a choice's whole answer when it ends, in the request log."""
+        log = self.ctx.request_logger
+        assert log is not None
+        if streaming and (delta.text or delta.token_ids):
+            log.log_output(request_id, delta.text, delta.token_ids, delta.finish_reason, True, delta=True)
+        if delta.finish_reason is not None:
+            choice = self.choices[index]
+            log.log_output(request_id, choice.text, choice.token_ids, delta.finish_reason, streaming)
 
     def usage(self) -> UsageInfo:
         num_prompt = sum(len(p.token_ids) for p in self.prompts)
