@@ -53,6 +53,13 @@ from pagoda.server.protocol import (
 from pagoda.server.responses import create_response, retrieve_response
 from pagoda.server.responses_protocol import ResponsesRequest
 from pagoda.server.serving import ServerContext, invalid_input, tokenize_text
+from pagoda.server.tokens import (
+    abort_requests,
+    generate,
+    render_chat_request,
+    render_completion_request,
+)
+from pagoda.server.tokens_protocol import GenerateRequest
 from pagoda.server.webui import WebUIAssets
 from pagoda.server.webui import router as webui_router
 
@@ -132,6 +139,31 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, ctx: Ctx) -
 async def batch_chat_completions(req: BatchChatCompletionRequest, raw: Request, ctx: Ctx) -> Response:
     """vLLM's: several conversations in one request, choice i for conversation i."""
     return await create_batch_chat_completion(ctx, req, raw)
+
+
+@router.post("/v1/completions/render", dependencies=JSON_BODY)
+async def completions_render(req: CompletionRequest, raw: Request, ctx: Ctx) -> Response:
+    """vLLM's: the prompts' `/inference/v1/generate` requests, one per prompt; nothing runs."""
+    return await render_completion_request(ctx, req, raw)
+
+
+@router.post("/v1/chat/completions/render", dependencies=JSON_BODY)
+async def chat_completions_render(req: ChatCompletionRequest, raw: Request, ctx: Ctx) -> Response:
+    """vLLM's: the conversation's `/inference/v1/generate` request; nothing runs."""
+    return await render_chat_request(ctx, req, raw)
+
+
+@router.post("/inference/v1/generate", dependencies=JSON_BODY)
+async def inference_generate(req: GenerateRequest, raw: Request, ctx: Ctx) -> Response:
+    """vLLM's token-in, token-out generation."""
+    return await generate(ctx, req, raw)
+
+
+@router.post("/inference/v1/abort_requests", dependencies=JSON_BODY)
+@router.post("/abort_requests", dependencies=JSON_BODY)
+async def inference_abort_requests(raw: Request, ctx: Ctx) -> Response:
+    """vLLM's: aborts requests by their responses' ids."""
+    return await abort_requests(ctx, raw)
 
 
 @router.post("/v1/responses", dependencies=JSON_BODY)

