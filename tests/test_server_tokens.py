@@ -25,8 +25,12 @@ def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
     eng.shutdown()
 
 
-def post(engine: AsyncLLM, path: str, body: dict) -> httpx.Response:
-    return health.post(engine, path, body)
+def post(engine: AsyncLLM, path: str, body: dict, enable_scale_out: bool = True) -> httpx.Response:
+    async def main() -> httpx.Response:
+        async with health.app_client(engine, enable_scale_out=enable_scale_out) as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(main())
 
 
 def ok(r: httpx.Response) -> dict | list:
@@ -133,7 +137,7 @@ def test_abort_requests_ends_a_running_generation(engine: AsyncLLM):
             "sampling_params": {"max_tokens": 200, "temperature": 0, "ignore_eos": True}}
 
     async def main() -> tuple[httpx.Response, httpx.Response]:
-        async with health.app_client(engine) as client:
+        async with health.app_client(engine, enable_scale_out=True) as client:
             run = asyncio.create_task(client.post("/inference/v1/generate", json=body))
             while "generate-tokens-long-one" not in str(engine_ids(client)):
                 await asyncio.sleep(0.01)
@@ -151,3 +155,12 @@ def test_abort_requests_ends_a_running_generation(engine: AsyncLLM):
     assert sum(len(c["choices"][0]["token_ids"]) for c in got) < 200
     missing = post(engine, "/inference/v1/abort_requests", {"ids": []})
     assert missing.status_code == 400 and "request_ids" in missing.text
+
+
+def test_the_routes_need_enable_scale_out_as_vllms(engine: AsyncLLM):
+    for path in ("/v1/completions/render", "/v1/chat/completions/render", "/inference/v1/generate",
+                 "/inference/v1/abort_requests", "/abort_requests"):
+        r = post(engine, path, {"token_ids": [1], "prompt": "x", "request_ids": []}, enable_scale_out=False)
+        assert r.status_code == 403, (path, r.text)
+        error = r.json()["error"]
+        assert error["type"] == "PermissionDeniedError" and "--enable-scale-out" in error["message"]

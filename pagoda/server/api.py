@@ -55,6 +55,7 @@ from pagoda.server.responses_protocol import ResponsesRequest
 from pagoda.server.serving import ServerContext, invalid_input, tokenize_text
 from pagoda.server.tokens import (
     abort_requests,
+    check_enabled,
     generate,
     render_chat_request,
     render_completion_request,
@@ -77,6 +78,14 @@ async def require_json(request: Request) -> None:
 
 Ctx = Annotated[ServerContext, Depends(get_ctx)]
 JSON_BODY = [Depends(require_json)]
+
+
+async def require_scale_out(request: Request) -> None:
+    """vLLM's 403 without --enable-scale-out, before the body is read (as vLLM's)."""
+    check_enabled(request.app.state.ctx)
+
+
+SCALE_OUT = [Depends(require_scale_out), *JSON_BODY]
 router = APIRouter()
 # NOTE: vLLM's runtime adapter routes, served only when asked for (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 lora_router = APIRouter()
@@ -141,26 +150,26 @@ async def batch_chat_completions(req: BatchChatCompletionRequest, raw: Request, 
     return await create_batch_chat_completion(ctx, req, raw)
 
 
-@router.post("/v1/completions/render", dependencies=JSON_BODY)
+@router.post("/v1/completions/render", dependencies=SCALE_OUT)
 async def completions_render(req: CompletionRequest, raw: Request, ctx: Ctx) -> Response:
     """vLLM's: the prompts' `/inference/v1/generate` requests, one per prompt; nothing runs."""
     return await render_completion_request(ctx, req, raw)
 
 
-@router.post("/v1/chat/completions/render", dependencies=JSON_BODY)
+@router.post("/v1/chat/completions/render", dependencies=SCALE_OUT)
 async def chat_completions_render(req: ChatCompletionRequest, raw: Request, ctx: Ctx) -> Response:
     """vLLM's: the conversation's `/inference/v1/generate` request; nothing runs."""
     return await render_chat_request(ctx, req, raw)
 
 
-@router.post("/inference/v1/generate", dependencies=JSON_BODY)
+@router.post("/inference/v1/generate", dependencies=SCALE_OUT)
 async def inference_generate(req: GenerateRequest, raw: Request, ctx: Ctx) -> Response:
     """vLLM's token-in, token-out generation."""
     return await generate(ctx, req, raw)
 
 
-@router.post("/inference/v1/abort_requests", dependencies=JSON_BODY)
-@router.post("/abort_requests", dependencies=JSON_BODY)
+@router.post("/inference/v1/abort_requests", dependencies=SCALE_OUT)
+@router.post("/abort_requests", dependencies=SCALE_OUT)
 async def inference_abort_requests(raw: Request, ctx: Ctx) -> Response:
     """vLLM's: aborts requests by their responses' ids."""
     return await abort_requests(ctx, raw)

@@ -10,6 +10,7 @@
   trainer, a disaggregated frontend) gets exactly the tokens it sent and the ones generated.
 - `POST /inference/v1/abort_requests` (and vLLM's older `/abort_requests`) aborts requests by
   the ids their responses carry.
+As vLLM's, the routes answer 403 unless the server runs with `--enable-scale-out`.
 """
 
 from __future__ import annotations
@@ -61,6 +62,17 @@ ANY_VALUE = ("output_kind", "detokenize")
 # NOTE: vLLM's StructuredOutputsParams members pagoda's lacks, at vLLM's defaults
 STRUCTURED_DEFAULTS: dict[str, Any] = {"disable_additional_properties": False, "structural_tag": None,
                                        "_backend": None, "_backend_was_auto": False}
+
+
+SCALE_OUT_DISABLED = ("Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out "
+                      "to enable them.")
+
+
+def check_enabled(ctx: ServerContext) -> None:
+    """vLLM's 403 (its words) where the server runs without --enable-scale-out (api.py checks
+    it before a body is read)."""
+    if not ctx.enable_scale_out:
+        raise APIError(403, SCALE_OUT_DISABLED, error_type="PermissionDeniedError")
 
 
 # ---- render -------------------------------------------------------------------------------
