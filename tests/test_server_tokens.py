@@ -25,9 +25,10 @@ def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
     eng.shutdown()
 
 
-def post(engine: AsyncLLM, path: str, body: dict, enable_scale_out: bool = True) -> httpx.Response:
+def post(engine: AsyncLLM, path: str, body: dict, enable_scale_out: bool = True,
+         tokens_only: bool = False) -> httpx.Response:
     async def main() -> httpx.Response:
-        async with health.app_client(engine, enable_scale_out=enable_scale_out) as client:
+        async with health.app_client(engine, enable_scale_out=enable_scale_out, tokens_only=tokens_only) as client:
             return await client.post(path, json=body)
 
     return asyncio.run(main())
@@ -129,6 +130,8 @@ def test_vllms_own_render_output_is_taken_and_what_pagoda_lacks_is_named(engine:
     assert error({**base, "token_ids": [10**9]})["param"] is not None
     assert error({**base, "sampling_params": {"temperature": -1}})["param"] == "temperature"
     assert error({**base, "output_mode": "text", "sampling_params": {"detokenize": False}})["param"] == "output_mode"
+    no_text = {"detokenize": False, "stop": ["x"], "max_tokens": 2}
+    assert "detokenize is True" in error({**base, "sampling_params": no_text})["message"]
 
 
 def test_abort_requests_ends_a_running_generation(engine: AsyncLLM):
@@ -159,8 +162,51 @@ def test_abort_requests_ends_a_running_generation(engine: AsyncLLM):
 
 def test_the_routes_need_enable_scale_out_as_vllms(engine: AsyncLLM):
     for path in ("/v1/completions/render", "/v1/chat/completions/render", "/inference/v1/generate",
-                 "/inference/v1/abort_requests", "/abort_requests"):
+                 "/inference/v1/abort_requests"):
         r = post(engine, path, {"token_ids": [1], "prompt": "x", "request_ids": []}, enable_scale_out=False)
         assert r.status_code == 403, (path, r.text)
         error = r.json()["error"]
         assert error["type"] == "PermissionDeniedError" and "--enable-scale-out" in error["message"]
+
+
+def test_tokens_only_refuses_what_needs_text_and_serves_the_old_abort_path(engine: AsyncLLM):
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+    assert post(engine, "/abort_requests", {"request_ids": ["x"]}).status_code == 404
+    assert post(engine, "/abort_requests", {"request_ids": ["x"]}, tokens_only=True).status_code == 200
+    assert ok(post(engine, "/inference/v1/generate", body, tokens_only=True))["choices"][0]["token_ids"]
+    stop = post(engine, "/inference/v1/generate", {**body, "sampling_params": {"stop": ["a"]}}, tokens_only=True)
+    assert stop.status_code == 400 and "--tokens-only" in stop.json()["error"]["message"]
+    text = post(engine, "/inference/v1/generate", {**body, "output_mode": "text"}, tokens_only=True)
+    assert text.status_code == 400 and text.json()["error"]["param"] == "output_mode"
+
+
+def test_render_token_offsets_point_into_the_prompt_text(engine: AsyncLLM):
+    prompt = "The quick brown fox jumps over the lazy dog."
+    body = {"prompt": prompt, "return_token_offsets": True, "max_tokens": 4}
+    request = ok(post(engine, "/v1/completions/render", body))[0]
+    offsets = request["token_offsets"]
+    assert len(offsets) == len(request["token_ids"])
+    assert "".join(prompt[a:b] for a, b in offsets) == prompt
+    assert ok(post(engine, "/v1/completions/render", {**body, "return_token_offsets": False}))[0]["token_offsets"] is None
+    left = ok(post(engine, "/v1/completions/render", {**body, "truncate_prompt_tokens": 4, "truncation_side": "left"}))[0]
+    assert len(left["token_offsets"]) == 4 and left["token_offsets"][-1][1] == len(prompt)
+    assert left["token_offsets"] == offsets[-4:]
+    ids = ok(post(engine, "/v1/completions/render", {**body, "prompt": [5, 6, 7]}))[0]
+    assert ids["token_offsets"] is None  # NOTE: a prompt of token ids has no text
+    chat = ok(post(engine, "/v1/chat/completions/render",
+                   {"messages": [{"role": "user", "content": "Hello, world."}], "return_token_offsets": True}))
+    text = engine.tokenizer.decode(chat["token_ids"])
+    assert len(chat["token_offsets"]) == len(chat["token_ids"])
+    assert "".join(text[a:b] for a, b in chat["token_offsets"]) == text
+
+
+def test_responses_render_is_the_responses_prompt(engine: AsyncLLM):
+    body = {"input": "Which color?", "max_output_tokens": 7, "instructions": "Be brief."}
+    request = ok(post(engine, "/v1/responses/render", body))
+    assert request["request_id"].startswith("resp_") and request["sampling_params"]["max_tokens"] == 7
+    chat = ok(post(engine, "/v1/chat/completions/render", {"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which color?"}], "max_tokens": 7}))
+    assert request["token_ids"] == chat["token_ids"]
+    err = post(engine, "/v1/responses/render", {**body, "previous_response_id": "resp_x"})
+    assert err.status_code == 400 and err.json()["error"]["param"] == "previous_response_id"
+    assert err.json()["error"]["type"] == "invalid_request_error"

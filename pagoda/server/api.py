@@ -59,6 +59,7 @@ from pagoda.server.tokens import (
     generate,
     render_chat_request,
     render_completion_request,
+    render_responses_request,
 )
 from pagoda.server.tokens_protocol import GenerateRequest
 from pagoda.server.webui import WebUIAssets
@@ -89,6 +90,8 @@ SCALE_OUT = [Depends(require_scale_out), *JSON_BODY]
 router = APIRouter()
 # NOTE: vLLM's runtime adapter routes, served only when asked for (VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 lora_router = APIRouter()
+# NOTE: vLLM's older abort path, served with --tokens-only only (as vLLM; behind the API keys here)
+tokens_only_router = APIRouter()
 
 
 def pagoda_version() -> str:
@@ -162,6 +165,12 @@ async def chat_completions_render(req: ChatCompletionRequest, raw: Request, ctx:
     return await render_chat_request(ctx, req, raw)
 
 
+@router.post("/v1/responses/render", dependencies=SCALE_OUT)
+async def responses_render(req: ResponsesRequest, ctx: Ctx) -> Response:
+    """vLLM's: the Responses request's `/inference/v1/generate` request; nothing runs."""
+    return await render_responses_request(ctx, req)
+
+
 @router.post("/inference/v1/generate", dependencies=SCALE_OUT)
 async def inference_generate(req: GenerateRequest, raw: Request, ctx: Ctx) -> Response:
     """vLLM's token-in, token-out generation."""
@@ -169,7 +178,7 @@ async def inference_generate(req: GenerateRequest, raw: Request, ctx: Ctx) -> Re
 
 
 @router.post("/inference/v1/abort_requests", dependencies=SCALE_OUT)
-@router.post("/abort_requests", dependencies=SCALE_OUT)
+@tokens_only_router.post("/abort_requests", dependencies=SCALE_OUT)
 async def inference_abort_requests(raw: Request, ctx: Ctx) -> Response:
     """vLLM's: aborts requests by their responses' ids."""
     return await abort_requests(ctx, raw)
@@ -405,5 +414,7 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
     app.include_router(router)
     if runtime_lora:
         app.include_router(lora_router)
+    if ctx.tokens_only:
+        app.include_router(tokens_only_router)
     app.include_router(webui_router)
     return app

@@ -191,6 +191,8 @@ class SamplingFields(RequestModel):
     prompt_logprobs: int | None = None
     # NOTE: vLLM's: with logprobs, these tokens' log-probabilities in place of the top N
     logprob_token_ids: list[int] | None = None
+    # NOTE: vLLM's: the render routes' per-token (start, end) character offsets; ignored elsewhere
+    return_token_offsets: bool | None = False
     return_token_ids: bool | None = None
     # NOTE: vLLM's: logprobs name tokens "token_id:N"; None: as --return-tokens-as-token-ids says
     return_tokens_as_token_ids: bool | None = None

@@ -117,6 +117,7 @@ class ServerContext:
     # NOTE: vLLM's --enable-server-load-tracking: model-running calls in flight (`GET /load`)
     enable_server_load_tracking: bool = False
     enable_scale_out: bool = False  # NOTE: vLLM's --enable-scale-out: the token-in, token-out routes
+    tokens_only: bool = False  # NOTE: vLLM's --tokens-only: those routes with token ids only
     server_load: int = 0
     return_tokens_as_token_ids: bool = False
     request_logger: RequestLogger | None = None  # NOTE: --enable-log-requests

@@ -1,7 +1,7 @@
 """vLLM's token-in, token-out API: a prompt rendered once, then generated from its token ids.
 
-- `POST /v1/completions/render` and `/v1/chat/completions/render` check a completion or chat
-  request as its route would (fields, tools, template, context length) and answer what
+- `POST /v1/completions/render`, `/v1/chat/completions/render` and `/v1/responses/render` check
+  a completion, chat or Responses request as its route would (fields, tools, template, context length) and answer what
   `/inference/v1/generate` takes: the prompt's token ids and the `SamplingParams` as vLLM's
   JSON (its non-default fields), one per prompt for completions; nothing runs.
 - `POST /inference/v1/generate` runs token ids with such params and answers token ids
@@ -10,7 +10,8 @@
   trainer, a disaggregated frontend) gets exactly the tokens it sent and the ones generated.
 - `POST /inference/v1/abort_requests` (and vLLM's older `/abort_requests`) aborts requests by
   the ids their responses carry.
-As vLLM's, the routes answer 403 unless the server runs with `--enable-scale-out`.
+As vLLM's, the routes answer 403 unless the server runs with `--enable-scale-out` (or
+`--tokens-only`, which also refuses what needs the text and serves `/abort_requests`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from pagoda.server.constraints import check_supported
 from pagoda.server.errors import APIError, bad_request
 from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
 from pagoda.server.reasoning import END
+from pagoda.server.responses import chat_messages, chat_request, responses_params
+from pagoda.server.responses_protocol import ResponsesRequest, response_id
 from pagoda.server.serving import (
     Generation,
     Prompt,
@@ -92,10 +95,25 @@ def sampling_params_json(params: SamplingParams) -> dict[str, Any]:
     return out
 
 
+def token_offsets(ctx: ServerContext, whole: Prompt, kept: Prompt, add_special_tokens: bool,
+                  side: str | None) -> list[tuple[int, int]] | None:
+    """vLLM's `return_token_offsets`: each kept token's (start, end) in the text it came from
+    (None for a prompt sent as token ids, or where the tokenizer's offsets do not line up)."""
+    if whole.text is None:
+        return None
+    encoded = ctx.tokenizer(whole.text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+    if encoded["input_ids"] != whole.token_ids:
+        return None
+    offsets = [tuple(pair) for pair in encoded["offset_mapping"]]
+    n = len(kept.token_ids)
+    return offsets[:n] if side == "right" else offsets[len(offsets) - n:]
+
+
 def _generate_request(request_id: str, prompt: Prompt, params: SamplingParams, model: str | None,
                       stream: bool, req: CompletionRequest | ChatCompletionRequest,
-                      reasoning_ended: bool | None = None) -> dict[str, Any]:
-    return {"request_id": request_id, "token_ids": list(prompt.token_ids), "token_offsets": None,
+                      reasoning_ended: bool | None = None,
+                      offsets: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    return {"request_id": request_id, "token_ids": list(prompt.token_ids), "token_offsets": offsets,
             "features": None, "content_parts": None, "sampling_params": sampling_params_json(params),
             "model": model, "reasoning_ended": reasoning_ended, "reasoning_parser_kwargs": None,
             "return_token_ids": None, "output_mode": "tokens", "stream": stream,
@@ -112,15 +130,17 @@ async def render_completion_request(ctx: ServerContext, req: CompletionRequest, 
     if req.echo or req.suffix:
         raise bad_request("echo and suffix are not supported by the render endpoint", "echo")
     fields, _ = request_fields(req)
-    prompts = [truncate_prompt(p, req.truncate_prompt_tokens, ctx.max_model_len, req.truncation_side)
-               for p in await completion_prompts(ctx, req.prompt, req.add_special_tokens)]
+    wholes = await completion_prompts(ctx, req.prompt, req.add_special_tokens)
     base = api_request_ids("cmpl", raw, req.request_id).response
     out = []
-    for i, prompt in enumerate(prompts):
+    for i, whole in enumerate(wholes):
+        prompt = truncate_prompt(whole, req.truncate_prompt_tokens, ctx.max_model_len, req.truncation_side)
         params = _checked(ctx, build_sampling_params(ctx, fields, len(prompt.token_ids), req.max_tokens,
                                                      req.logprobs))
-        rid = base if len(prompts) == 1 else f"{base}-{i}"
-        out.append(_generate_request(rid, prompt, params, req.model, req.stream, req))
+        rid = base if len(wholes) == 1 else f"{base}-{i}"
+        offsets = (token_offsets(ctx, whole, prompt, req.add_special_tokens, req.truncation_side)
+                   if req.return_token_offsets else None)
+        out.append(_generate_request(rid, prompt, params, req.model, req.stream, req, offsets=offsets))
     return JSONResponse(out)
 
 
@@ -136,8 +156,29 @@ async def render_chat_request(ctx: ServerContext, req: ChatCompletionRequest, ra
                                                  inputs.max_tokens, num_logprobs_of(req)))
     rid = api_request_ids("chatcmpl", raw, req.request_id).response
     gated = params.structured_outputs is not None and bool(reasoning_end(ctx, req))
+    # NOTE: offsets within the rendered template (the chat route keeps its text where it cut nothing)
+    offsets = (token_offsets(ctx, inputs.prompt, inputs.prompt, req.add_special_tokens, None)
+               if req.return_token_offsets else None)
     return JSONResponse(_generate_request(rid, inputs.prompt, params, req.model, req.stream, req,
-                                          reasoning_ended=not gated))
+                                          reasoning_ended=not gated, offsets=offsets))
+
+
+async def render_responses_request(ctx: ServerContext, req: ResponsesRequest) -> Response:
+    """The Responses request's `/inference/v1/generate` request (vLLM's `/v1/responses/render`):
+    its input rendered as `/v1/responses` renders it; stateless, so no previous response."""
+    ctx.lora_for(req.model)
+    check_supported(req)
+    if req.previous_response_id is not None:
+        raise APIError(400, "previous_response_id is not supported by the stateless render endpoint.",
+                       "previous_response_id", error_type="invalid_request_error")
+    with responses_params():
+        chat = chat_request(req, chat_messages(req.input))
+        inputs = await chat_inputs(ctx, chat)
+        params = _checked(ctx, build_sampling_params(ctx, inputs.fields, len(inputs.prompt.token_ids),
+                                                     inputs.max_tokens, num_logprobs_of(chat)))
+    gated = params.structured_outputs is not None and bool(reasoning_end(ctx, chat))
+    return JSONResponse(_generate_request(response_id("resp"), inputs.prompt, params, req.model, req.stream,
+                                          chat, reasoning_ended=not gated))
 
 
 def _checked(ctx: ServerContext, params: SamplingParams) -> SamplingParams:
@@ -199,6 +240,11 @@ async def generate(ctx: ServerContext, req: GenerateRequest, raw: Request) -> Re
         raise bad_request("Stream options can only be defined when `stream=True`.", "stream_options")
     lora = ctx.lora_for(req.model)
     fields = sampling_fields(req.sampling_params)
+    if ctx.tokens_only:
+        _check_tokens_only(req, fields)
+    if fields.get("stop") and req.sampling_params.get("detokenize") is False:
+        raise bad_request("stop strings are only supported when detokenize is True. Set "
+                          "detokenize=True to use stop.", "sampling_params.stop")
     if req.output_mode == "text" and req.sampling_params.get("detokenize") is False:
         raise bad_request("output_mode='text' requires sampling_params.detokenize to be true",
                           "output_mode")
@@ -221,6 +267,18 @@ async def generate(ctx: ServerContext, req: GenerateRequest, raw: Request) -> Re
     return JSONResponse(_whole(gen, req, model))
 
 
+def _check_tokens_only(req: GenerateRequest, fields: dict[str, Any]) -> None:
+    """vLLM's --tokens-only 400s (its words): nothing that needs the text."""
+    if fields.get("stop"):
+        raise bad_request("stop strings are not supported on a --tokens-only server because "
+                          "detokenization is disabled. Check stop strings on the coordinator, or "
+                          "use stop_token_ids.", "sampling_params.stop")
+    if req.output_mode != "tokens":
+        raise bad_request(f"output_mode={req.output_mode!r} requires a tokenizer, but this server does "
+                          "not load one (--tokens-only or --skip-tokenizer-init). Send the request to a "
+                          "server that loads a tokenizer, or use output_mode='tokens'.", "output_mode")
+
+
 def _end_of_thinking(ctx: ServerContext) -> tuple[int, ...]:
     return tuple(ctx.tokenizer.encode(END, add_special_tokens=False))
 
@@ -241,8 +299,10 @@ def _choice_logprobs(gen: Generation, req: GenerateRequest, token_ids: list[int]
         if sampled is None:
             content.append({"token_id": token_id, "logprob": -9999.0, "rank": None, "top_logprobs": []})
             continue
-        tops = top_entries(entry, WHOLE_VOCABULARY if num == WHOLE_VOCABULARY else max(num, 1))
-        content.append({**_logprob(sampled), "top_logprobs": [_logprob(lp) for lp in tops]})
+        # NOTE: vLLM's order: the sampled token first, then the others by rank
+        tops = [sampled, *(lp for lp in top_entries(entry, WHOLE_VOCABULARY) if lp is not sampled)]
+        shown = tops if num == WHOLE_VOCABULARY else tops[:max(num, 1)]
+        content.append({**_logprob(sampled), "top_logprobs": [_logprob(lp) for lp in shown]})
     return {"content": content}
 
 
@@ -324,7 +384,7 @@ async def abort_requests(ctx: ServerContext, raw: Request) -> Response:
         ids = [ids]
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
         raise APIError(400, "'request_ids' must be a list of request ids", "request_ids")
-    for response_id in ids:
-        for engine_id in ctx.running.get(response_id, [response_id]):
+    for asked in ids:
+        for engine_id in ctx.running.get(asked, [asked]):
             await ctx.engine.abort(engine_id)
     return Response(status_code=200)

@@ -1,6 +1,6 @@
 """Shim conftest: maps the hub models the tests name to pagoda's local SmolLM2-135M-Instruct.
 
-- get_tokenizer(<hub name>) / AutoTokenizer in the test modules -> SmolLM2's tokenizer (the HF
+- get_tokenizer(<hub name>) / AutoTokenizer(.from_pretrained) in the test modules -> SmolLM2's tokenizer (the HF
   folder pagoda builds from its GGUF, ~/.cache/pagoda/gguf/SmolLM2-135M-Instruct.Q4_1-*).
 - ModelConfig(<hub name>).get_vocab_size() in test modules -> SmolLM2's config (vocab 49152).
 - hf_api().snapshot_download("typeof/zephyr-7b-beta-lora") -> a random local LoRA for SmolLM2.
@@ -66,3 +66,15 @@ def pytest_collection_modifyitems(session, config, items):
             mod.get_tokenizer = get_tokenizer
         if hasattr(mod, "ModelConfig"):
             mod.ModelConfig = FakeModelConfig
+        if hasattr(mod, "AutoTokenizer"):
+            mod.AutoTokenizer = _LocalAutoTokenizer
+
+
+class _LocalAutoTokenizer:
+    """transformers' AutoTokenizer, any hub name read as SmolLM2's local folder."""
+
+    @staticmethod
+    def from_pretrained(name=None, *args, **kwargs):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(name if name and os.path.isdir(name) else TOK_DIR, *args, **kwargs)

@@ -179,3 +179,11 @@ class RemoteOpenAIServer:
 # names other vLLM tests import from tests.utils
 ROCM_EXTRA_ARGS: list[str] = []
 ROCM_ENGINE_KWARGS: dict = {}
+
+
+class RemoteLaunchRenderServer(RemoteOpenAIServer):
+    """vLLM's `vllm launch render` (a server of the render routes alone): `pagoda serve` with
+    `--enable-scale-out`, which serves them beside the rest."""
+
+    def __init__(self, model: str, vllm_serve_args: list[str], **kwargs) -> None:
+        super().__init__(model, [*vllm_serve_args, "--enable-scale-out"], **kwargs)
