@@ -32,6 +32,7 @@ from pagoda.server.chat_batch import BatchChatCompletionRequest, create_batch_ch
 from pagoda.server.completions import create_completion
 from pagoda.server.embeddings import create_embedding, create_pooling, create_rerank, create_score
 from pagoda.server.errors import APIError, bad_request, error_response, install_error_handlers
+from pagoda.server.messages import count_tokens, create_messages
 from pagoda.server.middleware import GateMiddleware, RequestIdHeaders, RootPath
 from pagoda.server.pooling_protocol import (
     EmbeddingRequest,
@@ -163,6 +164,18 @@ async def completions_render(req: CompletionRequest, raw: Request, ctx: Ctx) -> 
 async def chat_completions_render(req: ChatCompletionRequest, raw: Request, ctx: Ctx) -> Response:
     """vLLM's: the conversation's `/inference/v1/generate` request; nothing runs."""
     return await render_chat_request(ctx, req, raw)
+
+
+@router.post("/v1/messages", dependencies=JSON_BODY)
+async def anthropic_messages(raw: Request, ctx: Ctx) -> Response:
+    """Anthropic's Messages API on the chat path (vLLM's `/v1/messages`)."""
+    return await create_messages(ctx, raw)
+
+
+@router.post("/v1/messages/count_tokens", dependencies=JSON_BODY)
+async def anthropic_count_tokens(raw: Request, ctx: Ctx) -> Response:
+    """Anthropic's token count of a Messages request's prompt (vLLM's)."""
+    return await count_tokens(ctx, raw)
 
 
 @router.post("/v1/responses/render", dependencies=SCALE_OUT)

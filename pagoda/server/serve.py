@@ -682,8 +682,10 @@ NO_EFFECT_FLAGS: tuple[tuple[str, str, str], ...] = (
                   "parallel workers are torch.distributed processes with torch's own timeouts, no Ray"),
     *_table_flags("--data-parallel-supervisor-port --dp-supervisor-probe-interval-s --dp-supervisor-probe-timeout-s --dp-supervisor-probe-failure-threshold --dp-sync-interval --disable-nccl-for-dp-synchronization? --elastic-ep-max-dp-size",
                   "one server is one engine (no data-parallel supervisor)"),
-    *_table_flags("--cohere-is-reasoning-model? --cohere-format --anthropic-disabled-thinking-effort",
-                  "pagoda serves the OpenAI API only (no Cohere or Anthropic routes)"),
+    *_table_flags("--cohere-is-reasoning-model? --cohere-format",
+                  "pagoda serves no Cohere routes"),
+    ("--anthropic-disabled-thinking-effort", "value", "/v1/messages maps thinking.type disabled to "
+                                                       "reasoning_effort none"),
     *_table_flags("--kv-cache-metrics-sample --jit-monitor-mode --jit-monitor-verbose? --fail-on-environ-validation?",
                   "pagoda has no such monitor (no sampled KV residency metrics, no JIT at serve time, no VLLM_* environment)"),
     *_table_flags("--enable-hc-sp? --engram-config --swa-bounded-replay? --kv-sharing-fast-prefill? --prefix-cache-retention-interval",

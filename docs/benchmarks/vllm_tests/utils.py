@@ -175,6 +175,13 @@ class RemoteOpenAIServer:
         return openai.AsyncOpenAI(base_url=self.url_for("v1"), api_key=self.DUMMY_API_KEY, max_retries=0,
                                   **kwargs)
 
+    def get_async_client_anthropic(self, **kwargs):
+        import anthropic
+
+        kwargs.setdefault("timeout", 600)
+        return anthropic.AsyncAnthropic(base_url=self.url_for(), api_key=self.DUMMY_API_KEY, max_retries=0,
+                                        **kwargs)
+
 
 # names other vLLM tests import from tests.utils
 ROCM_EXTRA_ARGS: list[str] = []
