@@ -210,3 +210,12 @@ def test_responses_render_is_the_responses_prompt(engine: AsyncLLM):
     err = post(engine, "/v1/responses/render", {**body, "previous_response_id": "resp_x"})
     assert err.status_code == 400 and err.json()["error"]["param"] == "previous_response_id"
     assert err.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_messages_render_is_the_anthropic_requests_chat_prompt(engine: AsyncLLM):
+    body = {"model": "tiny", "max_tokens": 16, "system": "Be brief.",
+            "messages": [{"role": "user", "content": "Render this."}]}
+    request = ok(post(engine, "/v1/messages/render", body))
+    chat = ok(post(engine, "/v1/chat/completions/render", {"model": "tiny", "max_tokens": 16, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Render this."}]}))
+    assert request["token_ids"] == chat["token_ids"] and request["sampling_params"]["max_tokens"] == 16

@@ -33,6 +33,7 @@ from pagoda.server.completions import create_completion
 from pagoda.server.embeddings import create_embedding, create_pooling, create_rerank, create_score
 from pagoda.server.errors import APIError, bad_request, error_response, install_error_handlers
 from pagoda.server.messages import count_tokens, create_messages
+from pagoda.server.messages_protocol import AnthropicMessagesRequest
 from pagoda.server.middleware import GateMiddleware, RequestIdHeaders, RootPath
 from pagoda.server.pooling_protocol import (
     EmbeddingRequest,
@@ -60,6 +61,7 @@ from pagoda.server.tokens import (
     generate,
     render_chat_request,
     render_completion_request,
+    render_messages_request,
     render_responses_request,
 )
 from pagoda.server.tokens_protocol import GenerateRequest
@@ -182,6 +184,12 @@ async def anthropic_count_tokens(raw: Request, ctx: Ctx) -> Response:
 async def responses_render(req: ResponsesRequest, ctx: Ctx) -> Response:
     """vLLM's: the Responses request's `/inference/v1/generate` request; nothing runs."""
     return await render_responses_request(ctx, req)
+
+
+@router.post("/v1/messages/render", dependencies=SCALE_OUT)
+async def messages_render(req: AnthropicMessagesRequest, raw: Request, ctx: Ctx) -> Response:
+    """vLLM's: the Anthropic Messages request's `/inference/v1/generate` request; nothing runs."""
+    return await render_messages_request(ctx, req, raw)
 
 
 @router.post("/inference/v1/generate", dependencies=SCALE_OUT)

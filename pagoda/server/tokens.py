@@ -1,7 +1,8 @@
 """vLLM's token-in, token-out API: a prompt rendered once, then generated from its token ids.
 
-- `POST /v1/completions/render`, `/v1/chat/completions/render` and `/v1/responses/render` check
-  a completion, chat or Responses request as its route would (fields, tools, template, context length) and answer what
+- `POST /v1/completions/render`, `/v1/chat/completions/render`, `/v1/responses/render` and
+  `/v1/messages/render` check a completion, chat, Responses or Anthropic Messages request as its
+  route would (fields, tools, template, context length) and answer what
   `/inference/v1/generate` takes: the prompt's token ids and the `SamplingParams` as vLLM's
   JSON (its non-default fields), one per prompt for completions; nothing runs.
 - `POST /inference/v1/generate` runs token ids with such params and answers token ids
@@ -30,6 +31,8 @@ from pagoda.server.chat import chat_inputs, chat_logprobs, num_logprobs_of, reas
 from pagoda.server.completions import completion_prompts
 from pagoda.server.constraints import check_supported
 from pagoda.server.errors import APIError, bad_request
+from pagoda.server.messages import chat_request_of
+from pagoda.server.messages_protocol import AnthropicMessagesRequest
 from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
 from pagoda.server.reasoning import END
 from pagoda.server.responses import chat_messages, chat_request, responses_params
@@ -82,12 +85,14 @@ def check_enabled(ctx: ServerContext) -> None:
 
 
 def sampling_params_json(params: SamplingParams) -> dict[str, Any]:
-    """`params` as vLLM writes a `SamplingParams` (its fields that differ from the defaults)."""
+    """`params` as vLLM writes a `SamplingParams` (its fields that differ from the defaults),
+    with `max_tokens` always: vLLM's JSON leaves out a max_tokens of 16 (its default), which its
+    generate route then reads as unset and fills from the context."""
     default = SamplingParams()
     out: dict[str, Any] = {}
     for name in sorted(SHARED):
         value = getattr(params, name)
-        if value == getattr(default, name) or (name == "max_tokens" and value is None):
+        if value is None if name == "max_tokens" else value == getattr(default, name):
             continue
         if dataclasses.is_dataclass(value):
             value = dataclasses.asdict(value)  # type: ignore[arg-type]
@@ -179,6 +184,12 @@ async def render_responses_request(ctx: ServerContext, req: ResponsesRequest) ->
     gated = params.structured_outputs is not None and bool(reasoning_end(ctx, chat))
     return JSONResponse(_generate_request(response_id("resp"), inputs.prompt, params, req.model, req.stream,
                                           chat, reasoning_ended=not gated))
+
+
+async def render_messages_request(ctx: ServerContext, req: AnthropicMessagesRequest, raw: Request) -> Response:
+    """The Messages request's `/inference/v1/generate` request (vLLM's `/v1/messages/render`):
+    converted to a chat request as `/v1/messages` converts it, then rendered as a chat."""
+    return await render_chat_request(ctx, chat_request_of(req), raw)
 
 
 def _checked(ctx: ServerContext, params: SamplingParams) -> SamplingParams:
