@@ -153,7 +153,12 @@ class SamplingParams:
             _require(self.n == 1, "n", f"n must be 1 when using greedy sampling, got {self.n}.")
 
     def _validate(self) -> None:
-        _require(isinstance(self.n, int) and self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "logprobs", "prompt_logprobs"):
+            # NOTE: True is an int to Python; as a count it would reach the engine as 1 or fail there
+            value = getattr(self, name)
+            _require(value is None or (isinstance(value, int) and not isinstance(value, bool)), name,
+                     f"{name} must be an integer, got {value!r}.")
+        _require(self.n >= 1, "n", f"n must be at least 1, got {self.n}.")
         _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
                  f"max_tokens must be at least 1, got {self.max_tokens}.")
         _require(self.min_tokens >= 0, "min_tokens",

@@ -130,6 +130,10 @@ def test_vllms_own_render_output_is_taken_and_what_pagoda_lacks_is_named(engine:
     assert error({**base, "token_ids": [10**9]})["param"] is not None
     assert error({**base, "sampling_params": {"temperature": -1}})["param"] == "temperature"
     assert error({**base, "output_mode": "text", "sampling_params": {"detokenize": False}})["param"] == "output_mode"
+    # NOTE: wrong types are 400s before the engine (a raw dict reached it as a 500 before)
+    for name, value in (("max_tokens", "x"), ("repetition_detection", True), ("structured_outputs", "x"),
+                        ("prompt_logprobs", [1]), ("logit_bias", {"a": 1})):
+        assert error({**base, "sampling_params": {name: value}})["param"].startswith(f"sampling_params.{name}")
     no_text = {"detokenize": False, "stop": ["x"], "max_tokens": 2}
     assert "detokenize is True" in error({**base, "sampling_params": no_text})["message"]
 

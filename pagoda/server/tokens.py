@@ -22,6 +22,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -51,7 +52,7 @@ from pagoda.server.serving import (
     truncate_prompt,
 )
 from pagoda.server.streaming import sse, until_disconnect
-from pagoda.server.tokens_protocol import GenerateRequest
+from pagoda.server.tokens_protocol import GenerateRequest, GenerateSamplingParams
 from pagoda.structured_output import StructuredOutputsParams
 
 # NOTE: pagoda's own resolutions of a request's fields, never taken from a client
@@ -219,13 +220,17 @@ def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
                               f"{json.dumps(VLLM_DEFAULTS[name])}).", param)
         else:
             raise bad_request(f"Unknown sampling parameter {param}.", param)
-    if isinstance(fields.get("logit_bias"), dict):
-        try:
-            fields["logit_bias"] = {int(k): v for k, v in fields["logit_bias"].items()}
-        except (TypeError, ValueError) as e:
-            raise bad_request("sampling_params.logit_bias keys must be token ids.", "sampling_params.logit_bias") from e
-    if isinstance(fields.get("structured_outputs"), dict):
-        fields["structured_outputs"] = _structured(fields["structured_outputs"])
+    try:
+        typed = GenerateSamplingParams.model_validate(fields)
+    except ValidationError as e:
+        error = e.errors()[0]
+        param = "sampling_params." + ".".join(map(str, error["loc"]))
+        raise bad_request(f"{param}: {error['msg']}", param) from e
+    fields = typed.model_dump(exclude_unset=True)
+    if typed.repetition_detection is not None:
+        fields["repetition_detection"] = typed.repetition_detection.model_dump()
+    if typed.structured_outputs is not None:
+        fields["structured_outputs"] = _structured(typed.structured_outputs)
     return fields
 
 

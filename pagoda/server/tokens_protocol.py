@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from pagoda.sampling_params import INT64_MAX, INT64_MIN
-from pagoda.server.protocol import RequestModel, StreamOptions
+from pagoda.server.protocol import RepetitionDetection, RequestModel, StreamOptions
 
 # NOTE: vLLM's members for what pagoda does not serve (multimodal inputs, KV and encoder-cache
 # transfer, render's reasoning-parser state): null is "none", anything else a 400
@@ -47,3 +47,40 @@ class GenerateRequest(RequestModel):
     def unsupported_fields(self) -> list[str]:
         return sorted([*super().unsupported_fields(),
                        *(name for name in NULL_ONLY if getattr(self, name) is not None)])
+
+
+class GenerateSamplingParams(BaseModel):
+    """The `sampling_params` fields pagoda shares with vLLM, typed as vLLM's `SamplingParams`
+    reads them (pydantic's lax rules, as the other routes'), so a wrong type is a 400 before the
+    engine sees it. `structured_outputs` stays a dict: `tokens.py` reads vLLM's form of it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = 1
+    max_tokens: int | None = None
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    structured_outputs: dict[str, Any] | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    logprob_token_ids: list[int] | None = None
+    watermarking: bool | None = None
+    bad_words: list[str] | None = None
+    repetition_detection: RepetitionDetection | None = None
+    stream_interval: int | None = Field(default=None, ge=1)
+    thinking_token_budget: int | None = None
