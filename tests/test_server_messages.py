@@ -138,3 +138,29 @@ def test_errors_have_anthropics_shape(engine: AsyncLLM):
     assert health.post(engine, "/v1/messages", ask(model="nope")).status_code == 404
     long = health.post(engine, "/v1/messages", ask(max_tokens=10**6))
     assert long.status_code == 400 and long.json()["type"] == "error"
+
+
+STRICT = ("{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+          "{{ raise_exception('System role only at the start') }}{% endif %}"
+          "<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_mid_conversation_system_merges_only_where_the_template_refuses_it(engine: AsyncLLM):
+    """vLLM's probe: a template that raises on a later system message gets it merged into the
+    first (the request then answers); one that takes it keeps it in place."""
+    import asyncio
+
+    inline = {"model": "tiny", "max_tokens": 2, "system": "A.", "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "system", "content": "B."}, {"role": "user", "content": "Go"}]}
+    merged = {**inline, "system": "A.B.", "messages": [inline["messages"][0], inline["messages"][2]]}
+
+    def count(body: dict, **ctx: object) -> httpx.Response:
+        async def main() -> httpx.Response:
+            async with health.app_client(engine, **ctx) as client:
+                return await client.post("/v1/messages/count_tokens", json=body)
+        return asyncio.run(main())
+
+    strict = {"chat_template": STRICT}
+    assert count(inline, **strict).json() == count(merged, **strict).json()
+    kept, joined = count(inline).json(), count(merged).json()
+    assert kept != joined  # NOTE: SmolLM2's template takes the system message where it is

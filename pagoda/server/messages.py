@@ -26,21 +26,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.config import CacheConfig
-from pagoda.server.chat import chat_inputs, full_chat, start_chat, stream_chat
+from pagoda.server.chat import chat_inputs, full_chat, render_chat, start_chat, stream_chat
 from pagoda.server.errors import APIError, bad_request, error_body
 from pagoda.server.messages_protocol import (
     AnthropicContentBlock,
     AnthropicCountTokensRequest,
     AnthropicMessagesRequest,
 )
-from pagoda.server.protocol import ChatCompletionRequest, UsageInfo
+from pagoda.server.protocol import ChatCompletionRequest, ChatMessage, UsageInfo
 from pagoda.server.serving import RequestIds, ServerContext, TokenNames, check_lora_model
 from pagoda.server.streaming import until_disconnect
 
 
-def chat_request_of(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
-    """The chat completion request that runs `req` (vLLM's `to_chat_completion_request`)."""
-    body: dict[str, Any] = {"model": req.model, "messages": _messages(req)}
+def chat_request_of(req: AnthropicCountTokensRequest, merge_inline_system: bool = False) -> ChatCompletionRequest:
+    """The chat completion request that runs `req` (vLLM's `to_chat_completion_request`);
+    `merge_inline_system`: system messages in mid-conversation join the first one
+    (`inline_system_merged`)."""
+    body: dict[str, Any] = {"model": req.model, "messages": _messages(req, merge_inline_system)}
     if req.chat_template_kwargs is not None:
         body["chat_template_kwargs"] = req.chat_template_kwargs
     if isinstance(req, AnthropicMessagesRequest):
@@ -76,12 +78,14 @@ def chat_request_of(req: AnthropicCountTokensRequest) -> ChatCompletionRequest:
         raise bad_request(f"{'.'.join(map(str, error['loc']))}: {error['msg']}", "messages") from e
 
 
-def _messages(req: AnthropicCountTokensRequest) -> list[dict[str, Any]]:
+def _messages(req: AnthropicCountTokensRequest, merge_inline_system: bool) -> list[dict[str, Any]]:
     system = _text_of(req.system) if req.system is not None else ""
+    if merge_inline_system:
+        system += "".join(_text_of(m.content) for m in req.messages if m.role == "system")
     out: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     for message in req.messages:
         if message.role == "system":
-            if text := _text_of(message.content):
+            if not merge_inline_system and (text := _text_of(message.content)):
                 out.append({"role": "system", "content": text})
         elif isinstance(message.content, str):
             out.append({"role": message.role, "content": message.content})
@@ -141,6 +145,23 @@ def _result_text(content: str | list[dict[str, Any]] | None) -> str:
 # ---- routes -------------------------------------------------------------------------------
 
 
+PROBE = [ChatMessage(role="user", content="a"), ChatMessage(role="system", content="b"),
+         ChatMessage(role="user", content="c")]
+
+
+async def inline_system_merged(ctx: ServerContext) -> bool:
+    """vLLM's probe, once a server: whether the chat template refuses a system message in
+    mid-conversation (Llama 2's and Mistral's raise), so that such messages are merged into the
+    first one instead of failing every request that has them."""
+    if ctx.merge_inline_system is None:
+        try:
+            await render_chat(ctx, PROBE, True)
+            ctx.merge_inline_system = False
+        except APIError:
+            ctx.merge_inline_system = True
+    return ctx.merge_inline_system
+
+
 def anthropic_error(e: APIError) -> JSONResponse:
     """`e` in Anthropic's shape, its type as vLLM names it."""
     body = error_body(e.status, e.message, e.param, e.code, e.error_type)["error"]
@@ -163,7 +184,7 @@ async def create_messages(ctx: ServerContext, raw: Request) -> Response:
     try:
         req = await _parse(raw, AnthropicMessagesRequest)
         check_lora_model(ctx, req.model, False)
-        chat = chat_request_of(req)
+        chat = chat_request_of(req, await inline_system_merged(ctx))
         inputs = await chat_inputs(ctx, chat)
         message_id = f"msg_{uuid.uuid4().hex[:24]}"
         gen = await start_chat(ctx, chat, inputs, RequestIds(message_id, message_id))
@@ -199,7 +220,7 @@ async def count_tokens(ctx: ServerContext, raw: Request) -> Response:
     try:
         req = await _parse(raw, AnthropicCountTokensRequest)
         ctx.lora_for(req.model)
-        inputs = await chat_inputs(ctx, chat_request_of(req))
+        inputs = await chat_inputs(ctx, chat_request_of(req, await inline_system_merged(ctx)))
     except APIError as e:
         return anthropic_error(e)
     return JSONResponse({"input_tokens": len(inputs.prompt.token_ids)})

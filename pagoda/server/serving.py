@@ -118,6 +118,9 @@ class ServerContext:
     enable_server_load_tracking: bool = False
     enable_scale_out: bool = False  # NOTE: vLLM's --enable-scale-out: the token-in, token-out routes
     tokens_only: bool = False  # NOTE: vLLM's --tokens-only: those routes with token ids only
+    # NOTE: whether the chat template refuses system messages in mid-conversation (probed once
+    # by /v1/messages, which then merges them into the first, as vLLM's)
+    merge_inline_system: bool | None = None
     server_load: int = 0
     return_tokens_as_token_ids: bool = False
     request_logger: RequestLogger | None = None  # NOTE: --enable-log-requests

@@ -32,7 +32,7 @@ from pagoda.server.chat import chat_inputs, chat_logprobs, num_logprobs_of, reas
 from pagoda.server.completions import completion_prompts
 from pagoda.server.constraints import check_supported
 from pagoda.server.errors import APIError, bad_request
-from pagoda.server.messages import chat_request_of
+from pagoda.server.messages import chat_request_of, inline_system_merged
 from pagoda.server.messages_protocol import AnthropicMessagesRequest
 from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
 from pagoda.server.reasoning import END
@@ -190,7 +190,7 @@ async def render_responses_request(ctx: ServerContext, req: ResponsesRequest) ->
 async def render_messages_request(ctx: ServerContext, req: AnthropicMessagesRequest, raw: Request) -> Response:
     """The Messages request's `/inference/v1/generate` request (vLLM's `/v1/messages/render`):
     converted to a chat request as `/v1/messages` converts it, then rendered as a chat."""
-    return await render_chat_request(ctx, chat_request_of(req), raw)
+    return await render_chat_request(ctx, chat_request_of(req, await inline_system_merged(ctx)), raw)
 
 
 def _checked(ctx: ServerContext, params: SamplingParams) -> SamplingParams:
