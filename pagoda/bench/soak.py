@@ -48,6 +48,8 @@ MALFORMED: list[tuple[str, bytes]] = [
     ("/v1/chat/completions", b'{"messages": []}'),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}'),
     ("/tokenize", b'{"prompt": "' + b"x" * 300_000 + b'"}'),
+    ("/v1/messages", b'{"model": "x", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}'),
+    ("/inference/v1/generate", b'{"token_ids": [1, 2], "sampling_params": {"max_tokens": "x", "logprobs": true}}'),
 ]
 NESTED_SCHEMA = {"type": "object", "required": ["name", "items"], "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -58,8 +60,12 @@ NESTED_SCHEMA = {"type": "object", "required": ["name", "items"], "properties": 
 CHOICE_LISTS = 64
 
 
-def hostile_bodies(rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
-    """Valid, heavy requests: (path, body)."""
+WEATHER = {"name": "get_weather", "input_schema": {"type": "object", "required": ["city"],
+                                                 "properties": {"city": {"type": "string"}}}}
+
+
+def hostile_bodies(rng: random.Random, model: str = "smollm2") -> list[tuple[str, dict[str, Any]]]:
+    """Valid, heavy requests: (path, body); `model`: the served name (Anthropic's API needs it)."""
     which = rng.randrange(CHOICE_LISTS)
     return [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "A JSON record, please."}],
@@ -81,6 +87,18 @@ def hostile_bodies(rng: random.Random) -> list[tuple[str, dict[str, Any]]]:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": rng.choice(PROMPTS)}],
                                   "max_tokens": 48, "repetition_detection": {"max_pattern_size": 256,
                                                                              "min_count": 2}}),
+        # NOTE: Anthropic's Messages API streaming a forced tool call after a tool round trip, and
+        # vLLM's token-in, token-out generate streaming n samples with logprobs in chunks
+        ("/v1/messages", {"model": model, "max_tokens": 32, "stream": True, "tools": [WEATHER],
+                          "tool_choice": {"type": "tool", "name": "get_weather"}, "messages": [
+                              {"role": "user", "content": rng.choice(PROMPTS)},
+                              {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1",
+                                                                 "name": "get_weather", "input": {"city": "Oslo"}}]},
+                              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                            "content": "Rain"}]}]}),
+        ("/inference/v1/generate", {"token_ids": [rng.randrange(1, 1000) for _ in range(64)], "stream": True,
+                                    "sampling_params": {"n": 4, "temperature": 1.0, "max_tokens": 24, "logprobs": 5,
+                                                        "stream_interval": 3}}),
     ]
 
 
@@ -211,7 +229,7 @@ class Soak:
             self.tally.failures.append(f"malformed {body[:60]!r} -> {r.status_code}")
 
     async def hostile(self) -> None:
-        path, body = self.rng.choice(hostile_bodies(self.rng))
+        path, body = self.rng.choice(hostile_bodies(self.rng, self.args.model))
         r = await self.client.post(path, json=body)
         if r.status_code == 200 or 400 <= r.status_code < 500:
             self.tally.hostile += 1
@@ -327,7 +345,7 @@ async def run_soak(args: argparse.Namespace, base_url: str, pid: int) -> list[di
 
 def start_server(args: argparse.Namespace) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "pagoda.cli", "serve", args.model, "--port", str(args.port),
-           "--uvicorn-log-level", "warning", "--disable-log-stats", *args.server_arg]
+           "--uvicorn-log-level", "warning", "--disable-log-stats", "--enable-scale-out", *args.server_arg]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
