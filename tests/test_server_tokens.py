@@ -223,3 +223,15 @@ def test_messages_render_is_the_anthropic_requests_chat_prompt(engine: AsyncLLM)
     chat = ok(post(engine, "/v1/chat/completions/render", {"model": "tiny", "max_tokens": 16, "messages": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Render this."}]}))
     assert request["token_ids"] == chat["token_ids"] and request["sampling_params"]["max_tokens"] == 16
+
+
+def test_tokenizer_info_only_with_its_flag(engine: AsyncLLM):
+    async def get(**ctx: object) -> httpx.Response:
+        async with health.app_client(engine, **ctx) as client:
+            return await client.get("/tokenizer_info")
+
+    assert asyncio.run(get()).status_code == 404
+    info = asyncio.run(get(enable_tokenizer_info=True, chat_template="{{ messages }}")).json()
+    assert info["tokenizer_class"] == type(engine.tokenizer).__name__
+    assert info["chat_template"] == "{{ messages }}" and "vocab_file" not in info
+    assert info.get("eos_token") == engine.tokenizer.eos_token  # NOTE: an added token as its text

@@ -95,6 +95,8 @@ router = APIRouter()
 lora_router = APIRouter()
 # NOTE: vLLM's older abort path, served with --tokens-only only (as vLLM; behind the API keys here)
 tokens_only_router = APIRouter()
+# NOTE: vLLM's /tokenizer_info, served with --enable-tokenizer-info-endpoint only
+tokenizer_info_router = APIRouter()
 
 
 def pagoda_version() -> str:
@@ -323,6 +325,29 @@ async def detokenize(req: DetokenizeRequest, ctx: Ctx) -> DetokenizeResponse:
     return DetokenizeResponse(prompt=str(text))
 
 
+@tokenizer_info_router.get("/tokenizer_info")
+async def tokenizer_info(ctx: Ctx) -> dict[str, Any]:
+    """vLLM's: the tokenizer's configuration (its init arguments, file paths left out), its
+    class, and the server's --chat-template where one is given."""
+    info = {k: _plain(v) for k, v in (getattr(ctx.tokenizer, "init_kwargs", None) or {}).items()
+            if k not in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")}
+    info["tokenizer_class"] = type(ctx.tokenizer).__name__
+    if ctx.chat_template:
+        info["chat_template"] = ctx.chat_template
+    return info
+
+
+def _plain(value: Any) -> Any:
+    """A JSON value of a tokenizer argument (an added token as its text, as vLLM's)."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+
 @router.get("/metrics")
 async def metrics() -> Response:
     body, content_type = render_metrics()
@@ -437,5 +462,7 @@ def build_app(ctx: ServerContext, live_stats: LiveStatLogger | None = None,
         app.include_router(lora_router)
     if ctx.tokens_only:
         app.include_router(tokens_only_router)
+    if ctx.enable_tokenizer_info:
+        app.include_router(tokenizer_info_router)
     app.include_router(webui_router)
     return app

@@ -228,6 +228,8 @@ def add_network_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--tokens-only", action=argparse.BooleanOptionalAction, default=False,
                      help="vLLM's: --enable-scale-out with token ids only (no stop strings, no "
                           "output_mode text on /inference/v1/generate), and /abort_requests too")
+    net.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=False,
+                     help="serve GET /tokenizer_info (vLLM's): the tokenizer's configuration and class")
     net.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
                      help="log each generating request's params when admitted (INFO; its prompt "
                           "and token ids at DEBUG), as vLLM")
@@ -758,7 +760,7 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--tool-strict-level", "value", "auto", "tool calls are constrained by tool_choice (required or "
                                              "named), per request"),
     ("--logging-config", "value", None, "use --log-level and --log-config-file"),
-    *_refused_flags("--tool-server --grpc-port --enable-ssl-refresh? --hf-config-path --quantization-config --enable-return-routed-experts? --return-sampling-mask? --enable-trace-replay? --device-ids --enable-fault-tolerance? --fault-tolerance-config --ec-transfer-config --weight-transfer-config --enable-tokenizer-info-endpoint? --convert=auto --profiler-config --pooler-config --enable-mm-embeds? --mm-encoder-only? --max-num-queued-reqs --max-num-queued-tokens --sse-keep-alive-interval=0 --h11-max-header-count=256",
+    *_refused_flags("--tool-server --grpc-port --enable-ssl-refresh? --hf-config-path --quantization-config --enable-return-routed-experts? --return-sampling-mask? --enable-trace-replay? --device-ids --enable-fault-tolerance? --fault-tolerance-config --ec-transfer-config --weight-transfer-config --convert=auto --profiler-config --pooler-config --enable-mm-embeds? --mm-encoder-only? --max-num-queued-reqs --max-num-queued-tokens --sse-keep-alive-interval=0 --h11-max-header-count=256",
                   "not supported by pagoda"),
 )
 
@@ -1136,6 +1138,7 @@ async def _serve(args: argparse.Namespace, model: str, config: EngineConfig,
                             enable_server_load_tracking=args.enable_server_load_tracking,
                             enable_scale_out=args.enable_scale_out or args.tokens_only,
                             tokens_only=args.tokens_only,
+                            enable_tokenizer_info=args.enable_tokenizer_info_endpoint,
                             force_include_usage=args.enable_force_include_usage,
                             tool_parser=auto_tool_parser(args),
                             reasoning_parser=(get_reasoning_parser(args.reasoning_parser)

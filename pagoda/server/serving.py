@@ -118,6 +118,7 @@ class ServerContext:
     enable_server_load_tracking: bool = False
     enable_scale_out: bool = False  # NOTE: vLLM's --enable-scale-out: the token-in, token-out routes
     tokens_only: bool = False  # NOTE: vLLM's --tokens-only: those routes with token ids only
+    enable_tokenizer_info: bool = False  # NOTE: vLLM's --enable-tokenizer-info-endpoint
     # NOTE: whether the chat template refuses system messages in mid-conversation (probed once
     # by /v1/messages, which then merges them into the first, as vLLM's)
     merge_inline_system: bool | None = None
