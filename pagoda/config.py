@@ -60,6 +60,9 @@ def json_object(value: dict | str, name: str, secret: bool = False) -> dict:
     return value
 
 
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to load and how.
@@ -78,6 +81,10 @@ class ModelConfig:
         quantization_group_size: inputs per int4 scale/offset group (32, 64 or 128).
         tokenizer: where the tokenizer comes from (a directory, .gguf file or alias), when not
             from `model` (vLLM's --tokenizer).
+        logprobs_mode: vLLM's: what `logprobs` report: 'raw_logprobs' (the model's, before any
+            processing; the default), 'raw_logits', 'processed_logprobs' (of the distribution
+            sampled from: constraints, penalties, temperature, top-k/top-p/min-p applied) or
+            'processed_logits'.
         generation_config: where requests' sampling defaults come from (vLLM's
             --generation-config, generation_config.py): 'auto' (the model's
             generation_config.json), 'vllm' (none) or a folder holding one.
@@ -98,9 +105,12 @@ class ModelConfig:
     generation_config: str = "auto"
     override_generation_config: dict[str, float | int] = field(default_factory=dict)
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
         check_source(self.generation_config)
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode,
+               f"must be one of {LOGPROBS_MODES}")
         object.__setattr__(self, "hf_overrides", json_object(self.hf_overrides, "hf_overrides"))
         override = json_object(self.override_generation_config, "override_generation_config")
         object.__setattr__(self, "override_generation_config",

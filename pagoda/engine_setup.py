@@ -179,7 +179,7 @@ def build_model_parts(config: EngineConfig, tp: ParallelGroup = SINGLE,
     specs = [group_spec for group_spec, _ in groups]
     runner = ModelRunner(model, config.cache.block_size, device,
                          LoRAManager(model, config.lora) if config.lora.enable_lora else None,
-                         config.watermark)
+                         config.watermark, config.model.logprobs_mode)
     num_blocks = num_blocks_for_groups(specs, config.cache, device, max_model_len, config.scheduler,
                                        _available_cuda_bytes(config, runner, spec, device, baseline))
     if agree is not None:

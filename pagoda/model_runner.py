@@ -70,10 +70,12 @@ class ModelRunner:
     """Args:
         lora: the LoRA adapters it serves (lora.py), or None.
         watermark: the engine's text watermark (watermark.py), or None.
+        logprobs_mode: what `logprobs` report (vLLM's `--logprobs-mode`; the sampler's).
     """
 
     def __init__(self, model: CausalLM, block_size: int, device: torch.device,
-                 lora: LoRAManager | None = None, watermark: WatermarkConfig | None = None) -> None:
+                 lora: LoRAManager | None = None, watermark: WatermarkConfig | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -82,7 +84,7 @@ class ModelRunner:
         self.native_decoder: NativeDecoder | None = None
         self.native_refusal: str | None = None  # why the model has no native decoder stack
         self.kv_caches: KVCaches = {}  # NOTE: every attention layer's K/V pools, once bound
-        self.sampler = Sampler(Watermarker(watermark) if watermark is not None else None)
+        self.sampler = Sampler(Watermarker(watermark) if watermark is not None else None, logprobs_mode)
         self.use_cpu_kernel = device.type == "cpu" and cpu_kernels.available()
 
         self.attention_backend = attention_backend_for(model, block_size, device, self.use_cpu_kernel)

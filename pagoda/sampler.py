@@ -266,30 +266,55 @@ class Sampler:
     """Args:
         watermarker: the engine's watermark (watermark.py), applied to the rows whose request
             carries it (`watermark_context`), or None.
+        logprobs_mode: vLLM's: `logprobs` of the raw logits ("raw_logprobs", the default), the
+            raw logits themselves ("raw_logits"), or of the distribution sampled from
+            ("processed_logprobs": constraints, penalties, then for a sampled row its temperature
+            and top-k/top-p/min-p, the tokens left out at -inf; "processed_logits" unnormalized).
     """
 
-    def __init__(self, watermarker: Watermarker | None = None) -> None:
+    def __init__(self, watermarker: Watermarker | None = None, logprobs_mode: str = "raw_logprobs") -> None:
         self.watermarker = watermarker
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
-        """`logits` (any float dtype) stay as they are: log-probabilities are of these."""
+        """`logits` (any float dtype) stay as they are: raw log-probabilities are of these."""
         constrained = any(r.sampling_params.constrains_tokens for r in requests)
         full = _needs_full_path(requests)
         if not constrained and not full:
             tokens = argmax_rows(logits).tolist()
-            return SamplerOutput(tokens, compute_logprobs(logits, requests, tokens))
+            return SamplerOutput(tokens, self._logprobs(logits, requests, tokens))
         work = logits.float()
         if work is logits:
             work = logits.clone()
         if constrained:
             apply_token_constraints(work, requests)
+        processed = work
         if not full:
             tokens = argmax_rows(work).tolist()
         else:
             self._apply_penalties(work, requests)
             self._suppress_stops(work, requests)
+            processed = self._processed(work, requests)
             tokens = self._sample(work, requests)
-        return SamplerOutput(tokens, compute_logprobs(logits, requests, tokens))
+        return SamplerOutput(tokens, self._logprobs(logits if self.logprobs_mode.startswith("raw") else processed,
+                                                    requests, tokens))
+
+    def _logprobs(self, scores: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[TokenLogprobs | None]:
+        return compute_logprobs(scores, requests, tokens, normalize=self.logprobs_mode.endswith("logprobs"))
+
+    def _processed(self, work: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The distribution each row samples from, where processed logprobs are asked for:
+        `work` (constraints and penalties in), a sampled row at its temperature with its
+        top-k/top-p/min-p applied by a whole sort (the tokens left out at -inf); `work` itself
+        otherwise."""
+        rows = [i for i, r in enumerate(requests)
+                if r.sampling_params.logprobs is not None and not r.sampling_params.greedy]
+        if not self.logprobs_mode.startswith("processed") or not rows:
+            return work
+        temps = torch.tensor([requests[i].sampling_params.temperature for i in rows], dtype=work.dtype)
+        processed = work.clone()
+        processed[rows] = self._filter(work[rows] / temps[:, None], [requests[i] for i in rows], candidates=False)
+        return processed
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
         """vLLM's penalties, every row at once: repetition over the prompt's and the answer's
@@ -465,16 +490,19 @@ class Sampler:
         return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def compute_logprobs(logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[TokenLogprobs | None]:
-    """The sampled token's log-probability and rank plus the top-N, per row (raw logits); for a
-    request naming `logprob_token_ids`, those tokens' instead of the top-N (vLLM's)."""
+def compute_logprobs(logits: torch.Tensor, requests: list[Request], token_ids: list[int],
+                     normalize: bool = True) -> list[TokenLogprobs | None]:
+    """The sampled token's log-probability and rank plus the top-N, per row (of `logits`; their
+    values themselves where not `normalize`: vLLM's logits modes); for a request naming
+    `logprob_token_ids`, those tokens' instead of the top-N (vLLM's)."""
     wanted = [r.sampling_params.logprobs for r in requests]
     rows = [i for i, n in enumerate(wanted) if n is not None]
     result: list[TokenLogprobs | None] = [None] * len(requests)
     if not rows:
         return result
     chosen = [requests[i].sampling_params.logprob_token_ids for i in rows]
-    logprobs = logits[rows].float().log_softmax(dim=-1)
+    logprobs = logits[rows].float()
+    logprobs = logprobs.log_softmax(dim=-1) if normalize else logprobs
     entries = top_logprobs(logprobs, [token_ids[i] for i in rows],
                            [0 if ids else wanted[i] or 0 for i, ids in zip(rows, chosen, strict=True)])
     for row, (i, entry, ids) in enumerate(zip(rows, entries, chosen, strict=True)):

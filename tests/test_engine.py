@@ -233,3 +233,18 @@ def test_a_prompt_dict_pagoda_cannot_serve_is_refused_by_name(llm, prompt, messa
     with pytest.raises(ValueError, match=message):
         llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_logprobs_mode_reaches_the_sampler(tiny_llama):
+    """--logprobs-mode raw_logits: the same tokens and ranks, values that differ from the
+    raw log-probabilities by one constant a position (the row's log-sum-exp)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    outs = {}
+    for mode in ("raw_logprobs", "raw_logits"):
+        llm = LLM(str(tiny_llama), dtype="float32", num_kv_blocks=32, max_model_len=64, logprobs_mode=mode)
+        outs[mode] = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    assert outs["raw_logprobs"].token_ids == outs["raw_logits"].token_ids
+    for lps, lgs in zip(outs["raw_logprobs"].logprobs, outs["raw_logits"].logprobs, strict=True):
+        assert lps.keys() == lgs.keys() and all(lps[t].rank == lgs[t].rank for t in lps)
+        shifts = {round(lgs[t].logprob - lps[t].logprob, 3) for t in lps}
+        assert len(shifts) == 1 and shifts != {0.0}

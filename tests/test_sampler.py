@@ -277,3 +277,37 @@ def test_a_seeded_row_draws_from_its_own_generator_only():
     mixed = [Sampler()(logits.clone(), [_request([], temperature=1.0), seeded(), _request([], temperature=1.0)]).token_ids[1]
              for _ in range(3)]
     assert alone == mixed and len(set(alone)) == 1
+
+
+def test_logprobs_modes_report_vllms_four_views():
+    """vLLM's --logprobs-mode: raw log-probabilities (default), raw logits, and the sampled
+    distribution's (penalty, temperature, top-k applied; the rest -inf) normalized or not."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, VOCAB)
+    greedy = dict(temperature=0.0, logprobs=3)
+    sampled = dict(temperature=0.5, top_k=2, logprobs=3, seed=1, presence_penalty=1.0)
+
+    def run(mode: str) -> list:
+        requests = [_request([5], **greedy), _request([5], **sampled)]
+        return Sampler(logprobs_mode=mode)(logits.clone(), requests).logprobs
+
+    raw, raw_logits = run("raw_logprobs"), run("raw_logits")
+    ref = logits.log_softmax(-1)
+    for row in range(2):
+        assert all(v == pytest.approx(float(ref[row, t]), abs=1e-5) for t, (v, _) in raw[row].items())
+        assert all(v == pytest.approx(float(logits[row, t]), abs=1e-6) for t, (v, _) in raw_logits[row].items())
+        assert {t: r for t, (_, r) in raw[row].items()} == {t: r for t, (_, r) in raw_logits[row].items()}
+    processed, processed_logits = run("processed_logprobs"), run("processed_logits")
+    assert processed[0] == raw[0]  # NOTE: a greedy row without penalties samples from its raw logits
+    row = logits[1].clone()
+    row[5] -= 1.0  # NOTE: the presence penalty on the output's token
+    scaled = row / 0.5
+    kept = scaled.topk(2).indices.tolist()
+    expected = torch.full_like(scaled, float("-inf"))
+    expected[kept] = scaled[kept]
+    want = expected.log_softmax(-1)
+    finite = {t: v for t, (v, _) in processed[1].items() if v > float("-inf")}
+    assert set(finite) == set(kept)
+    assert all(v == pytest.approx(float(want[t]), abs=1e-5) for t, v in finite.items())
+    assert all(v == pytest.approx(float(expected[t]), abs=1e-5)
+               for t, (v, _) in processed_logits[1].items() if v > float("-inf"))

@@ -228,6 +228,14 @@ def test_stream_interval_flag_is_the_floor_of_each_requests_own():
     assert [s.stream_interval for s in state.samples] == [3, 3, 5]
 
 
+def test_logprobs_mode_reaches_the_model_config():
+    args = serve_parser().parse_args(["serve", "m", "--logprobs-mode", "processed_logprobs"])
+    assert EngineConfig.from_kwargs("m", **engine_kwargs(args)).model.logprobs_mode == "processed_logprobs"
+    assert EngineConfig.from_kwargs("m").model.logprobs_mode == "raw_logprobs"
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        EngineConfig.from_kwargs("m", logprobs_mode="cooked")
+
+
 def test_api_docs_can_be_turned_off(engine: FakeEngine):
     ctx = ServerContext(engine=engine, served_model_names=["fake"], model_path="fake", max_model_len=64)
 

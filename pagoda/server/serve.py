@@ -36,6 +36,7 @@ from pagoda.config import (
     DTYPES,
     INT4_GROUP_SIZES,
     KV_CACHE_DTYPES,
+    LOGPROBS_MODES,
     QUANTIZATIONS,
     EngineConfig,
     ReasoningConfig,
@@ -97,7 +98,7 @@ ENGINE_FLAGS = {
     "speculative_config": "speculative_config", "watermark_config": "watermark_config",
     "quantization": "quantization",
     "quantization_group_size": "quantization_group_size", "kv_cache_dtype": "kv_cache_dtype",
-    "max_logprobs": "max_logprobs", "tokenizer": "tokenizer",
+    "max_logprobs": "max_logprobs", "tokenizer": "tokenizer", "logprobs_mode": "logprobs_mode",
     "generation_config": "generation_config",
     "override_generation_config": "override_generation_config", "hf_overrides": "hf_overrides",
 }
@@ -536,6 +537,10 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-logprobs", type=int, default=None, metavar="N",
                         help="most logprobs / prompt_logprobs per request (default 20, as vLLM; "
                              "-1: the whole vocabulary, which a request asks for with -1)")
+    limits.add_argument("--logprobs-mode", default=None, choices=LOGPROBS_MODES,
+                        help="what logprobs report (vLLM's): raw_logprobs (default: the model's), "
+                             "raw_logits, processed_logprobs (of the distribution sampled from: "
+                             "penalties, temperature, top-k/top-p/min-p applied) or processed_logits")
     limits.add_argument("--max-request-body-bytes", type=byte_size,
                         default=str(DEFAULT_MAX_REQUEST_BODY_BYTES),
                         help="larger bodies get 413 (default 16MiB)")
@@ -740,8 +745,6 @@ UNSUPPORTED_FLAGS: tuple[tuple[str, str, str | None, str], ...] = (
     ("--kv-offloading-size", "value", None, "the KV cache is not offloaded"),
     ("--kv-events-config", "value", None, "KV cache events are not published"),
     ("--worker-cls", "value", "auto", "workers are pagoda's own"),
-    ("--logprobs-mode", "value", "raw_logprobs", "logprobs are those of the raw logits, before any "
-                                                 "penalty or temperature (vLLM's raw_logprobs)"),
     *_refused_flags("--data-parallel-rank/-dpn=0 --data-parallel-start-rank/-dpr=0 --data-parallel-size-local/-dpl=1 --data-parallel-address/-dpa --data-parallel-rpc-port/-dpp --data-parallel-backend/-dpb=mp --data-parallel-hybrid-lb/-dph? --data-parallel-external-lb/-dpe? --data-parallel-multi-port-external-lb/-dpm? --enable-elastic-ep?",
                   "one server is one engine; for data parallelism run replicas behind a load balancer (docs/scaling.md)"),
     *_refused_flags("--decode-context-parallel-size/-dcp=1 --prefill-context-parallel-size/-pcp=1",
