@@ -279,7 +279,8 @@ def test_an_engine_error_ends_the_stream_with_an_error_event(client: Client):
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "at least 1"),
     ({"input": "x", "max_output_tokens": 10_000}, "max_output_tokens", "maximum context length"),
     ({"input": []}, "input", "no item"),
-    ({"input": "x", "background": True}, "background", "Unsupported parameter"),
+    ({"input": "x", "background": True, "stream": True}, "background", "not supported with stream"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation", "Unsupported parameter"),
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
 ])
 def test_bad_requests_are_clear_400s(client: Client, body: dict, param: str, words: str):
@@ -358,3 +359,36 @@ def test_a_reasoning_parser_gives_a_reasoning_item_streamed_and_not(engine: Asyn
     assert again["status"] in ("completed", "incomplete")
     stored = client.ctx.response_store.get(full["id"])
     assert stored is not None and all("plan it" not in str(m["content"]) for m in stored.messages)
+
+
+def test_background_responses_are_polled_and_cancelled(client: Client):
+    """OpenAI's background mode: "queued" at once, then GET gives the finished response (the
+    same text as a synchronous one); cancel stops a long one ("cancelled", its engine requests
+    aborted); a finished or synchronous response cannot be cancelled."""
+    sync = client.create(input="Say hi")
+
+    async def main() -> tuple[dict, dict, dict, int, int]:
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            body = {"model": "tiny", "temperature": 0, "max_output_tokens": 8, "input": "Say hi", "background": True}
+            queued = (await c.post("/v1/responses", json=body)).json()
+            done = queued
+            while done["status"] == "queued":
+                await asyncio.sleep(0.02)
+                done = (await c.get(f"/v1/responses/{queued['id']}")).json()
+            long = (await c.post("/v1/responses", json={**body, "max_output_tokens": 400, "ignore_eos": True})).json()
+            await asyncio.sleep(0.2)
+            cancelled = (await c.post(f"/v1/responses/{long['id']}/cancel")).json()
+            again = await c.post(f"/v1/responses/{long['id']}/cancel")
+            finished = await c.post(f"/v1/responses/{done['id']}/cancel")
+            return queued, done, cancelled, again.status_code, finished.status_code
+
+    queued, done, cancelled, again, finished = asyncio.run(main())
+    assert queued["status"] == "queued" and queued["output"] == []
+    assert done["status"] == "incomplete" and output_text(done) == output_text(sync)
+    assert cancelled["status"] == "cancelled" and again == 400 and finished == 400
+    assert client.request("GET", f"/v1/responses/{cancelled['id']}").json()["status"] == "cancelled"
+    assert client.engine.engine.num_unfinished_requests() == 0
+    refused = client.request("POST", "/v1/responses", {"model": "tiny", "input": "x", "background": True, "store": False})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "background"
+    assert client.request("POST", "/v1/responses/resp_nope/cancel").status_code == 404

@@ -52,7 +52,7 @@ from pagoda.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from pagoda.server.responses import create_response, retrieve_response
+from pagoda.server.responses import cancel_response, create_response, retrieve_response
 from pagoda.server.responses_protocol import ResponsesRequest
 from pagoda.server.serving import ServerContext, invalid_input, tokenize_text
 from pagoda.server.tokens import (
@@ -237,6 +237,12 @@ async def rerank(req: RerankRequest, raw: Request, ctx: Ctx) -> Response:
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, ctx: Ctx) -> dict[str, Any]:
     return retrieve_response(ctx, response_id)
+
+
+@router.post("/v1/responses/{response_id}/cancel")
+async def cancel_responses(response_id: str, ctx: Ctx) -> dict[str, Any]:
+    """OpenAI's: stops a background response that is still being generated."""
+    return await cancel_response(ctx, response_id)
 
 
 # NOTE: vLLM's /invocations tries each request type in this order; pagoda picks by the body's

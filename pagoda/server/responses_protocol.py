@@ -17,7 +17,7 @@ from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 from pagoda.server.protocol import OpenAIBaseModel, RequestModel, StructuredOutputsRequest, now
 
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
-Status = Literal["in_progress", "completed", "incomplete"]
+Status = Literal["queued", "in_progress", "completed", "incomplete", "cancelled", "failed"]
 ToolChoiceMode = Literal["none", "auto", "required"]
 
 
@@ -148,6 +148,8 @@ class ResponsesRequest(RequestModel):
     text: TextConfig | None = None
     previous_response_id: str | None = None
     store: bool = True
+    # NOTE: OpenAI's: answer at once ("queued"), generate apart; GET polls, POST .../cancel stops
+    background: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
     # NOTE: vLLM's extensions on this route.

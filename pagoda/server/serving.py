@@ -127,6 +127,8 @@ class ServerContext:
     request_logger: RequestLogger | None = None  # NOTE: --enable-log-requests
     # NOTE: the engine ids of the requests running under each response id (`abort_requests`)
     running: dict[str, list[str]] = field(default_factory=dict)
+    # NOTE: the background responses being generated, by response id (responses.py)
+    background: dict[str, asyncio.Task] = field(default_factory=dict)
     response_store: ResponseStore = field(default_factory=ResponseStore)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
