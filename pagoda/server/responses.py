@@ -233,9 +233,11 @@ class ResponseTurn:
 async def create_response(ctx: ServerContext, req: ResponsesRequest, raw: Request) -> Response:
     ctx.lora_for(req.model)  # NOTE: a LoRA adapter's name is a model here too (start_chat takes it)
     check_supported(req)
-    if req.background and (not req.store or ctx.response_store.max_size == 0):
-        raise APIError(400, "Background mode needs the response stored: store=true, and a server with "
-                            "--responses-store-size above 0.", "background", error_type="invalid_request_error")
+    if req.background and not req.store:
+        raise bad_request("background can only be used when `store` is true", "background")  # NOTE: vLLM's words
+    if req.background and ctx.response_store.max_size == 0:
+        raise APIError(400, "Background mode needs the responses store: this server runs with "
+                            "--responses-store-size 0.", "background", error_type="invalid_request_error")
     if req.background and req.stream:
         raise APIError(400, "Background mode is not supported with stream=true here; poll GET "
                             "/v1/responses/{id} instead.", "background", error_type="invalid_request_error")
