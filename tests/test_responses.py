@@ -373,11 +373,12 @@ def test_background_responses_are_polled_and_cancelled(client: Client):
             body = {"model": "tiny", "temperature": 0, "max_output_tokens": 8, "input": "Say hi", "background": True}
             queued = (await c.post("/v1/responses", json=body)).json()
             done = queued
-            while done["status"] == "queued":
+            while done["status"] in ("queued", "in_progress"):
                 await asyncio.sleep(0.02)
                 done = (await c.get(f"/v1/responses/{queued['id']}")).json()
             long = (await c.post("/v1/responses", json={**body, "max_output_tokens": 400, "ignore_eos": True})).json()
             await asyncio.sleep(0.2)
+            assert (await c.get(f"/v1/responses/{long['id']}")).json()["status"] == "in_progress"
             cancelled = (await c.post(f"/v1/responses/{long['id']}/cancel")).json()
             again = await c.post(f"/v1/responses/{long['id']}/cancel")
             finished = await c.post(f"/v1/responses/{done['id']}/cancel")
