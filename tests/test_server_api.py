@@ -487,9 +487,8 @@ def test_vllms_speculative_shorthands_and_shutdown_timeout():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         engine_kwargs(clash)
     assert unsupported_flag_error(serve_parser().parse_args(["serve", "m", "--worker-cls", "auto"])) is None
-    assert unsupported_flag_error(serve_parser().parse_args(["serve", "m", "--logprobs-mode", "raw_logprobs"])) is None
-    assert "raw logits" in str(unsupported_flag_error(
-        serve_parser().parse_args(["serve", "m", "--logprobs-mode", "processed_logprobs"])))
+    # NOTE: --logprobs-mode is served now (every mode; tests/test_sampler.py)
+    assert unsupported_flag_error(serve_parser().parse_args(["serve", "m", "--logprobs-mode", "processed_logprobs"])) is None
     assert "workers are pagoda's own" in str(
         unsupported_flag_error(serve_parser().parse_args(["serve", "m", "--worker-cls", "my.Worker"])))
 
