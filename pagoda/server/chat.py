@@ -290,6 +290,11 @@ def reasoning_end(ctx: ServerContext, req: ChatCompletionRequest) -> tuple[int, 
     kwargs = {**ctx.default_chat_template_kwargs, **chat_template_kwargs_of(req)}
     if not parser.opens_in_reasoning and kwargs.get("enable_thinking", True) is False:
         return ()
+    return end_of_thinking(ctx)
+
+
+def end_of_thinking(ctx: ServerContext) -> tuple[int, ...]:
+    """`</think>`'s tokens."""
     return tuple(ctx.tokenizer.encode(END, add_special_tokens=False))
 
 

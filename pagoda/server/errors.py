@@ -99,7 +99,14 @@ def context_length_error(max_model_len: int, num_prompt_tokens: int,
     return None
 
 
-def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+def invalid_fields(errors: Sequence[Any], prefix: str = "") -> APIError:
+    """A pydantic validation failure as the 400 a route's malformed body gets; `prefix` names
+    where the validated part sits in the body (e.g. "sampling_params.")."""
+    message, param = _validation_message(errors, prefix)
+    return bad_request(message, param)
+
+
+def _validation_message(errors: Sequence[Any], prefix: str = "") -> tuple[str, str | None]:
     parts, param = [], None
     for error in errors:
         if not isinstance(error, dict):
@@ -110,6 +117,8 @@ def _validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
             parts.append(f"Malformed JSON body: {detail} (at position {error['loc'][-1]}).")
             continue
         loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        if loc and prefix:
+            loc[0] = prefix + loc[0]
         param = param or (loc[0] if loc else None)
         where = ".".join(loc) or "body"
         # NOTE: pydantic's error type too (e.g. greater_than_equal), as vLLM's messages carry it

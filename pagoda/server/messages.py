@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.config import CacheConfig
 from pagoda.server.chat import chat_inputs, full_chat, render_chat, start_chat, stream_chat
-from pagoda.server.errors import APIError, bad_request, error_body
+from pagoda.server.errors import APIError, bad_request, error_body, invalid_fields
 from pagoda.server.messages_protocol import (
     AnthropicContentBlock,
     AnthropicCountTokensRequest,
@@ -74,8 +74,7 @@ def chat_request_of(req: AnthropicCountTokensRequest, merge_inline_system: bool 
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:
-        error = e.errors()[0]
-        raise bad_request(f"{'.'.join(map(str, error['loc']))}: {error['msg']}", "messages") from e
+        raise invalid_fields(e.errors()) from e
 
 
 def _messages(req: AnthropicCountTokensRequest, merge_inline_system: bool) -> list[dict[str, Any]]:
@@ -173,8 +172,7 @@ async def _parse(raw: Request, model: type[AnthropicCountTokensRequest]) -> Any:
     try:
         return model.model_validate(await raw.json())
     except ValidationError as e:
-        error = e.errors()[0]
-        raise bad_request(f"{'.'.join(map(str, error['loc']))}: {error['msg']}") from e
+        raise invalid_fields(e.errors()) from e
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"The body is not JSON: {e}") from e
 

@@ -28,14 +28,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pagoda.outputs import CompletionOutput, Logprob
 from pagoda.sampling_params import WHOLE_VOCABULARY, SamplingParams
-from pagoda.server.chat import chat_inputs, chat_logprobs, num_logprobs_of, reasoning_end
+from pagoda.server.chat import (
+    chat_inputs,
+    chat_logprobs,
+    end_of_thinking,
+    num_logprobs_of,
+    reasoning_end,
+)
 from pagoda.server.completions import completion_prompts
 from pagoda.server.constraints import check_supported
-from pagoda.server.errors import APIError, bad_request
+from pagoda.server.errors import APIError, bad_request, invalid_fields
 from pagoda.server.messages import chat_request_of, inline_system_merged
 from pagoda.server.messages_protocol import AnthropicMessagesRequest
 from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest, UsageInfo
-from pagoda.server.reasoning import END
 from pagoda.server.responses import chat_messages, chat_request, responses_params
 from pagoda.server.responses_protocol import ResponsesRequest, response_id
 from pagoda.server.serving import (
@@ -46,6 +51,7 @@ from pagoda.server.serving import (
     api_request_ids,
     build_sampling_params,
     check_lora_model,
+    invalid_input,
     prompt_logprobs_field,
     request_fields,
     top_entries,
@@ -198,7 +204,7 @@ def _checked(ctx: ServerContext, params: SamplingParams) -> SamplingParams:
     try:
         ctx.processor.check_params(params)
     except ValueError as e:
-        raise bad_request(str(e), getattr(e, "param", None)) from e
+        raise invalid_input(e) from e
     return params
 
 
@@ -223,9 +229,7 @@ def sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
     try:
         typed = GenerateSamplingParams.model_validate(fields)
     except ValidationError as e:
-        error = e.errors()[0]
-        param = "sampling_params." + ".".join(map(str, error["loc"]))
-        raise bad_request(f"{param}: {error['msg']}", param) from e
+        raise invalid_fields(e.errors(), "sampling_params.") from e
     fields = typed.model_dump(exclude_unset=True)
     if typed.repetition_detection is not None:
         fields["repetition_detection"] = typed.repetition_detection.model_dump()
@@ -274,7 +278,7 @@ async def generate(ctx: ServerContext, req: GenerateRequest, raw: Request) -> Re
     ids = api_request_ids("generate-tokens", raw, req.request_id)
     gen = await Generation.create(ctx, ids.engine, [prompt], [params], "sampling_params.structured_outputs",
                                   req.priority, None, req.cache_salt, lora,
-                                  _end_of_thinking(ctx) if gated else (), ids.response)
+                                  end_of_thinking(ctx) if gated else (), ids.response)
     model = req.model or ctx.model_name
     if req.stream:
         return StreamingResponse(sse(_stream(gen, req)), media_type="text/event-stream")
@@ -293,10 +297,6 @@ def _check_tokens_only(req: GenerateRequest, fields: dict[str, Any]) -> None:
         raise bad_request(f"output_mode={req.output_mode!r} requires a tokenizer, but this server does "
                           "not load one (--tokens-only or --skip-tokenizer-init). Send the request to a "
                           "server that loads a tokenizer, or use output_mode='tokens'.", "output_mode")
-
-
-def _end_of_thinking(ctx: ServerContext) -> tuple[int, ...]:
-    return tuple(ctx.tokenizer.encode(END, add_special_tokens=False))
 
 
 def _choice_logprobs(gen: Generation, req: GenerateRequest, token_ids: list[int],
